@@ -1,0 +1,1 @@
+"""Analysis: campaign results into pandas, metric definitions, reports and plots."""

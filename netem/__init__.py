@@ -1,0 +1,1 @@
+"""Link shaping: link profiles compiled to tc plans, applied, read back, verified and undone."""

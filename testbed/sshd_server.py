@@ -1,0 +1,168 @@
+"""Real OpenSSH servers started by the testbed itself, with generated keys.
+
+Used by the emulated testbed (one sshd per emulated node), by tests and by benchmarks: the SSH
+transport always talks to a real sshd, never to a mock.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from testbed.errors import TestbedError
+
+SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
+
+
+def find_sshd() -> str:
+    """Absolute path of sshd (it refuses to re-exec itself from a relative path)."""
+    for path in SSHD_CANDIDATES:
+        if os.access(path, os.X_OK):
+            return path
+    found = shutil.which("sshd")
+    if found:
+        return found
+    raise TestbedError("sshd not found; install OpenSSH's server (Debian: apt-get install openssh-server)")
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+def generate_key(path: Path) -> Path:
+    """An ed25519 key pair at ``path`` and ``path.pub`` (kept if it already exists)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "hil-testbed", "-f", str(path)],
+            check=True,
+            stdin=subprocess.DEVNULL,
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class SshKeys:
+    """A host key, a client key, and the files that make them trusted by each other."""
+
+    directory: Path
+    host_key: Path
+    client_key: Path
+    authorized_keys: Path
+    known_hosts: Path
+
+    @classmethod
+    def create(cls, directory: Path) -> SshKeys:
+        directory.mkdir(parents=True, exist_ok=True)
+        host_key = generate_key(directory / "host_ed25519")
+        client_key = generate_key(directory / "client_ed25519")
+        authorized = directory / "authorized_keys"
+        authorized.write_text(client_key.with_suffix(".pub").read_text())
+        known_hosts = directory / "known_hosts"
+        known_hosts.touch()
+        return cls(directory, host_key, client_key, authorized, known_hosts)
+
+    def trust(self, address: str, port: int) -> None:
+        """Add this host key for ``address:port`` to known_hosts (as ``ssh-keyscan`` would)."""
+        name = address if port == 22 else f"[{address}]:{port}"
+        key = " ".join(self.host_key.with_suffix(".pub").read_text().split()[:2])
+        with self.known_hosts.open("a") as f:
+            f.write(f"{name} {key}\n")
+
+
+class SshdServer:
+    """One sshd in the foreground (``-D``), as a child process of ours, on ``address:port``."""
+
+    def __init__(
+        self, keys: SshKeys, *, address: str = "127.0.0.1", port: int | None = None, name: str = "sshd"
+    ) -> None:
+        self.keys = keys
+        self.address = address
+        self.port = port or free_port(address)
+        self.name = name
+        self.process: subprocess.Popen[bytes] | None = None
+        self.config_path = keys.directory / f"{name}.sshd_config"
+        self.log_path = keys.directory / f"{name}.sshd.log"
+
+    def config_text(self) -> str:
+        root_login = "prohibit-password" if os.geteuid() == 0 else "no"
+        return "\n".join(
+            [
+                f"Port {self.port}",
+                f"ListenAddress {self.address}",
+                f"HostKey {self.keys.host_key}",
+                f"AuthorizedKeysFile {self.keys.authorized_keys}",
+                f"PidFile {self.keys.directory / (self.name + '.pid')}",
+                "StrictModes no",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                f"PermitRootLogin {root_login}",
+                "UsePAM no",
+                "PrintMotd no",
+                "X11Forwarding no",
+                "MaxSessions 100",
+                "MaxStartups 200",
+                "LogLevel ERROR",
+                "Subsystem sftp internal-sftp",
+                "",
+            ]
+        )
+
+    def start(self, timeout_s: float = 10.0) -> SshdServer:
+        if os.geteuid() == 0:
+            Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # Debian's privilege separation dir
+        self.config_path.write_text(self.config_text())
+        argv = [find_sshd(), "-D", "-e", "-f", str(self.config_path)]
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        log.close()
+        self.keys.trust(self.address, self.port)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise TestbedError(
+                    f"sshd {self.name} exited with {self.process.returncode}: "
+                    f"{self.log_path.read_text(errors='replace')[-500:]}"
+                )
+            if self._accepts():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise TestbedError(f"sshd {self.name} did not listen on {self.address}:{self.port} in {timeout_s} s")
+
+    def _accepts(self) -> bool:
+        try:
+            with socket.create_connection((self.address, self.port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.process = None
+
+    def __enter__(self) -> SshdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def login_user() -> str:
+    """The user that the started sshd lets in (the one running it)."""
+    return getpass.getuser()

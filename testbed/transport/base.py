@@ -1,0 +1,248 @@
+"""The transport interface: run commands, move files, keep background processes on one node.
+
+Commands are argument lists; every argument is quoted here, once, so nothing from a user file is
+ever interpreted by a shell. A command that outlives its timeout is killed with its whole process
+group and reported as timed out (``exit_code is None``), never left running.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from testbed.errors import NodeError
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+KILL_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What one command did on one node."""
+
+    node: str
+    command: str
+    exit_code: int | None  # None when the command was killed after its timeout
+    stdout: str
+    stderr: str
+    duration_s: float
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    def check(self) -> CommandResult:
+        """Return self if the command succeeded, else raise :class:`CommandFailed`."""
+        if not self.ok:
+            raise CommandFailed(self)
+        return self
+
+
+class CommandFailed(NodeError):
+    def __init__(self, result: CommandResult) -> None:
+        self.result = result
+        if result.timed_out:
+            what = f"timed out after {result.duration_s:.1f} s and was killed"
+        else:
+            what = f"exited with status {result.exit_code}"
+        detail = (result.stderr.strip() or result.stdout.strip())[-500:]
+        super().__init__(result.node, f"`{result.command}` {what}" + (f": {detail}" if detail else ""))
+
+
+@dataclass(frozen=True)
+class BackgroundProcess:
+    """A detached process on a node, identified by its pidfile (``PID STARTTIME``)."""
+
+    node: str
+    pid: int
+    pidfile: str
+    logfile: str
+
+
+def quote_path(path: str) -> str:
+    """Quote a node-side path, keeping a leading ``~/`` meaningful (expanded by the node's shell)."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+def command_line(
+    argv: Sequence[str],
+    *,
+    sudo: bool = False,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> str:
+    """The one shell line that runs ``argv`` (quoted) with optional sudo, environment and cwd."""
+    if not argv:
+        raise ValueError("empty command")
+    words: list[str] = ["sudo", "-n", "--"] if sudo else []
+    if env:
+        bad = [k for k in env if not ENV_NAME.fullmatch(k)]
+        if bad:
+            raise ValueError(f"invalid environment variable names: {bad}")
+        words += ["env", *(f"{k}={v}" for k, v in env.items())]
+    line = "exec " + shlex.join([*words, *argv])
+    if cwd:
+        line = f"cd {quote_path(cwd)} || exit 125; {line}"
+    return line
+
+
+def _starttime(pid_expr: str) -> str:
+    """Shell that prints a process's start time (field 22 of /proc/PID/stat, robust to odd comm)."""
+    return f"sed 's/.*) //' /proc/{pid_expr}/stat 2>/dev/null | cut -d' ' -f20"
+
+
+# The detached child records "PID STARTTIME" in its pidfile before exec'ing the command; the
+# start time makes sure we never signal an unrelated process that later got the same pid.
+_CHILD = 'echo "$$ $(' + _starttime("$$") + ')" > "$0.tmp" && mv "$0.tmp" "$0" && exec "$@"'
+
+_ALIVE = 'alive() { s=$(sed "s/.*) //" /proc/$pid/stat 2>/dev/null | cut -d" " -f1); [ -n "$s" ] && [ "$s" != Z ]; }'
+
+
+def background_start_script(argv: Sequence[str], pidfile: str, logfile: str, cwd: str | None) -> str:
+    p, log = quote_path(pidfile), quote_path(logfile)
+    cd = f"cd {quote_path(cwd)} || exit 125\n" if cwd else ""
+    return f"""set -u
+P={p}
+mkdir -p "$(dirname "$P")" "$(dirname {log})"
+if [ -s "$P" ]; then
+  read pid start < "$P"
+  if [ "$({_starttime("$pid")})" = "$start" ]; then echo "already running as pid $pid ($P)" >&2; exit 3; fi
+  rm -f "$P"
+fi
+{cd}setsid sh -c {shlex.quote(_CHILD)} "$P" {shlex.join(argv)} > {log} 2>&1 < /dev/null &
+i=0
+while [ ! -s "$P" ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done
+[ -s "$P" ] || {{ echo "the process did not start" >&2; exit 4; }}
+cat "$P"
+"""
+
+
+def background_stop_script(pidfile: str, grace_s: float) -> str:
+    steps = max(1, int(grace_s / 0.1))
+    return f"""P={quote_path(pidfile)}
+[ -s "$P" ] || {{ echo absent; exit 0; }}
+read pid start < "$P"
+{_ALIVE}
+if [ "$({_starttime("$pid")})" != "$start" ]; then rm -f "$P"; echo stale; exit 0; fi
+kill -TERM "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null
+i=0
+while alive && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done
+if alive; then state=killed; else state=stopped; fi
+kill -KILL "-$pid" 2>/dev/null
+rm -f "$P"
+echo $state
+"""
+
+
+class LineSession(ABC):
+    """A long-running command spoken to line by line (used for clock-offset exchanges)."""
+
+    @abstractmethod
+    def send_line(self, text: str) -> None: ...
+
+    @abstractmethod
+    def read_line(self, timeout_s: float) -> str: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> LineSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Transport(ABC):
+    """Runs commands on one node. ``sudo=True`` on a call means the command needs privileges;
+    the transport adds ``sudo -n`` only when the node is set up to use it."""
+
+    def __init__(self, node: str, *, use_sudo: bool) -> None:
+        self.node = node
+        self.use_sudo = use_sudo
+
+    # -- what each transport implements
+
+    @abstractmethod
+    def _execute(self, line: str, *, timeout_s: float, stdin: bytes | None, privileged: bool) -> CommandResult:
+        """Run one shell line; on timeout kill its process group and report ``timed_out``."""
+
+    @abstractmethod
+    def put(self, local: str | Path, remote: str, *, mode: int | None = None) -> None: ...
+
+    @abstractmethod
+    def get(self, remote: str, local: str | Path) -> None: ...
+
+    @abstractmethod
+    def open_line_session(self, argv: Sequence[str]) -> LineSession: ...
+
+    def close(self) -> None:  # noqa: B027 - optional for transports without a connection
+        """Release the connection, if any."""
+
+    # -- built on top
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout_s: float = 60.0,
+        sudo: bool = False,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | None = None,
+    ) -> CommandResult:
+        """Run ``argv`` and return its result (a non-zero exit is a result, not an exception)."""
+        privileged = sudo and self.use_sudo
+        line = command_line(argv, sudo=privileged, env=env, cwd=cwd)
+        return self._execute(line, timeout_s=timeout_s, stdin=stdin, privileged=privileged)
+
+    def run_script(self, script: str, *, timeout_s: float = 60.0, sudo: bool = False) -> CommandResult:
+        """Run a POSIX sh script (passed as one quoted argument)."""
+        return self.run(["sh", "-c", script], timeout_s=timeout_s, sudo=sudo)
+
+    def start_background(
+        self,
+        argv: Sequence[str],
+        *,
+        pidfile: str,
+        logfile: str,
+        sudo: bool = False,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> BackgroundProcess:
+        """Start ``argv`` detached in its own session; refuse if the pidfile names a live process."""
+        words = (["sudo", "-n", "--"] if sudo and self.use_sudo else []) + (
+            ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+        )
+        script = background_start_script([*words, *argv], pidfile, logfile, cwd)
+        result = self.run_script(script, timeout_s=30.0).check()
+        pid = int(result.stdout.split()[0])
+        return BackgroundProcess(self.node, pid, pidfile, logfile)
+
+    def stop_background(self, pidfile: str, *, grace_s: float = 5.0, sudo: bool = False) -> str:
+        """Stop the process group named by ``pidfile``: TERM, then KILL after ``grace_s``.
+
+        Returns ``stopped``, ``killed`` (needed KILL), ``stale`` (pidfile named a dead or reused
+        pid, nothing signalled) or ``absent`` (no pidfile).
+        """
+        script = background_stop_script(pidfile, grace_s)
+        result = self.run_script(script, timeout_s=grace_s + 30.0, sudo=sudo).check()
+        return result.stdout.strip().splitlines()[-1]
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Workloads: arrival processes, prompt sources, request schedules and traces."""
