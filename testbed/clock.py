@@ -1,20 +1,33 @@
 """Clock offset of a node against the controller, NTP-style over the node's transport.
 
-One long-running echo process answers each request line with the node's wall-clock time; for each
-exchange the offset is ``t_node - (t_send + t_receive) / 2`` with an error of at most half the round
-trip, and the exchange with the shortest round trip wins (as NTP's clock filter does).
+A long-running echo process on the node answers each request line with its wall-clock time. For
+each exchange the offset is ``t_node - (t_send + t_receive) / 2``, wrong by at most half the round
+trip; the exchange with the shortest round trip wins (as NTP's clock filter does).
 """
 
 from __future__ import annotations
 
+import shlex
 import time
 from dataclasses import dataclass
 
 from testbed.errors import NodeError
-from testbed.transport.base import Transport
+from testbed.transport.base import LineSession, Transport
 
-_PY_ECHO = "import sys,time\nfor _ in sys.stdin:\n sys.stdout.write('%.6f\\n' % time.time()); sys.stdout.flush()"
-_SH_ECHO = "while read -r _; do date +%s.%N; done"
+# The node's Python if it has one (-S -E: no site packages, fast start), else a date loop. Either
+# first prints two header lines: the Python version (empty without Python) and the method.
+_PY_ECHO = (
+    "import sys,time\n"
+    "sys.stdout.write('python=Python %d.%d.%d\\nclock=python\\n' % sys.version_info[:3]); sys.stdout.flush()\n"
+    "for _ in sys.stdin:\n"
+    " sys.stdout.write('%.6f\\n' % time.time()); sys.stdout.flush()\n"
+)
+_SH_ECHO = "echo python=; echo clock=date; while read -r _; do date +%s.%N; done"
+
+
+def echo_script(python: str) -> str:
+    """sh that serves clock exchanges on stdin/stdout after its two header lines."""
+    return f"{shlex.quote(python)} -S -E -u -c {shlex.quote(_PY_ECHO)} 2>/dev/null || {{ {_SH_ECHO}; }}"
 
 
 @dataclass(frozen=True)
@@ -31,31 +44,38 @@ class ClockOffset:
         return self.rtt_s / 2
 
 
+def read_echo_headers(session: LineSession, timeout_s: float) -> dict[str, str]:
+    """The echo program's header lines: ``python`` (version or empty) and ``clock`` (method)."""
+    headers = {}
+    for _ in range(2):
+        key, _, value = session.read_line(timeout_s).partition("=")
+        headers[key] = value
+    return headers
+
+
+def offset_over(session: LineSession, *, method: str, exchanges: int = 8, timeout_s: float = 5.0) -> ClockOffset:
+    """Run ``exchanges`` round trips on an echo session and keep the one with the shortest trip."""
+    best: tuple[float, float] | None = None
+    for _ in range(exchanges):
+        t_send = time.time()
+        session.send_line("t")
+        t_node = float(session.read_line(timeout_s))
+        t_receive = time.time()
+        rtt = t_receive - t_send
+        if best is None or rtt < best[1]:
+            best = (t_node - (t_send + t_receive) / 2, rtt)
+    if best is None:
+        raise ValueError("no exchanges")
+    return ClockOffset(best[0], best[1], exchanges, method)
+
+
 def measure_clock_offset(
     transport: Transport, *, python: str = "python3", exchanges: int = 8, timeout_s: float = 5.0
 ) -> ClockOffset:
-    """Best of ``exchanges`` round trips; Python's clock if the node has it, else ``date +%s.%N``."""
-    errors = []
-    for method, argv in (("python", [python, "-u", "-c", _PY_ECHO]), ("date", ["sh", "-c", _SH_ECHO])):
-        try:
-            return _exchange(transport, argv, method, exchanges, timeout_s)
-        except (EOFError, TimeoutError, ValueError, OSError) as exc:
-            errors.append(f"{method}: {type(exc).__name__}: {exc}")
-    raise NodeError(transport.node, "clock offset not measurable (" + "; ".join(errors) + ")")
-
-
-def _exchange(transport: Transport, argv: list[str], method: str, exchanges: int, timeout_s: float) -> ClockOffset:
-    best: tuple[float, float] | None = None
-    with transport.open_line_session(argv) as session:
-        session.send_line("warm-up")  # the first answer includes the interpreter's start-up
-        float(session.read_line(timeout_s))
-        for _ in range(exchanges):
-            t_send = time.time()
-            session.send_line("t")
-            t_node = float(session.read_line(timeout_s))
-            t_receive = time.time()
-            rtt = t_receive - t_send
-            if best is None or rtt < best[1]:
-                best = (t_node - (t_send + t_receive) / 2, rtt)
-    assert best is not None
-    return ClockOffset(best[0], best[1], exchanges, method)
+    """Best of ``exchanges`` round trips, on the node's Python clock or ``date +%s.%N``."""
+    try:
+        with transport.open_line_session(["sh", "-c", echo_script(python)]) as session:
+            method = read_echo_headers(session, timeout_s)["clock"]
+            return offset_over(session, method=method, exchanges=exchanges, timeout_s=timeout_s)
+    except (EOFError, TimeoutError, ValueError, KeyError, OSError) as exc:
+        raise NodeError(transport.node, f"clock offset not measurable: {type(exc).__name__}: {exc}") from None

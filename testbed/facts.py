@@ -8,11 +8,10 @@ any Linux. Phones are asked through adb on their USB host.
 from __future__ import annotations
 
 import re
-import shlex
 import time
 from dataclasses import dataclass, field, replace
 
-from testbed.clock import ClockOffset, measure_clock_offset
+from testbed.clock import ClockOffset, echo_script, offset_over, read_echo_headers
 from testbed.errors import NodeError
 from testbed.inventory import Inventory, NodeSpec
 from testbed.transport.base import Transport
@@ -29,28 +28,29 @@ JETSON_BOARD_NAMES = {
     "xavier-nx": "Xavier NX",
 }
 
+# One line per fact, ``key=value``; keys may repeat (one ``gpu`` per GPU). Builtins where possible:
+# the script runs on every node at every check, and a node's CPU is what it measures.
 _FACTS_SCRIPT = r"""
-k() { printf '%s=%s\n' "$1" "$(printf '%s' "$2" | tr '\n\r\000' '   ')"; }
-k hostname "$(hostname 2>/dev/null || cat /proc/sys/kernel/hostname)"
-k arch "$(uname -m)"
-k kernel "$(uname -r)"
-k os "$( (. /etc/os-release && printf '%s' "$PRETTY_NAME") 2>/dev/null)"
-k python "$(PYTHON --version 2>&1 | head -n 1)"
+k() { printf '%s=%s\n' "$1" "$2"; }
+read -r h < /proc/sys/kernel/hostname; k hostname "$h"
+set -- $(uname -m -r); k kernel "$1"; k arch "$2"
+[ -r /etc/os-release ] && k os "$(. /etc/os-release; printf '%s' "$PRETTY_NAME")"
 k cpus "$(getconf _NPROCESSORS_ONLN 2>/dev/null || nproc)"
-k mem_total_kb "$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)"
-k disk_free_kb "$(df -Pk "$HOME" 2>/dev/null | awk 'NR==2 {print $4}')"
-k user "$(id -un)"
-if [ "$(id -u)" = 0 ]; then k sudo root; elif sudo -n true 2>/dev/null; then k sudo yes; else k sudo no; fi
+while read -r key value _; do [ "$key" = MemTotal: ] && k mem_total_kb "$value" && break; done < /proc/meminfo
+k disk_free_kb "$(df -Pk "$HOME" 2>/dev/null | { read -r _; read -r _ _ _ free _; echo "$free"; })"
+uid=$(id -u); k user "${USER:-${LOGNAME:-$(id -un)}}"
+if [ "$uid" = 0 ]; then k sudo root; elif sudo -n true 2>/dev/null; then k sudo yes; else k sudo no; fi
 if command -v nvidia-smi >/dev/null 2>&1; then
   if out=$(nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader,nounits 2>&1); then
     printf '%s\n' "$out" | while IFS= read -r l; do k gpu "$l"; done
-  else k gpu_error "$out"; fi
+  else k gpu_error "$(printf '%s' "$out" | head -n 1)"; fi
 fi
-[ -r /etc/nv_tegra_release ] && k nv_tegra_release "$(head -n 1 /etc/nv_tegra_release)"
+[ -r /etc/nv_tegra_release ] && { read -r l < /etc/nv_tegra_release; k nv_tegra_release "$l"; }
 [ -r /proc/device-tree/model ] && k board_model "$(tr -d '\000' < /proc/device-tree/model)"
 if command -v adb >/dev/null 2>&1; then
   adb devices -l 2>/dev/null | tail -n +2 | while IFS= read -r l; do [ -n "$l" ] && k adb "$l"; done
 fi
+echo facts-end
 """
 
 _ANDROID_SCRIPT = (
@@ -155,9 +155,20 @@ def first(values: dict[str, list[str]], key: str) -> str:
 def gather_facts(inventory: Inventory, node: NodeSpec, transport: Transport, *, timeout_s: float = 30.0) -> NodeFacts:
     """Facts of a Linux node (Jetson, server, USB host) reached through ``transport``."""
     python = inventory.spec.defaults.python
-    script = _FACTS_SCRIPT.replace("PYTHON", shlex.quote(python))
-    result = transport.run_script(script, timeout_s=timeout_s).check()
-    values = parse_key_values(result.stdout)
+    # One command for both: each command a node runs costs a login shell (whose rc files can be slow).
+    script = _FACTS_SCRIPT + echo_script(python)
+    lines: list[str] = []
+    try:
+        with transport.open_line_session(["sh", "-c", script]) as session:
+            while (line := session.read_line(timeout_s)) != "facts-end":
+                lines.append(line)
+            headers = read_echo_headers(session, timeout_s)
+            clock = offset_over(session, method=headers["clock"], timeout_s=timeout_s)
+    except (EOFError, TimeoutError, ValueError, KeyError) as exc:
+        got = "; ".join(lines[-3:]) or "no output"
+        raise NodeError(node.name, f"gathering facts failed ({type(exc).__name__}: {exc}; got: {got})") from None
+    values = parse_key_values("\n".join(lines))
+    values["python"] = [headers["python"]]
     mem_kb, disk_kb = _int(values, "mem_total_kb"), _int(values, "disk_free_kb")
     release_line = first(values, "nv_tegra_release")
     facts = NodeFacts(
@@ -177,7 +188,7 @@ def gather_facts(inventory: Inventory, node: NodeSpec, transport: Transport, *, 
         l4t_release=parse_l4t_release(release_line) if release_line else None,
         board_model=first(values, "board_model") or None,
         adb_devices=parse_adb_devices(values.get("adb", [])),
-        clock=measure_clock_offset(transport, python=python),
+        clock=clock,
         raw=values,
     )
     problems, warnings = judge(inventory, node, facts)

@@ -376,7 +376,37 @@ def _pydantic_problem(source: YamlSource, err: Any) -> InputProblem:
         )
     if "hint" in ctx:
         return source.problem(loc, str(ctx.get("problem", err["msg"])), str(ctx["hint"]))
-    return source.problem(loc, err["msg"])
+    value = err.get("input")
+    shown = f"{value!r}: " if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
+    unit = _UNIT_OF_FIELD.get(str(loc[-1]) if loc else "", "")
+    message = err["msg"] + (f" ({unit})" if unit and kind in _RANGE_ERRORS else "")
+    hint = _HINTS.get(kind, "examples/inventories/lab.yaml shows a valid inventory")
+    return source.problem(loc, shown + message, hint)
+
+
+_UNIT_OF_FIELD = {
+    "rate": "in bit/s",
+    "delay": "in seconds",
+    "jitter": "in seconds",
+    "connect_timeout": "in seconds",
+    "keepalive": "in seconds",
+}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+_HINTS = {
+    "greater_than": "use a value in the allowed range",
+    "greater_than_equal": "use a value in the allowed range",
+    "less_than": "use a value in the allowed range",
+    "less_than_equal": "use a value in the allowed range",
+    "literal_error": "use one of the listed values",
+    "int_parsing": "write a whole number",
+    "int_from_float": "write a whole number",
+    "float_parsing": "write a number",
+    "bool_parsing": "write true or false",
+    "dict_type": "write a mapping (key: value lines)",
+    "list_type": "write a list ([a, b] or '- a' lines)",
+    "tuple_type": "write a list ([a, b] or '- a' lines)",
+    "string_type": "write text",
+}
 
 
 def _cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:

@@ -82,12 +82,23 @@ class SshdServer:
     """One sshd in the foreground (``-D``), as a child process of ours, on ``address:port``."""
 
     def __init__(
-        self, keys: SshKeys, *, address: str = "127.0.0.1", port: int | None = None, name: str = "sshd"
+        self,
+        keys: SshKeys,
+        *,
+        address: str = "127.0.0.1",
+        port: int | None = None,
+        name: str = "sshd",
+        environment: dict[str, str] | None = None,
     ) -> None:
         self.keys = keys
         self.address = address
         self.port = port or free_port(address)
         self.name = name
+        # Set in every session: stand-in tools on PATH, or a HOME of the node's own (which also keeps
+        # the controller user's shell start-up files, such as a slow pyenv init, out of node commands).
+        self.environment = dict(environment or {})
+        if "HOME" in self.environment:
+            Path(self.environment["HOME"]).mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen[bytes] | None = None
         self.config_path = keys.directory / f"{name}.sshd_config"
         self.log_path = keys.directory / f"{name}.sshd.log"
@@ -113,9 +124,16 @@ class SshdServer:
                 "MaxStartups 200",
                 "LogLevel ERROR",
                 "Subsystem sftp internal-sftp",
+                *self._setenv_lines(),
                 "",
             ]
         )
+
+    def _setenv_lines(self) -> list[str]:
+        # sshd keeps only the first SetEnv line, so every variable goes on one.
+        if not self.environment:
+            return []
+        return ["SetEnv " + " ".join(f'"{k}={v}"' for k, v in self.environment.items())]
 
     def start(self, timeout_s: float = 10.0) -> SshdServer:
         if os.geteuid() == 0:

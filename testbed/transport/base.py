@@ -52,7 +52,9 @@ class CommandFailed(NodeError):
         else:
             what = f"exited with status {result.exit_code}"
         detail = (result.stderr.strip() or result.stdout.strip())[-500:]
-        super().__init__(result.node, f"`{result.command}` {what}" + (f": {detail}" if detail else ""))
+        command = " ".join(result.command.split())
+        command = command if len(command) <= 120 else command[:117] + "..."
+        super().__init__(result.node, f"`{command}` {what}" + (f": {detail}" if detail else ""))
 
 
 @dataclass(frozen=True)

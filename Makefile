@@ -1,0 +1,44 @@
+# The README's two commands: `make demo` and `make test`. Each prepares what it needs on a fresh
+# machine: the system packages (apt-get, when root) and a virtual environment in .venv with torch
+# pinned by constraints.txt to the CPU build.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SYSTEM_PACKAGES := openssh-server iperf3 iproute2
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench system-packages venv clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[node,dev]'
+	touch $@
+
+venv: $(STAMP)
+
+system-packages:
+	@scripts/ensure-system-packages $(SYSTEM_PACKAGES)
+
+demo: $(STAMP) system-packages
+	@echo "== what this machine can do for an emulated testbed"
+	@$(BIN)/testbed doctor || echo "(doctor found something missing: see the table above)"
+	@echo "== the default inventory, validated and resolved"
+	$(BIN)/testbed inventory show -i inventory.yaml
+	@echo "== facts of this machine, gathered as from any node"
+	$(BIN)/testbed inventory check -i examples/inventories/controller.yaml
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/vermin -q -t=3.8- --violations --no-tips --eval-annotations nodes
+
+test: $(STAMP) system-packages lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+bench: $(STAMP) system-packages
+	$(BIN)/python bench/fanout.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,77 @@
+"""Shared fixtures: real sshd servers on 127.0.0.1 with generated keys, and inventories for them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from testbed.sshd_server import SshdServer, SshKeys, login_user
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def ssh_keys(tmp_path: Path) -> SshKeys:
+    return SshKeys.create(tmp_path / "keys")
+
+
+@pytest.fixture
+def sshd_factory(ssh_keys: SshKeys) -> Iterator[Callable[..., SshdServer]]:
+    """Start as many real sshd processes as a test needs; all are stopped at the end."""
+    servers: list[SshdServer] = []
+
+    def start(environment: dict[str, str] | None = None) -> SshdServer:
+        name = f"sshd{len(servers)}"
+        home = {"HOME": str(ssh_keys.directory / f"home-{name}")}  # a node's own home, as on a real node
+        server = SshdServer(ssh_keys, name=name, environment={**home, **(environment or {})}).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def sshd(sshd_factory: Callable[..., SshdServer]) -> SshdServer:
+    return sshd_factory()
+
+
+def inventory_text(keys: SshKeys, nodes: list[tuple[str, int]], extra_nodes: str = "") -> str:
+    """An inventory of server nodes reached on 127.0.0.1 at the given ports."""
+    lines = [
+        "defaults:",
+        "  ssh:",
+        f"    user: {login_user()}",
+        f"    identity_file: {keys.client_key}",
+        f"    known_hosts: {keys.known_hosts}",
+        "    connect_timeout: 3s",
+        f"  python: {sys.executable}",
+        "  sudo: false",
+        "nodes:",
+    ]
+    for name, port in nodes:
+        lines += [
+            f"  - name: {name}",
+            "    kind: server",
+            "    model: test-server",
+            "    address: 127.0.0.1",
+            f"    ssh: {{port: {port}}}",
+        ]
+    return "\n".join(lines) + "\n" + extra_nodes
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real ``testbed`` command line in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "testbed", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or REPO,
+        timeout=120,
+        check=False,
+    )

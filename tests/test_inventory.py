@@ -1,0 +1,249 @@
+"""The inventory schema: what it accepts, and every rejection with its FILE:LINE: field message."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+from testbed.errors import InputError
+from testbed.inventory import load_inventory
+from tests.conftest import REPO, run_cli
+
+GOOD = """\
+defaults:
+  ssh: {user: nvidia, identity_file: ~/.ssh/id_ed25519}
+nodes:
+  - name: orin-1
+    kind: jetson
+    model: agx-orin
+    address: 192.168.1.11
+    data: {interface: wlan0, address: 10.0.0.11}
+    roles: [device]
+  - name: gpu
+    kind: server
+    model: a6000-server
+    address: gpu.lab.example
+    ssh: {user: lab, port: 2222}
+    gpus: 8
+    roles: [server]
+  - name: phone
+    kind: android
+    model: pixel-7-pro
+    adb: {serial: 28011FDH2000AB, usb_host: gpu}
+groups:
+  devices: [orin-1, phone]
+link_profiles:
+  up: {rate: 5MBps, delay: 5ms, jitter: 1ms, loss: 0.1%}
+  down: {rate: 80mbit}
+links:
+  - {from: devices, to: gpu, profile: up}
+  - {from: gpu, to: devices, profile: down}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "inventory.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def problems_of(tmp_path: Path, text: str) -> list[str]:
+    with pytest.raises(InputError) as info:
+        load_inventory(write(tmp_path, text))
+    return [str(p) for p in info.value.problems]
+
+
+@pytest.mark.parametrize("path", ["inventory.yaml", "examples/inventories/lab.yaml"])
+def test_shipped_inventories_are_valid(path):
+    inv = load_inventory(REPO / path)
+    assert inv.nodes
+    assert all(lk.source != lk.destination for lk in inv.links)
+
+
+def test_default_inventory_is_an_emulated_server_and_three_device_models():
+    inv = load_inventory(REPO / "inventory.yaml")
+    assert all(n.emulated is not None for n in inv.nodes)
+    assert [n.kind for n in inv.nodes].count("server") == 1
+    devices = [n for n in inv.nodes if "device" in n.roles]
+    assert len(devices) == 3 and len({n.model for n in devices}) == 3
+    assert not any(lk.profile.needs_netem for lk in inv.links), "the default must work without sch_netem"
+
+
+def test_lab_inventory_matches_hat_testbed():
+    inv = load_inventory(REPO / "examples/inventories/lab.yaml")
+    models = [n.model for n in inv.nodes]
+    assert models.count("agx-xavier") == 20 and models.count("agx-orin") == 10
+    server = next(n for n in inv.nodes if "server" in n.roles)
+    assert server.gpus == 8
+    phones = [n for n in inv.nodes if n.kind == "android"]
+    assert len(phones) == 2 and all(p.adb and p.adb.usb_host for p in phones)
+    distance_groups = [g for g in inv.groups if g.endswith("m") and g[0].isalpha() and "-" in g]
+    assert len(distance_groups) == 3 and sum(len(inv.groups[g]) for g in distance_groups) == 30
+
+
+def test_resolution_of_groups_links_and_ssh_defaults(tmp_path):
+    inv = load_inventory(write(tmp_path, GOOD))
+    assert inv.groups["devices"] == ("orin-1", "phone")
+    pairs = {(lk.source, lk.destination): lk for lk in inv.links}
+    assert set(pairs) == {("orin-1", "gpu"), ("phone", "gpu"), ("gpu", "orin-1"), ("gpu", "phone")}
+    up = pairs[("orin-1", "gpu")].profile
+    assert up.rate_bit_s == 40e6 and up.delay_s == pytest.approx(0.005) and up.loss_pct == pytest.approx(0.1)
+    assert up.needs_netem and not pairs[("gpu", "orin-1")].profile.needs_netem
+    gpu = inv.ssh_target(inv.node("gpu"))
+    assert (gpu.user, gpu.port, gpu.identity_file) == ("lab", 2222, "~/.ssh/id_ed25519")
+    orin = inv.ssh_target(inv.node("orin-1"))
+    assert (orin.user, orin.port) == ("nvidia", 22)
+    assert [n.name for n in inv.select(["devices"])] == ["orin-1", "phone"]
+
+
+def test_symmetric_link_shapes_both_directions(tmp_path):
+    text = GOOD.replace("  - {from: gpu, to: devices, profile: down}\n", "").replace(
+        "profile: up}", "profile: up, symmetric: true}"
+    )
+    inv = load_inventory(write(tmp_path, text))
+    assert {(lk.source, lk.destination) for lk in inv.links} == {
+        ("orin-1", "gpu"),
+        ("gpu", "orin-1"),
+        ("phone", "gpu"),
+        ("gpu", "phone"),
+    }
+
+
+def edit(old: str, new: str) -> str:
+    assert old in GOOD, old
+    return GOOD.replace(old, new, 1)
+
+
+REJECTIONS = [
+    # (change to GOOD, line, field, words in the problem)
+    (edit("    model: agx-orin\n", "    model: agx-orin\n    colour: red\n"), 7, "nodes[0].colour", "unknown key"),
+    (edit("  - name: gpu\n", "  - name: orin-1\n"), 10, "nodes[1].name", "duplicate node name"),
+    (edit("  devices: [orin-1, phone]", "  devices: [orin-1, phnoe]"), 22, "groups.devices[1]", "unknown node"),
+    (edit("{from: devices, to: gpu", "{from: devices, to: gpus"), 27, "links[0].to", "unknown node or group"),
+    (edit("profile: down}", "profile: dwn}"), 28, "links[1].profile", "unknown link profile"),
+    (edit("rate: 80mbit", "rate: 10 mbps"), 25, "link_profiles.down.rate", "whitespace"),
+    (edit("rate: 80mbit", "rate: 10mbps"), 25, "link_profiles.down.rate", "ambiguous"),
+    (edit("delay: 5ms", "delay: 5"), 24, "link_profiles.up.delay", "no unit"),
+    (edit("loss: 0.1%", "loss: 120%"), 24, "link_profiles.up.loss", "more than 100%"),
+    (edit("rate: 80mbit", "rate: 0mbit"), 25, "link_profiles.down.rate", "greater than 0"),
+    (edit("rate: 80mbit", "rate: 900gbit"), 25, "link_profiles.down.rate", "less than or equal"),
+    (edit("delay: 5ms", "delay: 5min"), 24, "link_profiles.up.delay", "less than or equal"),
+    (edit("port: 2222", "port: 70000"), 14, "nodes[1].ssh.port", "less than or equal"),
+    (edit("gpus: 8", "gpus: -1"), 15, "nodes[1].gpus", "greater than or equal"),
+    (edit("interface: wlan0", "interface: 'wlan0; reboot'"), 8, "nodes[0].data.interface", "not allowed"),
+    (edit("interface: wlan0", "interface: wlan0-is-far-too-long"), 8, "nodes[0].data.interface", "not allowed"),
+    (
+        edit("identity_file: ~/.ssh/id_ed25519", "identity_file: ~/my keys/id"),
+        2,
+        "defaults.ssh.identity_file",
+        "not allowed",
+    ),
+    (edit("serial: 28011FDH2000AB", "serial: '28011$(reboot)'"), 20, "nodes[2].adb.serial", "not allowed"),
+    (edit("address: 192.168.1.11", "address: '192.168.1.11 && reboot'"), 7, "nodes[0].address", "not an IP"),
+    (edit("address: 10.0.0.11", "address: wlan.example"), 8, "nodes[0].data.address", "not an IP address"),
+    (
+        edit("ssh: {user: nvidia,", "ssh: {user: nvidia, password: hunter2,"),
+        2,
+        "defaults.ssh.password",
+        "secrets must not be written",
+    ),
+    (
+        edit("    ssh: {user: lab, port: 2222}\n", "    ssh: {user: lab, port: 2222}\n    sudo_password: x\n"),
+        15,
+        "nodes[1].sudo_password",
+        "secrets must not be written",
+    ),
+    (edit("    kind: jetson\n", "    kind: jetsn\n"), 5, "nodes[0].kind", "'jetson', 'android' or 'server'"),
+    (edit("    model: agx-orin\n", "    model: agx-orn\n"), 6, "nodes[0].model", "unknown Jetson model"),
+    (edit("    address: 192.168.1.11\n", ""), 4, "nodes[0]", "'address' is missing"),
+    (edit("    adb: {serial: 28011FDH2000AB, usb_host: gpu}\n", ""), 17, "nodes[2]", "needs an 'adb:' section"),
+    (edit("usb_host: gpu}", "usb_host: nowhere}"), 20, "nodes[2].adb.usb_host", "unknown node"),
+    (edit("usb_host: gpu}", "usb_host: phone}"), 20, "nodes[2].adb.usb_host", "is a phone"),
+    (
+        edit("address: gpu.lab.example", "address: 192.168.1.11\n    ssh: {port: 22}").replace(
+            "    ssh: {user: lab, port: 2222}\n", ""
+        ),
+        13,
+        "nodes[1].address",
+        "is also node 'orin-1'",
+    ),
+    (
+        edit("  up: {rate: 5MBps, delay: 5ms, jitter: 1ms, loss: 0.1%}", "  up: {rate: 5MBps, jitter: 1ms}"),
+        24,
+        "link_profiles.up.jitter",
+        "jitter needs a delay",
+    ),
+    (
+        edit("  up: {rate: 5MBps, delay: 5ms, jitter: 1ms, loss: 0.1%}", "  up: {queue_limit_packets: 10}"),
+        24,
+        "link_profiles.up",
+        "shapes nothing",
+    ),
+    (
+        edit("  devices: [orin-1, phone]", "  devices: [orin-1, more]\n  more: [devices]"),
+        22,
+        "groups.devices",
+        "include each other",
+    ),
+    (edit("  devices: [orin-1, phone]", "  gpu: [orin-1]"), 22, "groups.gpu", "already a node name"),
+    (GOOD + "  - {from: orin-1, to: gpu, profile: down}\n", 29, "links[2]", "also shaped by the link on line 27"),
+    (
+        edit(
+            "nodes:\n",
+            "nodes:\n  - name: x\n    kind: server\n    model: m\n    address: 10.9.9.9\n  - name: x\n"
+            "    kind: server\n    model: m\n    address: 10.9.9.8\n",
+        ),
+        8,
+        "nodes[1].name",
+        "duplicate node name",
+    ),
+    (edit("  devices: [orin-1, phone]", "  devices: [orin-1, phone\n"), 24, "", "YAML syntax error"),
+    (edit("  down: {rate: 80mbit}", "  down: {rate: 80mbit}\n  down: {rate: 10mbit}"), 26, "", "duplicate key"),
+]
+
+
+@pytest.mark.parametrize(("text", "line", "field", "words"), REJECTIONS)
+def test_rejection_names_file_line_and_field(tmp_path, text, line, field, words):
+    problems = problems_of(tmp_path, text)
+    prefix = f"{tmp_path / 'inventory.yaml'}:{line}: {field}" if field else f"{tmp_path / 'inventory.yaml'}:{line}:"
+    matching = [p for p in problems if p.startswith(prefix) and words in p]
+    assert matching, f"expected '{prefix} ... {words}' in {problems}"
+    assert all(";" in p for p in matching), "every problem carries a hint"
+
+
+def test_all_problems_are_reported_at_once(tmp_path):
+    text = edit("kind: jetson", "kind: phone").replace("rate: 80mbit", "rate: 80").replace("gpus: 8", "gpus: x")
+    problems = problems_of(tmp_path, text)
+    assert len(problems) == 3, problems
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    with pytest.raises(InputError, match="file not found"):
+        load_inventory(tmp_path / "nope.yaml")
+    assert "must be a mapping" in problems_of(tmp_path, "- just\n- a list\n")[0]
+
+
+def test_cli_rejects_bad_inventory_with_status_2_and_the_message(tmp_path):
+    path = write(tmp_path, edit("rate: 80mbit", "rate: 10 mbps"))
+    for args in (["inventory", "show"], ["inventory", "check"], ["inventory", "export-ansible"]):
+        proc = run_cli(*args, "-i", str(path))
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert f"{path}:25: link_profiles.down.rate" in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_cli_show_and_export_ansible(tmp_path):
+    path = write(tmp_path, GOOD)
+    shown = run_cli("inventory", "show", "-i", str(path), "--json")
+    assert shown.returncode == 0, shown.stderr
+    exported = run_cli("inventory", "export-ansible", "-i", str(path))
+    assert exported.returncode == 0, exported.stderr
+    data = YAML(typ="safe").load(exported.stdout)
+    hosts = data["all"]["hosts"]
+    assert set(hosts) == {"orin-1", "gpu"}  # the phone is reached through its USB host
+    assert hosts["gpu"]["ansible_port"] == 2222 and hosts["gpu"]["ansible_user"] == "lab"
+    assert set(data["all"]["children"]["devices"]["hosts"]) == {"orin-1"}
+    assert "phone" in exported.stderr

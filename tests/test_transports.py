@@ -1,0 +1,224 @@
+"""The transport contract, run against a real sshd on 127.0.0.1 and against the local transport."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import paramiko
+import pytest
+
+from testbed.errors import NodeError
+from testbed.inventory import SshTarget
+from testbed.sshd_server import SshdServer, SshKeys, login_user
+from testbed.transport import CommandFailed, LocalTransport, SshTransport, Transport
+
+
+def ssh_target(keys: SshKeys, port: int, **changes: object) -> SshTarget:
+    fields: dict[str, object] = dict(
+        host="127.0.0.1",
+        port=port,
+        user=login_user(),
+        identity_file=str(keys.client_key),
+        known_hosts=str(keys.known_hosts),
+        password_env=None,
+        connect_timeout_s=3.0,
+        keepalive_s=15.0,
+    )
+    fields.update(changes)
+    return SshTarget(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["ssh", "local"])
+def transport(request, ssh_keys):
+    if request.param == "ssh":
+        server = SshdServer(ssh_keys).start()
+        t: Transport = SshTransport("node-a", ssh_target(ssh_keys, server.port), use_sudo=False)
+    else:
+        server = None
+        t = LocalTransport("node-a")
+    yield t
+    t.close()
+    if server is not None:
+        server.stop()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_command_output_and_exit_codes(transport):
+    result = transport.run(["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert (result.exit_code, result.stdout, result.stderr) == (3, "out\n", "err\n")
+    assert not result.ok and not result.timed_out and result.duration_s > 0
+    with pytest.raises(CommandFailed, match="exited with status 3"):
+        result.check()
+    assert transport.run(["true"]).check().exit_code == 0
+
+
+def test_arguments_are_never_interpreted_by_a_shell(transport, tmp_path):
+    marker = tmp_path / "pwned"
+    tricky = f"$(touch {marker}); `touch {marker}` ; touch {marker} && echo '\"quoted\"' * ~"
+    result = transport.run(["printf", "%s", tricky]).check()
+    assert result.stdout == tricky
+    assert not marker.exists()
+
+
+def test_env_cwd_and_stdin(transport, tmp_path):
+    result = transport.run(
+        ["sh", "-c", 'pwd; echo "$GREETING"; cat'],
+        env={"GREETING": "hello world; $HOME"},
+        cwd=str(tmp_path),
+        stdin=b"from stdin\n",
+    ).check()
+    assert result.stdout.splitlines() == [str(tmp_path), "hello world; $HOME", "from stdin"]
+    assert transport.run(["pwd"], cwd=str(tmp_path / "missing")).exit_code == 125
+
+
+def test_timeout_kills_the_command_and_its_children(transport, tmp_path):
+    pids = tmp_path / "pids"
+    started = time.monotonic()
+    result = transport.run(["sh", "-c", f"sleep 60 & echo $! > {pids}; echo $$ >> {pids}; sleep 61"], timeout_s=1.0)
+    assert result.timed_out and result.exit_code is None and not result.ok
+    assert time.monotonic() - started < 10
+    with pytest.raises(CommandFailed, match="timed out"):
+        result.check()
+    recorded = [int(p) for p in pids.read_text().split()]
+    deadline = time.monotonic() + 5
+    while any(pid_alive(p) for p in recorded) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in recorded), "a timed-out command left processes behind"
+
+
+def test_put_and_get(transport, tmp_path):
+    source = tmp_path / "source.bin"
+    source.write_bytes(os.urandom(300_000))
+    remote = str(tmp_path / "on-node" / "copy.bin")
+    transport.run(["mkdir", "-p", str(tmp_path / "on-node")]).check()
+    transport.put(source, remote, mode=0o600)
+    assert Path(remote).read_bytes() == source.read_bytes()
+    assert Path(remote).stat().st_mode & 0o777 == 0o600
+    back = tmp_path / "back" / "copy.bin"
+    transport.get(remote, back)
+    assert back.read_bytes() == source.read_bytes()
+
+
+def test_background_start_stop(transport, tmp_path):
+    pidfile, logfile = str(tmp_path / "run" / "w.pid"), str(tmp_path / "run" / "w.log")
+    proc = transport.start_background(["sh", "-c", "echo started; exec sleep 300"], pidfile=pidfile, logfile=logfile)
+    assert pid_alive(proc.pid)
+    with pytest.raises(CommandFailed, match="already running"):
+        transport.start_background(["sleep", "300"], pidfile=pidfile, logfile=logfile)
+    deadline = time.monotonic() + 5
+    while "started" not in Path(logfile).read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "started" in Path(logfile).read_text()
+    assert transport.stop_background(pidfile) == "stopped"
+    assert not pid_alive(proc.pid) and not Path(pidfile).exists()
+    assert transport.stop_background(pidfile) == "absent"
+
+
+def test_background_stop_escalates_to_kill(transport, tmp_path):
+    pidfile, logfile = str(tmp_path / "t.pid"), str(tmp_path / "t.log")
+    proc = transport.start_background(
+        ["sh", "-c", "trap '' TERM; while :; do sleep 0.1; done"], pidfile=pidfile, logfile=logfile
+    )
+    assert transport.stop_background(pidfile, grace_s=0.5) == "killed"
+    assert not pid_alive(proc.pid)
+
+
+def test_stale_pidfile_never_signals_a_stranger(transport, tmp_path):
+    pidfile = tmp_path / "stale.pid"
+    pidfile.write_text(f"{os.getpid()} 1\n")  # our own pid with a start time that is not ours
+    assert transport.stop_background(str(pidfile)) == "stale"
+    assert pid_alive(os.getpid()) and not pidfile.exists()
+
+
+def test_line_session_round_trips(transport):
+    with transport.open_line_session(["sh", "-c", 'while read -r x; do echo "got $x"; done']) as session:
+        for word in ("a", "b c"):
+            session.send_line(word)
+            assert session.read_line(5) == f"got {word}"
+
+
+def test_unknown_host_key_is_refused(ssh_keys, tmp_path):
+    server = SshdServer(ssh_keys).start()
+    try:
+        empty = tmp_path / "empty_known_hosts"
+        empty.touch()
+        t = SshTransport("n", ssh_target(ssh_keys, server.port, known_hosts=str(empty)), use_sudo=False)
+        with pytest.raises(NodeError, match=r"not in .*refusing to connect.*ssh-keyscan"):
+            t.run(["true"])
+        assert empty.read_text() == "", "the unknown key must not be added"
+    finally:
+        server.stop()
+
+
+def test_changed_host_key_is_refused(ssh_keys, tmp_path):
+    server = SshdServer(ssh_keys).start()
+    try:
+        other = paramiko.Ed25519Key.from_private_key_file(str(SshKeys.create(tmp_path / "other").host_key))
+        wrong = tmp_path / "wrong_known_hosts"
+        wrong.write_text(f"[127.0.0.1]:{server.port} ssh-ed25519 {other.get_base64()}\n")
+        t = SshTransport("n", ssh_target(ssh_keys, server.port, known_hosts=str(wrong)), use_sudo=False)
+        with pytest.raises(NodeError, match="CHANGED"):
+            t.run(["true"])
+    finally:
+        server.stop()
+
+
+def test_wrong_client_key_fails_authentication(ssh_keys, tmp_path):
+    server = SshdServer(ssh_keys).start()
+    try:
+        stranger = SshKeys.create(tmp_path / "stranger").client_key
+        t = SshTransport("n", ssh_target(ssh_keys, server.port, identity_file=str(stranger)), use_sudo=False)
+        with pytest.raises(NodeError, match="authentication failed"):
+            t.run(["true"])
+    finally:
+        server.stop()
+
+
+def test_unreachable_node_fails_after_retries(ssh_keys):
+    from testbed.sshd_server import free_port
+
+    t = SshTransport("n", ssh_target(ssh_keys, free_port(), connect_timeout_s=1.0), use_sudo=False)
+    started = time.monotonic()
+    with pytest.raises(NodeError, match=r"cannot connect .* after 3 attempts"):
+        t.run(["true"])
+    assert time.monotonic() - started >= 1.4  # backed off 0.5 s then 1 s
+
+
+def test_one_connection_serves_concurrent_commands(ssh_keys):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with SshdServer(ssh_keys) as server:
+        t = SshTransport("n", ssh_target(ssh_keys, server.port), use_sudo=False)
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda i: t.run(["echo", str(i)]).check().stdout.strip(), range(16)))
+        assert results == [str(i) for i in range(16)]
+        t.close()
+
+
+def test_sudo_prefix_only_when_the_node_uses_sudo(ssh_keys):
+    plain = LocalTransport("n", use_sudo=False)
+    assert plain.run(["id", "-u"], sudo=True).check().stdout.strip() == str(os.getuid())
+    target = ssh_target(ssh_keys, 22, user="root")
+    assert not SshTransport("n", target, use_sudo=True).use_sudo, "root needs no sudo"
+
+
+def test_command_line_quotes_every_word():
+    from testbed.transport.base import command_line
+
+    line = command_line(
+        ["tc", "qdisc", "show", "dev", "eth0; reboot"], sudo=True, env={"LC_ALL": "C x"}, cwd="~/hil testbed"
+    )
+    assert line == (
+        "cd \"$HOME\"/'hil testbed' || exit 125; exec sudo -n -- env 'LC_ALL=C x' tc qdisc show dev 'eth0; reboot'"
+    )
+    with pytest.raises(ValueError, match="environment variable names"):
+        command_line(["true"], env={"A;B": "x"})
