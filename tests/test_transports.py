@@ -222,3 +222,18 @@ def test_command_line_quotes_every_word():
     )
     with pytest.raises(ValueError, match="environment variable names"):
         command_line(["true"], env={"A;B": "x"})
+
+
+def test_line_session_that_ignores_eof_is_ended_on_close(transport, tmp_path):
+    pidfile = tmp_path / "pid"
+    session = transport.open_line_session(["sh", "-c", f"echo $$ > {pidfile}; trap '' HUP; exec sleep 300"])
+    deadline = time.monotonic() + 5
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pid = int(pidfile.read_text())
+    assert pid_alive(pid)
+    session.close()
+    deadline = time.monotonic() + 5
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(pid), "closing a line session must not leave its command running"

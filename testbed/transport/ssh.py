@@ -13,7 +13,7 @@ import shlex
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import paramiko
@@ -26,6 +26,7 @@ from testbed.transport.base import KILL_GRACE_S, CommandResult, LineSession, Tra
 CONNECT_ATTEMPTS = 3
 BACKOFF_S = 0.5
 DRAIN_AFTER_EXIT_S = 0.5
+LINE_SESSION_EXIT_S = 1.0
 
 
 def _known_hosts_name(target: SshTarget) -> str:
@@ -243,14 +244,19 @@ class SshTransport(Transport):
 
     def open_line_session(self, argv: Sequence[str]) -> LineSession:
         chan = self._channel()
-        chan.exec_command(shlex.join(argv))
-        return _SshLineSession(chan)
+        # As in _execute, the first line is the shell's pid, so that close() can end what is left.
+        chan.exec_command("sh -c " + shlex.quote("echo $$; exec " + shlex.join(argv)))
+        session = _SshLineSession(chan, lambda pid: self._kill_group(pid, privileged=False))
+        session.pid = int(session.read_line(self.target.connect_timeout_s))
+        return session
 
 
 class _SshLineSession(LineSession):
-    def __init__(self, chan: paramiko.Channel) -> None:
+    def __init__(self, chan: paramiko.Channel, kill_group: Callable[[int], None]) -> None:
         self._chan = chan
+        self._kill_group = kill_group
         self._buffer = b""
+        self.pid: int | None = None
 
     def send_line(self, text: str) -> None:
         self._chan.sendall(text.encode() + b"\n")
@@ -273,4 +279,15 @@ class _SshLineSession(LineSession):
         return line.decode()
 
     def close(self) -> None:
-        self._chan.close()
+        """EOF on the command's stdin; if it has not ended within a second, end its process group."""
+        try:
+            self._chan.shutdown_write()
+            deadline = time.monotonic() + LINE_SESSION_EXIT_S
+            while not self._chan.exit_status_ready() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if not self._chan.exit_status_ready() and self.pid is not None:
+                self._kill_group(self.pid)
+        except (paramiko.SSHException, OSError):
+            pass
+        finally:
+            self._chan.close()
