@@ -21,7 +21,7 @@ from bench._common import machine_cpu_s, summary, write
 from testbed.check import check_node
 from testbed.fanout import fan_out
 from testbed.inventory import load_inventory
-from testbed.sshd_server import SshdServer, SshKeys, login_user
+from testbed.sshd_server import SshdServer, SshKeys, loopback_inventory_yaml
 
 
 def main() -> None:
@@ -39,22 +39,9 @@ def main() -> None:
             for i in range(args.nodes)
         ]
         try:
-            lines = [
-                "defaults:",
-                "  ssh:",
-                f"    user: {login_user()}",
-                f"    identity_file: {keys.client_key}",
-                f"    known_hosts: {keys.known_hosts}",
-                f"  python: {sys.executable}",
-                "  sudo: false",
-                "nodes:",
-            ]
-            for i, s in enumerate(servers):
-                lines += [
-                    f"  - {{name: n{i:02d}, kind: server, model: bench, address: 127.0.0.1, ssh: {{port: {s.port}}}}}"
-                ]
             path = Path(tmp) / "inventory.yaml"
-            path.write_text("\n".join(lines) + "\n")
+            ports = [(f"n{i:02d}", server.port) for i, server in enumerate(servers)]
+            path.write_text(loopback_inventory_yaml(keys, ports, python=sys.executable))
             inventory = load_inventory(path)
             names = [n.name for n in inventory.nodes]
 

@@ -184,3 +184,21 @@ class SshdServer:
 def login_user() -> str:
     """The user that the started sshd lets in (the one running it)."""
     return getpass.getuser()
+
+
+def loopback_inventory_yaml(keys: SshKeys, nodes: list[tuple[str, int]], *, python: str, extra_nodes: str = "") -> str:
+    """Inventory text for server nodes that are sshd processes on 127.0.0.1 at the given ports."""
+    lines = [
+        "defaults:",
+        "  ssh:",
+        f"    user: {login_user()}",
+        f"    identity_file: {keys.client_key}",
+        f"    known_hosts: {keys.known_hosts}",
+        "    connect_timeout: 3s",
+        f"  python: {python}",
+        "  sudo: false",
+        "nodes:",
+    ]
+    for name, port in nodes:
+        lines.append(f"  - {{name: {name}, kind: server, model: loopback, address: 127.0.0.1, ssh: {{port: {port}}}}}")
+    return "\n".join(lines) + "\n" + extra_nodes

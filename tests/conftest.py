@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.sshd_server import SshdServer, SshKeys, login_user
+from testbed.sshd_server import SshdServer, SshKeys, loopback_inventory_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,26 +43,7 @@ def sshd(sshd_factory: Callable[..., SshdServer]) -> SshdServer:
 
 def inventory_text(keys: SshKeys, nodes: list[tuple[str, int]], extra_nodes: str = "") -> str:
     """An inventory of server nodes reached on 127.0.0.1 at the given ports."""
-    lines = [
-        "defaults:",
-        "  ssh:",
-        f"    user: {login_user()}",
-        f"    identity_file: {keys.client_key}",
-        f"    known_hosts: {keys.known_hosts}",
-        "    connect_timeout: 3s",
-        f"  python: {sys.executable}",
-        "  sudo: false",
-        "nodes:",
-    ]
-    for name, port in nodes:
-        lines += [
-            f"  - name: {name}",
-            "    kind: server",
-            "    model: test-server",
-            "    address: 127.0.0.1",
-            f"    ssh: {{port: {port}}}",
-        ]
-    return "\n".join(lines) + "\n" + extra_nodes
+    return loopback_inventory_yaml(keys, nodes, python=sys.executable, extra_nodes=extra_nodes)
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from testbed.errors import NodeError
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 KILL_GRACE_S = 2.0
+LINE_SESSION_EXIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -147,16 +149,37 @@ echo $state
 
 
 class LineSession(ABC):
-    """A long-running command spoken to line by line (used for clock-offset exchanges)."""
+    """A long-running command spoken to line by line (used for clock-offset exchanges).
+
+    Closing it sends EOF to the command's stdin and, if the command has not ended within
+    ``LINE_SESSION_EXIT_S``, ends its process group.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = b""
 
     @abstractmethod
     def send_line(self, text: str) -> None: ...
 
     @abstractmethod
-    def read_line(self, timeout_s: float) -> str: ...
+    def _receive(self, timeout_s: float) -> bytes | None:
+        """What arrived within ``timeout_s``: None if nothing yet, ``b""`` once the command ended."""
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def read_line(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("no reply line in time")
+            chunk = self._receive(remaining)
+            if chunk == b"":
+                raise EOFError("the command ended")
+            self._buffer += chunk or b""
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
 
     def __enter__(self) -> LineSession:
         return self

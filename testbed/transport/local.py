@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from testbed.transport.base import KILL_GRACE_S, CommandResult, LineSession, Transport
+from testbed.transport.base import KILL_GRACE_S, LINE_SESSION_EXIT_S, CommandResult, LineSession, Transport
 
 
 def _expand(path: str) -> str:
@@ -84,6 +84,7 @@ class LocalTransport(Transport):
 
 class _LocalLineSession(LineSession):
     def __init__(self, argv: Sequence[str]) -> None:
+        super().__init__()
         self._proc = subprocess.Popen(
             list(argv),
             stdin=subprocess.PIPE,
@@ -92,33 +93,24 @@ class _LocalLineSession(LineSession):
             start_new_session=True,
             bufsize=0,
         )
-        self._buffer = b""
 
     def send_line(self, text: str) -> None:
         assert self._proc.stdin is not None
         self._proc.stdin.write(text.encode() + b"\n")
 
-    def read_line(self, timeout_s: float) -> str:
+    def _receive(self, timeout_s: float) -> bytes | None:
         assert self._proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("no reply line in time")
-            ready, _, _ = select.select([self._proc.stdout], [], [], remaining)
-            if ready:
-                chunk = os.read(self._proc.stdout.fileno(), 65536)
-                if not chunk:
-                    raise EOFError("the command ended")
-                self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line.decode()
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        return os.read(self._proc.stdout.fileno(), 65536) if ready else None
 
     def close(self) -> None:
-        if self._proc.poll() is None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(LINE_SESSION_EXIT_S)
+        except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
-        self._proc.wait(5)
-        for stream in (self._proc.stdin, self._proc.stdout):
-            if stream is not None:
-                stream.close()
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(5)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()

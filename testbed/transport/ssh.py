@@ -21,12 +21,11 @@ from fabric import Config, Connection
 
 from testbed.errors import NodeError
 from testbed.inventory import SshTarget
-from testbed.transport.base import KILL_GRACE_S, CommandResult, LineSession, Transport
+from testbed.transport.base import KILL_GRACE_S, LINE_SESSION_EXIT_S, CommandResult, LineSession, Transport
 
 CONNECT_ATTEMPTS = 3
 BACKOFF_S = 0.5
 DRAIN_AFTER_EXIT_S = 0.5
-LINE_SESSION_EXIT_S = 1.0
 
 
 def _known_hosts_name(target: SshTarget) -> str:
@@ -253,38 +252,25 @@ class SshTransport(Transport):
 
 class _SshLineSession(LineSession):
     def __init__(self, chan: paramiko.Channel, kill_group: Callable[[int], None]) -> None:
+        super().__init__()
         self._chan = chan
         self._kill_group = kill_group
-        self._buffer = b""
         self.pid: int | None = None
 
     def send_line(self, text: str) -> None:
         self._chan.sendall(text.encode() + b"\n")
 
-    def read_line(self, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("no reply line in time")
-            self._chan.settimeout(remaining)
-            try:
-                chunk = self._chan.recv(65536)
-            except TimeoutError:
-                continue
-            if not chunk:
-                raise EOFError("the command ended")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line.decode()
+    def _receive(self, timeout_s: float) -> bytes | None:
+        self._chan.settimeout(timeout_s)
+        try:
+            return self._chan.recv(65536)
+        except TimeoutError:
+            return None
 
     def close(self) -> None:
-        """EOF on the command's stdin; if it has not ended within a second, end its process group."""
         try:
             self._chan.shutdown_write()
-            deadline = time.monotonic() + LINE_SESSION_EXIT_S
-            while not self._chan.exit_status_ready() and time.monotonic() < deadline:
-                time.sleep(0.005)
+            self._chan.status_event.wait(LINE_SESSION_EXIT_S)
             if not self._chan.exit_status_ready() and self.pid is not None:
                 self._kill_group(self.pid)
         except (paramiko.SSHException, OSError):
