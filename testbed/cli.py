@@ -89,7 +89,7 @@ def doctor(
             table.add_column(column, overflow="fold")
         for cap in caps:
             status = "[green]ok[/]" if cap.ok else ("[red]missing[/]" if cap.required else "[yellow]missing[/]")
-            table.add_row(cap.name, status, cap.detail, cap.needed_for)
+            table.add_row(cap.name, status, escape(cap.detail), cap.needed_for)
         out.print(table)
     missing = [c.name for c in caps if c.required and not c.ok]
     if missing:
@@ -244,7 +244,8 @@ def _print_facts(result: Any) -> None:
             accelerators.append(f"{f.board_model or 'Jetson'}, L4T {f.l4t_release}")
         accelerators += [f"adb {d.serial}: {d.state}" for d in f.adb_devices]
         clock = f"{f.clock.offset_s * 1e3:+.1f} ms (±{f.clock.error_bound_s * 1e3:.1f})" if f.clock else "n/a"
-        table.add_row(f.node, status, system, resources, "\n".join(accelerators), f.sudo, clock)
+        # What a node reports is text, never markup: a hostname or OS name may contain "[".
+        table.add_row(f.node, status, escape(system), resources, escape("\n".join(accelerators)), escape(f.sudo), clock)
         notes += [f"[red]{f.node}[/]: " + escape(p) for p in f.problems]
         notes += [f"[yellow]{f.node}[/]: " + escape(w) for w in f.warnings]
     out.print(table)

@@ -22,6 +22,7 @@ _PY_ECHO = (
     "for _ in sys.stdin:\n"
     " sys.stdout.write('%.6f\\n' % time.time()); sys.stdout.flush()\n"
 )
+# busybox's date has no %N and prints it literally: such replies count in whole seconds.
 _SH_ECHO = "echo python=; echo clock=date; while read -r _; do date +%s.%N; done"
 
 
@@ -38,10 +39,11 @@ class ClockOffset:
     rtt_s: float
     exchanges: int
     method: str
+    resolution_s: float = 1e-6  # of the node's clock readings
 
     @property
     def error_bound_s(self) -> float:
-        return self.rtt_s / 2
+        return self.rtt_s / 2 + self.resolution_s / 2
 
 
 def read_echo_headers(session: LineSession, timeout_s: float) -> dict[str, str]:
@@ -56,17 +58,22 @@ def read_echo_headers(session: LineSession, timeout_s: float) -> dict[str, str]:
 def offset_over(session: LineSession, *, method: str, exchanges: int = 8, timeout_s: float = 5.0) -> ClockOffset:
     """Run ``exchanges`` round trips on an echo session and keep the one with the shortest trip."""
     best: tuple[float, float] | None = None
+    resolution_s = 1e-6
     for _ in range(exchanges):
         t_send = time.time()
         session.send_line("t")
-        t_node = float(session.read_line(timeout_s))
+        reply = session.read_line(timeout_s)
         t_receive = time.time()
+        if reply.endswith(".%N"):  # whole seconds: the true time lies in [t, t + 1)
+            t_node, resolution_s = float(reply[:-3]) + 0.5, 1.0
+        else:
+            t_node = float(reply)
         rtt = t_receive - t_send
         if best is None or rtt < best[1]:
             best = (t_node - (t_send + t_receive) / 2, rtt)
     if best is None:
         raise ValueError("no exchanges")
-    return ClockOffset(best[0], best[1], exchanges, method)
+    return ClockOffset(best[0], best[1], exchanges, method, resolution_s)
 
 
 def measure_clock_offset(

@@ -28,7 +28,13 @@ class Capability:
 
 
 def _run(argv: list[str], timeout_s: float = 10.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    """Run a probe; a missing program or a hang is a failed probe, not a crash."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except FileNotFoundError:
+        return subprocess.CompletedProcess(argv, 127, "", f"{argv[0]}: not installed")
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "", f"{argv[0]}: no answer in {timeout_s:g} s")
 
 
 def _tool_version(argv: list[str]) -> tuple[bool, str]:

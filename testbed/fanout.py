@@ -116,6 +116,10 @@ def fan_out(
                     task = progress.add_task(description, total=len(names))
                 if progress is not None and task is not None:
                     progress.update(task, completed=len(outcomes))
+        except KeyboardInterrupt:
+            # Nodes not started yet are dropped; those under way end by their own timeouts.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
         finally:
             if progress is not None:
                 progress.stop()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 from pydantic_core import PydanticCustomError
 
 from testbed import units
@@ -40,7 +40,8 @@ HOSTNAME_PATTERN = (
 
 JETSON_MODELS = ("agx-orin", "agx-xavier", "orin-nx", "orin-nano", "xavier-nx")
 RESERVED_NAMES = ("all", "controller")
-SECRET_KEYS = ("password", "passphrase", "sudo_password", "key_passphrase", "secret", "token")
+SECRET_KEYS = ("password", "passphrase", "sudo_password", "key_passphrase")
+NAMED_BY_USER = (("groups",), ("link_profiles",))  # mappings whose keys are names, not fields
 
 
 def _invalid(kind: str, problem: str, hint: str) -> PydanticCustomError:
@@ -88,7 +89,7 @@ IpAddress = Annotated[str, BeforeValidator(_ip)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,18 +100,18 @@ class SshSettings(_Strict):
     """SSH settings; in ``defaults.ssh`` every field has a default, on a node each overrides it."""
 
     user: Name | None = None
-    port: int | None = Field(None, ge=1, le=65535)
+    port: StrictInt | None = Field(None, ge=1, le=65535)
     identity_file: SafePath | None = None
     known_hosts: SafePath | None = None
     password_env: Annotated[str, Field(pattern=ENV_PATTERN)] | None = None
-    connect_timeout_s: DurationS | None = Field(None, alias="connect_timeout", le=600)
+    connect_timeout_s: DurationS | None = Field(None, alias="connect_timeout", gt=0, le=600)
     keepalive_s: DurationS | None = Field(None, alias="keepalive", le=3600)
 
 
 class Defaults(_Strict):
     ssh: SshSettings = SshSettings()
     python: SafePath = "python3"
-    sudo: bool = True
+    sudo: StrictBool = True
     workdir: SafePath = "~/hil-testbed"
 
 
@@ -131,7 +132,7 @@ class AdbAttachment(_Strict):
 class EmulatedPowerMode(_Strict):
     """One power mode of an emulated node: its CPU quota and modeled power."""
 
-    id: int = Field(ge=0, le=255)
+    id: StrictInt = Field(ge=0, le=255)
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")]
     cpus: float = Field(gt=0, le=1024)
     idle_w: float = Field(ge=0, le=10000)
@@ -142,7 +143,7 @@ class EmulatedSpec(_Strict):
     """Makes the node an emulated stand-in (network namespace, sshd, CPU quota) on this machine."""
 
     power_modes: tuple[EmulatedPowerMode, ...] = ()
-    initial_mode: int | None = Field(None, ge=0, le=255)
+    initial_mode: StrictInt | None = Field(None, ge=0, le=255)
 
 
 class NodeSpec(_Strict):
@@ -154,7 +155,7 @@ class NodeSpec(_Strict):
     ssh: SshSettings | None = None
     data: DataPlane | None = None
     roles: tuple[Literal["device", "server"], ...] = ()
-    gpus: int = Field(0, ge=0, le=64)
+    gpus: StrictInt = Field(0, ge=0, le=64)
     gpu_model: Name | None = None
     adb: AdbAttachment | None = None
     tags: tuple[Name, ...] = ()
@@ -170,7 +171,7 @@ class LinkProfile(_Strict):
     distribution: Literal["normal", "pareto", "paretonormal", "uniform"] | None = None
     loss_pct: Percent | None = Field(None, alias="loss")
     loss_correlation_pct: Percent | None = Field(None, alias="loss_correlation")
-    queue_limit_packets: int | None = Field(None, ge=1, le=1_000_000)
+    queue_limit_packets: StrictInt | None = Field(None, ge=1, le=1_000_000)
 
     @property
     def needs_netem(self) -> bool:
@@ -193,7 +194,7 @@ class LinkSpec(_Strict):
     source: Name = Field(alias="from")
     destination: Name = Field(alias="to")
     profile: Name
-    symmetric: bool = False
+    symmetric: StrictBool = False
 
 
 class EmulationSettings(_Strict):
@@ -319,7 +320,11 @@ def inventory_from_source(source: YamlSource) -> Inventory:
     except ValidationError as exc:
         errors = exc.errors()
         for err in errors:
-            secret = err["type"] == "extra_forbidden" and str(err["loc"][-1]).lower() in SECRET_KEYS
+            secret = (
+                err["type"] == "extra_forbidden"
+                and str(err["loc"][-1]).lower() in SECRET_KEYS
+                and tuple(err["loc"][:-1]) not in NAMED_BY_USER
+            )
             # A list whose items failed is also reported as too short: say only what is wrong inside.
             echo = err["type"] == "too_short" and any(
                 len(o["loc"]) > len(err["loc"]) and o["loc"][: len(err["loc"])] == err["loc"] for o in errors
@@ -343,7 +348,7 @@ def inventory_from_source(source: YamlSource) -> Inventory:
 def _secret_problems(source: YamlSource, data: Any, path: tuple[str | int, ...]) -> Iterable[InputProblem]:
     if isinstance(data, dict):
         for key, value in data.items():
-            if isinstance(key, str) and key.lower() in SECRET_KEYS:
+            if isinstance(key, str) and key.lower() in SECRET_KEYS and path not in NAMED_BY_USER:
                 yield source.problem(
                     path + (key,),
                     "secrets must not be written in the inventory",
@@ -399,6 +404,10 @@ _HINTS = {
     "less_than_equal": "use a value in the allowed range",
     "literal_error": "use one of the listed values",
     "int_parsing": "write a whole number",
+    "int_type": "write a whole number (no quotes, not true/false)",
+    "bool_type": "write true or false",
+    "float_type": "write a number",
+    "finite_number": "write a finite number",
     "int_from_float": "write a whole number",
     "float_parsing": "write a number",
     "bool_parsing": "write true or false",

@@ -84,16 +84,17 @@ class YamlSource:
         node = self.data
         line: int | None = None
         for part in path:
-            if isinstance(node, CommentedMap) and part in node:
-                pos = node.lc.key(part)
-                line = pos[0] + 1 if pos else line
-                node = node[part]
-            elif isinstance(node, CommentedSeq) and isinstance(part, int) and 0 <= part < len(node):
-                pos = node.lc.item(part)
-                line = pos[0] + 1 if pos else line
-                node = node[part]
-            else:
-                break
+            try:
+                if isinstance(node, CommentedMap) and part in node:
+                    pos = node.lc.key(part)
+                elif isinstance(node, CommentedSeq) and isinstance(part, int) and 0 <= part < len(node):
+                    pos = node.lc.item(part)
+                else:
+                    break
+            except (KeyError, IndexError):  # a key merged in with <<: *anchor has no position here
+                pos = None
+            line = pos[0] + 1 if pos else line
+            node = node[part]
         if line is None and isinstance(self.data, (CommentedMap, CommentedSeq)):
             line = self.data.lc.line + 1
         return line

@@ -55,3 +55,21 @@ def test_parallel_is_faster_than_serial():
 def test_invalid_limit():
     with pytest.raises(ValueError):
         fan_out(["a"], lambda n: n, max_parallel=0)
+
+
+def test_progress_is_shown_on_a_terminal_only_for_slow_operations():
+    import io
+
+    from rich.console import Console
+
+    def render(duration_s: float) -> str:
+        buffer = io.StringIO()
+        console = Console(file=buffer, force_terminal=True, width=100)
+        fan_out(["a", "b"], lambda n: time.sleep(duration_s), description="probing nodes", console=console)
+        return buffer.getvalue()
+
+    assert "probing nodes" in render(1.5)
+    assert render(0.05) == ""
+    quiet = io.StringIO()
+    fan_out(["a"], lambda n: time.sleep(1.3), description="probing", console=Console(file=quiet))
+    assert quiet.getvalue() == "", "no progress display when output is not a terminal"

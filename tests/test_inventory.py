@@ -133,6 +133,15 @@ REJECTIONS = [
     (edit("delay: 5ms", "delay: 5min"), 24, "link_profiles.up.delay", "less than or equal"),
     (edit("port: 2222", "port: 70000"), 14, "nodes[1].ssh.port", "less than or equal"),
     (edit("gpus: 8", "gpus: -1"), 15, "nodes[1].gpus", "greater than or equal"),
+    (edit("gpus: 8", "gpus: true"), 15, "nodes[1].gpus", "valid integer"),
+    (edit("port: 2222", "port: '2222'"), 14, "nodes[1].ssh.port", "valid integer"),
+    (edit("ssh: {user: nvidia,", "sudo: 'off'\n  ssh: {user: nvidia,"), 2, "defaults.sudo", "valid boolean"),
+    (
+        edit("ssh: {user: nvidia,", "ssh: {connect_timeout: 0s, user: nvidia,"),
+        2,
+        "defaults.ssh.connect_timeout",
+        "greater than 0",
+    ),
     (edit("interface: wlan0", "interface: 'wlan0; reboot'"), 8, "nodes[0].data.interface", "not allowed"),
     (edit("interface: wlan0", "interface: wlan0-is-far-too-long"), 8, "nodes[0].data.interface", "not allowed"),
     (
@@ -247,3 +256,32 @@ def test_cli_show_and_export_ansible(tmp_path):
     assert hosts["gpu"]["ansible_port"] == 2222 and hosts["gpu"]["ansible_user"] == "lab"
     assert set(data["all"]["children"]["devices"]["hosts"]) == {"orin-1"}
     assert "phone" in exported.stderr
+
+
+def test_names_that_look_like_secret_keys_are_fine_as_names(tmp_path):
+    text = edit("  devices: [orin-1, phone]", "  devices: [orin-1, phone]\n  token: [gpu]").replace(
+        "  down: {rate: 80mbit}", "  down: {rate: 80mbit}\n  password: {rate: 1mbit}"
+    )
+    inv = load_inventory(write(tmp_path, text))
+    assert inv.groups["token"] == ("gpu",) and "password" in inv.spec.link_profiles
+
+
+def test_problem_in_a_merged_mapping_still_gets_a_line(tmp_path):
+    text = GOOD.replace(
+        "link_profiles:\n", "link_profiles:\n  base: &base {rate: 10mbit}\n  merged: {<<: *base, loss: 200%}\n"
+    )
+    problems = problems_of(tmp_path, text)
+    assert any(p.startswith(f"{tmp_path / 'inventory.yaml'}:25: link_profiles.merged.loss") for p in problems), problems
+
+
+def test_nan_power_is_refused(tmp_path):
+    text = (
+        edit(
+            "    roles: [device]\n  - name: gpu",
+            "    roles: [device]\n    emulated: {power_modes: [{id: 0, name: M, cpus: 1, idle_w: .nan, busy_w: 5}]}\n  - name: gpu",
+        )
+        .replace("    address: 192.168.1.11\n", "")
+        .replace("    data: {interface: wlan0, address: 10.0.0.11}\n", "")
+    )
+    problems = problems_of(tmp_path, text)
+    assert any("idle_w" in p and "finite" in p for p in problems), problems

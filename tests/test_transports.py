@@ -237,3 +237,55 @@ def test_line_session_that_ignores_eof_is_ended_on_close(transport, tmp_path):
     while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(pid), "closing a line session must not leave its command running"
+
+
+def test_timeout_holds_while_feeding_stdin_to_a_command_that_never_reads_it(transport):
+    started = time.monotonic()
+    result = transport.run(["sleep", "30"], stdin=b"x" * (4 << 20), timeout_s=2.0)
+    assert result.timed_out and time.monotonic() - started < 10
+
+
+def test_large_stdin_reaches_the_command(transport):
+    data = os.urandom(3 << 20)
+    result = transport.run(["sh", "-c", "wc -c"], stdin=data).check()
+    assert int(result.stdout.strip()) == len(data)
+
+
+def test_a_child_left_holding_stdout_does_not_hang_the_call(transport, tmp_path):
+    pidfile = tmp_path / "child"
+    started = time.monotonic()
+    result = transport.run(["sh", "-c", f"sleep 30 & echo $! > {pidfile}; echo done"], timeout_s=10)
+    assert result.ok and result.stdout.startswith("done") and time.monotonic() - started < 5
+    os.kill(int(pidfile.read_text()), 9)  # the test's own leftover, by its pid
+
+
+def test_put_creates_directories_and_sets_mode_before_writing(transport, tmp_path):
+    source = tmp_path / "secret.key"
+    source.write_bytes(b"k" * 1000)
+    remote = tmp_path / "deep" / "er" / "secret.key"
+    transport.put(source, str(remote), mode=0o600)
+    assert remote.read_bytes() == source.read_bytes() and remote.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(NodeError, match="cannot copy"):
+        transport.get(str(tmp_path / "missing"), tmp_path / "out")
+
+
+def test_concurrent_starts_on_one_pidfile_start_one_process(transport, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    pidfile, logfile = str(tmp_path / "one.pid"), str(tmp_path / "one.log")
+
+    def start(_: int) -> int | None:
+        try:
+            return transport.start_background(["sleep", "300"], pidfile=pidfile, logfile=logfile).pid
+        except CommandFailed:
+            return None
+
+    with ThreadPoolExecutor(4) as pool:
+        pids = [p for p in pool.map(start, range(4)) if p is not None]
+    assert len(pids) == 1, pids
+    assert transport.stop_background(pidfile) == "stopped" and not pid_alive(pids[0])
+
+
+def test_background_paths_must_be_absolute(transport):
+    with pytest.raises(ValueError, match="absolute"):
+        transport.start_background(["true"], pidfile="run/x.pid", logfile="/tmp/x.log")

@@ -20,6 +20,7 @@ from testbed.errors import NodeError
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 KILL_GRACE_S = 2.0
+DRAIN_AFTER_EXIT_S = 0.5  # after a command exits, how long a leftover child may hold its output
 LINE_SESSION_EXIT_S = 1.0
 
 
@@ -78,6 +79,17 @@ def quote_path(path: str) -> str:
     return shlex.quote(path)
 
 
+def prefix_words(*, sudo: bool, env: Mapping[str, str] | None) -> list[str]:
+    """``sudo -n --`` and ``env K=V ...`` words to put before a command."""
+    words: list[str] = ["sudo", "-n", "--"] if sudo else []
+    if env:
+        bad = [k for k in env if not ENV_NAME.fullmatch(k)]
+        if bad:
+            raise ValueError(f"invalid environment variable names: {bad}")
+        words += ["env", *(f"{k}={v}" for k, v in env.items())]
+    return words
+
+
 def command_line(
     argv: Sequence[str],
     *,
@@ -88,13 +100,7 @@ def command_line(
     """The one shell line that runs ``argv`` (quoted) with optional sudo, environment and cwd."""
     if not argv:
         raise ValueError("empty command")
-    words: list[str] = ["sudo", "-n", "--"] if sudo else []
-    if env:
-        bad = [k for k in env if not ENV_NAME.fullmatch(k)]
-        if bad:
-            raise ValueError(f"invalid environment variable names: {bad}")
-        words += ["env", *(f"{k}={v}" for k, v in env.items())]
-    line = "exec " + shlex.join([*words, *argv])
+    line = "exec " + shlex.join([*prefix_words(sudo=sudo, env=env), *argv])
     if cwd:
         line = f"cd {quote_path(cwd)} || exit 125; {line}"
     return line
@@ -112,12 +118,25 @@ _CHILD = 'echo "$$ $(' + _starttime("$$") + ')" > "$0.tmp" && mv "$0.tmp" "$0" &
 _ALIVE = 'alive() { s=$(sed "s/.*) //" /proc/$pid/stat 2>/dev/null | cut -d" " -f1); [ -n "$s" ] && [ "$s" != Z ]; }'
 
 
+def _node_path(path: str, what: str) -> str:
+    if not (path.startswith("/") or path == "~" or path.startswith("~/")):
+        raise ValueError(f"{what} must be an absolute path or start with ~/, got {path!r}")
+    return quote_path(path)
+
+
 def background_start_script(argv: Sequence[str], pidfile: str, logfile: str, cwd: str | None) -> str:
-    p, log = quote_path(pidfile), quote_path(logfile)
+    p, log = _node_path(pidfile, "pidfile"), _node_path(logfile, "logfile")
     cd = f"cd {quote_path(cwd)} || exit 125\n" if cwd else ""
+    # mkdir is atomic: it makes two starts on the same pidfile take turns (a lock older than a
+    # minute is left over from a start that was killed, and is taken over).
     return f"""set -u
 P={p}
 mkdir -p "$(dirname "$P")" "$(dirname {log})"
+if ! mkdir "$P.lock" 2>/dev/null; then
+  if [ -n "$(find "$P.lock" -maxdepth 0 -mmin +1 2>/dev/null)" ]; then rmdir "$P.lock"; fi
+  mkdir "$P.lock" 2>/dev/null || {{ echo "another start of $P is in progress" >&2; exit 3; }}
+fi
+trap 'rmdir "$P.lock" 2>/dev/null' EXIT
 if [ -s "$P" ]; then
   read pid start < "$P"
   if [ "$({_starttime("$pid")})" = "$start" ]; then echo "already running as pid $pid ($P)" >&2; exit 3; fi
@@ -133,7 +152,7 @@ cat "$P"
 
 def background_stop_script(pidfile: str, grace_s: float) -> str:
     steps = max(1, int(grace_s / 0.1))
-    return f"""P={quote_path(pidfile)}
+    return f"""P={_node_path(pidfile, "pidfile")}
 [ -s "$P" ] || {{ echo absent; exit 0; }}
 read pid start < "$P"
 {_ALIVE}
@@ -143,6 +162,12 @@ i=0
 while alive && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done
 if alive; then state=killed; else state=stopped; fi
 kill -KILL "-$pid" 2>/dev/null
+i=0
+while alive && [ $i -lt 20 ]; do sleep 0.1; i=$((i+1)); done
+if alive; then
+  echo "pid $pid is still running (not ours to signal? it may have been started with sudo)" >&2
+  exit 5
+fi
 rm -f "$P"
 echo $state
 """
@@ -246,9 +271,7 @@ class Transport(ABC):
         cwd: str | None = None,
     ) -> BackgroundProcess:
         """Start ``argv`` detached in its own session; refuse if the pidfile names a live process."""
-        words = (["sudo", "-n", "--"] if sudo and self.use_sudo else []) + (
-            ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-        )
+        words = prefix_words(sudo=sudo and self.use_sudo, env=env)
         script = background_start_script([*words, *argv], pidfile, logfile, cwd)
         result = self.run_script(script, timeout_s=30.0).check()
         pid = int(result.stdout.split()[0])
@@ -258,7 +281,8 @@ class Transport(ABC):
         """Stop the process group named by ``pidfile``: TERM, then KILL after ``grace_s``.
 
         Returns ``stopped``, ``killed`` (needed KILL), ``stale`` (pidfile named a dead or reused
-        pid, nothing signalled) or ``absent`` (no pidfile).
+        pid, nothing signalled) or ``absent`` (no pidfile). Raises :class:`CommandFailed`, keeping
+        the pidfile, if the process survives (e.g. started with sudo, stopped without).
         """
         script = background_stop_script(pidfile, grace_s)
         result = self.run_script(script, timeout_s=grace_s + 30.0, sudo=sudo).check()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import selectors
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from testbed.transport.base import KILL_GRACE_S, LINE_SESSION_EXIT_S, CommandResult, LineSession, Transport
+from testbed.errors import NodeError
+from testbed.transport.base import (
+    DRAIN_AFTER_EXIT_S,
+    KILL_GRACE_S,
+    LINE_SESSION_EXIT_S,
+    CommandResult,
+    LineSession,
+    Transport,
+)
 
 
 def _expand(path: str) -> str:
@@ -26,27 +35,68 @@ class LocalTransport(Transport):
         super().__init__(node, use_sudo=use_sudo)
 
     def _execute(self, line: str, *, timeout_s: float, stdin: bytes | None, privileged: bool) -> CommandResult:
+        """As over SSH: output is read until the command exits (then a short drain, so a leftover
+        child holding stdout cannot hang us), stdin is fed without blocking, and a timeout ends
+        the whole process group."""
         start = time.monotonic()
         proc = subprocess.Popen(
             ["sh", "-c", line],
-            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        assert proc.stdout is not None and proc.stderr is not None
+        out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+        output = {out_fd: bytearray(), err_fd: bytearray()}
+        pending = memoryview(stdin or b"")
+        selector = selectors.DefaultSelector()
+        for fd in output:
+            selector.register(fd, selectors.EVENT_READ)
+        if pending and proc.stdin is not None:
+            os.set_blocking(proc.stdin.fileno(), False)
+            selector.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+        deadline = start + timeout_s
+        exited_at: float | None = None
         timed_out = False
-        try:
-            out, err = proc.communicate(stdin, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        with selector:
+            while True:
+                now = time.monotonic()
+                if proc.poll() is not None:
+                    exited_at = exited_at or now
+                    still_open = any(fd in output for fd in selector.get_map())
+                    if not still_open or now - exited_at > DRAIN_AFTER_EXIT_S:
+                        break
+                elif now >= deadline:
+                    timed_out = True
+                    break
+                for key, _ in selector.select(max(0.0, min(deadline - now, 0.2))):
+                    if key.fd in output:
+                        chunk = os.read(key.fd, 65536)
+                        output[key.fd] += chunk
+                        if not chunk:
+                            selector.unregister(key.fd)
+                        continue
+                    try:
+                        pending = pending[os.write(key.fd, pending[:65536]) :]
+                    except BrokenPipeError:  # the command ended without reading all of it
+                        pending = memoryview(b"")
+                    if not pending:
+                        selector.unregister(key.fd)
+                        assert proc.stdin is not None
+                        proc.stdin.close()
+        if timed_out:
             self._kill_group(proc, privileged)
-            out, err = proc.communicate()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+        proc.wait()
         return CommandResult(
             node=self.node,
             command=line.removeprefix("exec "),
             exit_code=None if timed_out else proc.returncode,
-            stdout=out.decode(errors="replace"),
-            stderr=err.decode(errors="replace"),
+            stdout=output[out_fd].decode(errors="replace"),
+            stderr=output[err_fd].decode(errors="replace"),
             duration_s=time.monotonic() - start,
             timed_out=timed_out,
         )
@@ -69,14 +119,22 @@ class LocalTransport(Transport):
 
     def put(self, local: str | Path, remote: str, *, mode: int | None = None) -> None:
         target = _expand(remote)
-        Path(target).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(local, target)
-        if mode is not None:
-            os.chmod(target, mode)
+        try:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(local, "rb") as source, os.fdopen(fd, "wb") as sink:
+                if mode is not None:
+                    os.fchmod(sink.fileno(), mode)  # before the content, as over SSH
+                shutil.copyfileobj(source, sink)
+        except OSError as exc:
+            raise NodeError(self.node, f"cannot copy {local} to {remote}: {exc}") from None
 
     def get(self, remote: str, local: str | Path) -> None:
-        Path(local).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(_expand(remote), local)
+        try:
+            Path(local).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(_expand(remote), local)
+        except OSError as exc:
+            raise NodeError(self.node, f"cannot copy {remote} from the node: {exc}") from None
 
     def open_line_session(self, argv: Sequence[str]) -> LineSession:
         return _LocalLineSession(argv)

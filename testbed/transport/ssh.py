@@ -21,11 +21,17 @@ from fabric import Config, Connection
 
 from testbed.errors import NodeError
 from testbed.inventory import SshTarget
-from testbed.transport.base import KILL_GRACE_S, LINE_SESSION_EXIT_S, CommandResult, LineSession, Transport
+from testbed.transport.base import (
+    DRAIN_AFTER_EXIT_S,
+    KILL_GRACE_S,
+    LINE_SESSION_EXIT_S,
+    CommandResult,
+    LineSession,
+    Transport,
+)
 
 CONNECT_ATTEMPTS = 3
 BACKOFF_S = 0.5
-DRAIN_AFTER_EXIT_S = 0.5
 
 
 def _known_hosts_name(target: SshTarget) -> str:
@@ -62,6 +68,17 @@ def _connect_socket(target: SshTarget) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
     raise error or OSError(f"no address for {target.host}")
+
+
+def _sftp_makedirs(sftp: paramiko.SFTPClient, directory: str) -> None:
+    """``mkdir -p`` over SFTP."""
+    if directory in ("", "/", "."):
+        return
+    try:
+        sftp.stat(directory)
+    except OSError:
+        _sftp_makedirs(sftp, os.path.dirname(directory))
+        sftp.mkdir(directory)
 
 
 class SshTransport(Transport):
@@ -110,8 +127,12 @@ class SshTransport(Transport):
             if os.path.exists(known_hosts):
                 conn.client.load_host_keys(known_hosts)
             try:
-                conn.connect_kwargs["sock"] = _connect_socket(t)
-                conn.open()
+                try:
+                    conn.connect_kwargs["sock"] = _connect_socket(t)
+                    conn.open()
+                except BaseException:
+                    conn.close()  # whatever failed, leave no transport thread or socket behind
+                    raise
             except paramiko.BadHostKeyException as exc:
                 raise NodeError(
                     self.node,
@@ -143,7 +164,6 @@ class SshTransport(Transport):
                 if transport is not None and t.keepalive_s > 0:
                     transport.set_keepalive(max(1, int(t.keepalive_s)))
                 return conn
-            conn.close()
             if attempt < CONNECT_ATTEMPTS:
                 time.sleep(delay)
                 delay *= 2
@@ -171,14 +191,22 @@ class SshTransport(Transport):
         chan = self._channel()
         # The first line of output is the shell's pid: what a timeout kills (with its group).
         chan.exec_command("sh -c " + shlex.quote("echo $$; " + line))
-        if stdin:
-            chan.sendall(stdin)
-        chan.shutdown_write()
+        pending = memoryview(stdin or b"")
+        if not pending:
+            chan.shutdown_write()
         out, err = bytearray(), bytearray()
         deadline = start + timeout_s
         exited_at: float | None = None
         timed_out = False
         while True:
+            # stdin goes in pieces between reads, so a command that does not read it cannot block us
+            while pending and chan.send_ready():
+                try:
+                    pending = pending[chan.send(pending[:32768]) :]
+                except OSError:  # the command ended without reading all of it
+                    pending = memoryview(b"")
+                if not pending:
+                    chan.shutdown_write()
             while chan.recv_ready():
                 out += chan.recv(65536)
             while chan.recv_stderr_ready():
@@ -193,7 +221,7 @@ class SshTransport(Transport):
             elif now >= deadline:
                 timed_out = True
                 break
-            select.select([chan], [], [], max(0.0, min(deadline - now, 0.2)))
+            select.select([chan], [], [], max(0.0, min(deadline - now, 0.01 if pending else 0.2)))
         pid_line, _, rest = bytes(out).partition(b"\n")
         if timed_out:
             if pid_line.strip().isdigit():
@@ -232,21 +260,36 @@ class SshTransport(Transport):
     # -- files
 
     def put(self, local: str | Path, remote: str, *, mode: int | None = None) -> None:
-        conn = self.connection()
-        conn.put(str(local), _sftp_path(remote))
-        if mode is not None:
-            conn.sftp().chmod(_sftp_path(remote), mode)
+        path = _sftp_path(remote)
+        try:
+            sftp = self.connection().sftp()
+            _sftp_makedirs(sftp, os.path.dirname(path))
+            with open(local, "rb") as source, sftp.open(path, "wb") as target:
+                if mode is not None:
+                    target.chmod(mode)  # before the content: never readable with default permissions
+                target.set_pipelined(True)
+                while chunk := source.read(1 << 20):
+                    target.write(chunk)
+        except OSError as exc:
+            raise NodeError(self.node, f"cannot copy {local} to {remote}: {exc}") from None
 
     def get(self, remote: str, local: str | Path) -> None:
         Path(local).parent.mkdir(parents=True, exist_ok=True)
-        self.connection().get(_sftp_path(remote), str(local))
+        try:
+            self.connection().sftp().get(_sftp_path(remote), str(local))
+        except OSError as exc:
+            raise NodeError(self.node, f"cannot copy {remote} from the node: {exc}") from None
 
     def open_line_session(self, argv: Sequence[str]) -> LineSession:
         chan = self._channel()
         # As in _execute, the first line is the shell's pid, so that close() can end what is left.
         chan.exec_command("sh -c " + shlex.quote("echo $$; exec " + shlex.join(argv)))
         session = _SshLineSession(chan, lambda pid: self._kill_group(pid, privileged=False))
-        session.pid = int(session.read_line(self.target.connect_timeout_s))
+        try:
+            session.pid = int(session.read_line(self.target.connect_timeout_s))
+        except BaseException:
+            chan.close()
+            raise
         return session
 
 
