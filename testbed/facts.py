@@ -148,7 +148,7 @@ def _int(values: dict[str, list[str]], key: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def first(values: dict[str, list[str]], key: str) -> str:
+def _first(values: dict[str, list[str]], key: str) -> str:
     return (values.get(key) or [""])[0]
 
 
@@ -170,29 +170,29 @@ def gather_facts(inventory: Inventory, node: NodeSpec, transport: Transport, *, 
     values = parse_key_values("\n".join(lines))
     values["python"] = [headers["python"]]
     mem_kb, disk_kb = _int(values, "mem_total_kb"), _int(values, "disk_free_kb")
-    release_line = first(values, "nv_tegra_release")
+    release_line = _first(values, "nv_tegra_release")
     facts = NodeFacts(
         node=node.name,
         kind=node.kind,
-        hostname=first(values, "hostname"),
-        arch=first(values, "arch"),
-        kernel=first(values, "kernel"),
-        os=first(values, "os"),
-        python=first(values, "python"),
+        hostname=_first(values, "hostname"),
+        arch=_first(values, "arch"),
+        kernel=_first(values, "kernel"),
+        os=_first(values, "os"),
+        python=_first(values, "python"),
         cpus=_int(values, "cpus"),
         mem_total_mib=mem_kb // 1024 if mem_kb is not None else None,
         disk_free_gib=disk_kb / 1024**2 if disk_kb is not None else None,
-        user=first(values, "user"),
-        sudo=first(values, "sudo"),
+        user=_first(values, "user"),
+        sudo=_first(values, "sudo"),
         gpus=tuple(g for g in map(_parse_gpu, values.get("gpu", [])) if g is not None),
         l4t_release=parse_l4t_release(release_line) if release_line else None,
-        board_model=first(values, "board_model") or None,
+        board_model=_first(values, "board_model") or None,
         adb_devices=parse_adb_devices(values.get("adb", [])),
         clock=clock,
         raw=values,
     )
     problems, warnings = judge(inventory, node, facts)
-    return _with(facts, problems, warnings)
+    return replace(facts, problems=tuple(problems), warnings=tuple(warnings))
 
 
 def gather_phone_facts(inventory: Inventory, phone: NodeSpec, host: Transport, *, timeout_s: float = 30.0) -> NodeFacts:
@@ -222,19 +222,19 @@ def gather_phone_facts(inventory: Inventory, phone: NodeSpec, host: Transport, *
         node=phone.name,
         kind=phone.kind,
         hostname=serial,
-        arch=first(values, "arch"),
-        kernel=first(values, "kernel"),
-        os=f"Android {first(values, 'android')} ({first(values, 'model')})",
+        arch=_first(values, "arch"),
+        kernel=_first(values, "kernel"),
+        os=f"Android {_first(values, 'android')} ({_first(values, 'model')})",
         cpus=_int(values, "cpus"),
         mem_total_mib=mem_kb // 1024 if mem_kb is not None else None,
         disk_free_gib=disk_kb / 1024**2 if disk_kb is not None else None,
         sudo="n/a",
-        board_model=first(values, "model") or None,
+        board_model=_first(values, "model") or None,
         clock=clock,
         raw=values,
     )
     problems, warnings = judge(inventory, phone, facts)
-    return _with(facts, problems, warnings)
+    return replace(facts, problems=tuple(problems), warnings=tuple(warnings))
 
 
 def _phone_clock(host: Transport, serial: str, timeout_s: float, rounds: int = 3) -> ClockOffset | None:
@@ -252,10 +252,6 @@ def _phone_clock(host: Transport, serial: str, timeout_s: float, rounds: int = 3
             best = (t_node - (t_send + t_receive) / 2, rtt)
     assert best is not None
     return ClockOffset(best[0], best[1], rounds, "adb date")
-
-
-def _with(facts: NodeFacts, problems: list[str], warnings: list[str]) -> NodeFacts:
-    return replace(facts, problems=tuple(problems), warnings=tuple(warnings))
 
 
 def judge(inventory: Inventory, node: NodeSpec, facts: NodeFacts) -> tuple[list[str], list[str]]:
