@@ -44,10 +44,6 @@ InventoryOption = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
-def _load(path: Path) -> Inventory:
-    return load_inventory(path)
-
-
 def _to_json(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -79,7 +75,7 @@ def doctor(
     from testbed.doctor import check_host
 
     if inventory.exists():
-        _load(inventory)  # a broken inventory is worth knowing about here too
+        load_inventory(inventory)  # a broken inventory is worth knowing about here too
     caps = check_host()
     if as_json:
         out.print_json(data=_to_json(caps))
@@ -104,7 +100,7 @@ def inventory_show(
 ) -> None:
     """Validate the inventory and print it resolved: nodes, groups expanded, link profiles with
     canonical units, and every shaped direction between two nodes."""
-    inv = _load(inventory)
+    inv = load_inventory(inventory)
     if as_json:
         data = {
             "path": str(inv.path),
@@ -194,7 +190,7 @@ def inventory_check(
     and the clock offset against this machine. Exits 0 when every node is fine, 1 otherwise."""
     from testbed.check import check_nodes
 
-    inv = _load(inventory)
+    inv = load_inventory(inventory)
     selected = inv.select(nodes)
     result = check_nodes(inv, selected, max_parallel=parallel, console=err)
     if as_json:
@@ -262,7 +258,7 @@ def inventory_export_ansible(
     reaches them through their USB host)."""
     from testbed.ansible_export import ansible_inventory_yaml
 
-    text, skipped = ansible_inventory_yaml(_load(inventory))
+    text, skipped = ansible_inventory_yaml(load_inventory(inventory))
     if output is None:
         sys.stdout.write(text)
     else:

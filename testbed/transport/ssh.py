@@ -70,6 +70,12 @@ def _connect_socket(target: SshTarget) -> socket.socket:
     raise error or OSError(f"no address for {target.host}")
 
 
+def _reporting_pid(line: str) -> str:
+    """Run ``line`` under a shell that first prints its pid: what a timeout or close ends, with its
+    process group (sshd makes each session's shell a group leader)."""
+    return "sh -c " + shlex.quote("echo $$; " + line)
+
+
 def _sftp_makedirs(sftp: paramiko.SFTPClient, directory: str) -> None:
     """``mkdir -p`` over SFTP."""
     if directory in ("", "/", "."):
@@ -189,8 +195,7 @@ class SshTransport(Transport):
     def _execute(self, line: str, *, timeout_s: float, stdin: bytes | None, privileged: bool) -> CommandResult:
         start = time.monotonic()
         chan = self._channel()
-        # The first line of output is the shell's pid: what a timeout kills (with its group).
-        chan.exec_command("sh -c " + shlex.quote("echo $$; " + line))
+        chan.exec_command(_reporting_pid(line))
         pending = memoryview(stdin or b"")
         if not pending:
             chan.shutdown_write()
@@ -282,8 +287,7 @@ class SshTransport(Transport):
 
     def open_line_session(self, argv: Sequence[str]) -> LineSession:
         chan = self._channel()
-        # As in _execute, the first line is the shell's pid, so that close() can end what is left.
-        chan.exec_command("sh -c " + shlex.quote("echo $$; exec " + shlex.join(argv)))
+        chan.exec_command(_reporting_pid("exec " + shlex.join(argv)))
         session = _SshLineSession(chan, lambda pid: self._kill_group(pid, privileged=False))
         try:
             session.pid = int(session.read_line(self.target.connect_timeout_s))
