@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from testbed import __version__
+from testbed.emulation.resolved import load_lab
 from testbed.errors import TestbedError
 from testbed.inventory import Inventory, NodeSpec, load_inventory
 from testbed.units import format_duration, format_rate
@@ -33,6 +34,12 @@ app = typer.Typer(
 )
 inventory_app = typer.Typer(help="Validate, show and check the nodes of an inventory.", no_args_is_help=True)
 app.add_typer(inventory_app, name="inventory")
+emulate_app = typer.Typer(
+    help="Run the inventory's emulated nodes on this machine: one network namespace, sshd and CPU "
+    "quota per node, with management and data networks (the embedded default testbed).",
+    no_args_is_help=True,
+)
+app.add_typer(emulate_app, name="emulate")
 
 out = Console()
 err = Console(stderr=True)
@@ -99,8 +106,9 @@ def inventory_show(
     as_json: JsonOption = False,
 ) -> None:
     """Validate the inventory and print it resolved: nodes, groups expanded, link profiles with
-    canonical units, and every shaped direction between two nodes."""
-    inv = load_inventory(inventory)
+    canonical units, and every shaped direction between two nodes. While the emulated testbed runs,
+    emulated nodes show the addresses it gave them."""
+    inv = load_lab(inventory)
     if as_json:
         data = {
             "path": str(inv.path),
@@ -190,7 +198,7 @@ def inventory_check(
     and the clock offset against this machine. Exits 0 when every node is fine, 1 otherwise."""
     from testbed.check import check_nodes
 
-    inv = load_inventory(inventory)
+    inv = load_lab(inventory)
     selected = inv.select(nodes)
     result = check_nodes(inv, selected, max_parallel=parallel, console=err)
     if as_json:
@@ -237,7 +245,8 @@ def _print_facts(result: Any) -> None:
         )
         accelerators = [f"GPU {g.index}: {g.name}" for g in f.gpus]
         if f.l4t_release:
-            accelerators.append(f"{f.board_model or 'Jetson'}, L4T {f.l4t_release}")
+            standin = " (emulated: stand-in files)" if f.emulated else ""
+            accelerators.append(f"{f.board_model or 'Jetson'}, L4T {f.l4t_release}{standin}")
         accelerators += [f"adb {d.serial}: {d.state}" for d in f.adb_devices]
         clock = f"{f.clock.offset_s * 1e3:+.1f} ms (±{f.clock.error_bound_s * 1e3:.1f})" if f.clock else "n/a"
         # What a node reports is text, never markup: a hostname or OS name may contain "[".
@@ -258,7 +267,7 @@ def inventory_export_ansible(
     reaches them through their USB host)."""
     from testbed.ansible_export import ansible_inventory_yaml
 
-    text, skipped = ansible_inventory_yaml(load_inventory(inventory))
+    text, skipped = ansible_inventory_yaml(load_lab(inventory))
     if output is None:
         sys.stdout.write(text)
     else:
@@ -266,6 +275,74 @@ def inventory_export_ansible(
         err.print(f"wrote {output}")
     for line in skipped:
         err.print(f"left out {line}")
+
+
+ModeOption = Annotated[
+    str,
+    typer.Option(
+        "--mode",
+        help="netns: namespaces, veths, cgroups (needs root). local: sshd processes on 127.0.0.1, "
+        "no isolation, no shaping, no CPU quotas (for machines without root).",
+    ),
+]
+
+
+@emulate_app.command("up")
+def emulate_up(inventory: InventoryOption = Path("inventory.yaml"), mode: ModeOption = "netns") -> None:
+    """Build the emulated testbed from every node with an 'emulated:' section: a network namespace
+    with a management veth (unshaped) and a data veth (the plane link shaping applies to), an sshd
+    on the management address inside a cgroup with the CPU quota of the node's power mode, and
+    stand-in nvpmodel, jetson_clocks and tegrastats on emulated Jetsons. The resolved inventory
+    (addresses, keys) is written to the state directory and used by every other command. Running
+    it again on a healthy testbed changes nothing; after a crash it first removes the leftovers."""
+    from testbed.emulation.lifecycle import up
+
+    inv = load_inventory(inventory)
+    result = up(inv, mode=mode, say=lambda line: err.print(escape(line), highlight=False))
+    _print_emulation(result)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@emulate_app.command("down")
+def emulate_down(inventory: InventoryOption = Path("inventory.yaml")) -> None:
+    """Remove everything 'emulate up' made (processes, cgroups, veths, namespaces, bridges, state),
+    using its journal, so it also cleans up after an 'up' that was killed halfway. Touches nothing
+    it did not make. Safe to run again."""
+    from testbed.emulation.lifecycle import down
+
+    problems = down(load_inventory(inventory), say=lambda line: err.print(escape(line), highlight=False))
+    if problems:
+        raise typer.Exit(1)
+
+
+@emulate_app.command("status")
+def emulate_status(inventory: InventoryOption = Path("inventory.yaml"), as_json: JsonOption = False) -> None:
+    """List the emulated nodes with their addresses, power mode, CPU quota and health. Exits 0 when
+    the testbed is up and every node is healthy, 1 otherwise."""
+    from testbed.emulation.lifecycle import status
+
+    result = status(load_inventory(inventory))
+    if as_json:
+        out.print_json(data=_to_json(result))
+    else:
+        _print_emulation(result)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+def _print_emulation(result: Any) -> None:
+    if not result.running:
+        leftovers = f" ({result.leftovers} leftover records: run 'testbed emulate down')" if result.leftovers else ""
+        out.print(f"the emulated testbed is not running{leftovers}; state directory {result.state_dir}")
+        return
+    table = Table(title=f"emulated testbed ({result.mode} mode), state in {result.state_dir}")
+    for column in ("node", "ssh", "data plane", "power mode", "CPU quota", "health"):
+        table.add_column(column, overflow="fold")
+    for n in result.nodes:
+        health = "[green]ok[/]" if n.ok else "[red]" + escape("; ".join(n.problems)) + "[/]"
+        table.add_row(n.node, n.address, n.data_address, n.power_mode, n.cpu_quota, health)
+    out.print(table)
 
 
 def main() -> None:

@@ -19,13 +19,14 @@ from testbed.transport.base import Transport
 CLOCK_WARN_S = 0.1
 DISK_WARN_GIB = 5.0
 
-# Board names as /proc/device-tree/model prints them, for each Jetson model in the inventory.
+# What /proc/device-tree/model contains on each Jetson model of the inventory (any one of them).
+# Downstream L4T on AGX Xavier says just "Jetson-AGX".
 JETSON_BOARD_NAMES = {
-    "agx-orin": "AGX Orin",
-    "agx-xavier": "AGX Xavier",
-    "orin-nx": "Orin NX",
-    "orin-nano": "Orin Nano",
-    "xavier-nx": "Xavier NX",
+    "agx-orin": ("AGX Orin",),
+    "agx-xavier": ("AGX Xavier", "Jetson-AGX"),
+    "orin-nx": ("Orin NX",),
+    "orin-nano": ("Orin Nano",),
+    "xavier-nx": ("Xavier NX",),
 }
 
 # One line per fact, ``key=value``; keys may repeat (one ``gpu`` per GPU). Builtins where possible:
@@ -45,8 +46,10 @@ if command -v nvidia-smi >/dev/null 2>&1; then
     printf '%s\n' "$out" | while IFS= read -r l; do k gpu "$l"; done
   else k gpu_error "$(printf '%s' "$out" | head -n 1)"; fi
 fi
-[ -r /etc/nv_tegra_release ] && { read -r l < /etc/nv_tegra_release; k nv_tegra_release "$l"; }
-[ -r /proc/device-tree/model ] && k board_model "$(tr -d '\000' < /proc/device-tree/model)"
+r=${TESTBED_STANDIN_ROOT:-}
+[ -r "$r/etc/nv_tegra_release" ] && { read -r l < "$r/etc/nv_tegra_release"; k nv_tegra_release "$l"; }
+[ -r "$r/proc/device-tree/model" ] && k board_model "$(tr -d '\000' < "$r/proc/device-tree/model")"
+[ -n "${TESTBED_EMULATED_NODE:-}" ] && k emulated "$TESTBED_EMULATED_NODE"
 if command -v adb >/dev/null 2>&1; then
   adb devices -l 2>/dev/null | tail -n +2 | while IFS= read -r l; do [ -n "$l" ] && k adb "$l"; done
 fi
@@ -97,6 +100,7 @@ class NodeFacts:
     l4t_release: str | None = None
     board_model: str | None = None
     adb_devices: tuple[AdbDevice, ...] = ()
+    emulated: bool = False  # a node of the emulated testbed: board files and Jetson tools are stand-ins
     clock: ClockOffset | None = None
     problems: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
@@ -188,6 +192,7 @@ def gather_facts(inventory: Inventory, node: NodeSpec, transport: Transport, *, 
         l4t_release=parse_l4t_release(release_line) if release_line else None,
         board_model=_first(values, "board_model") or None,
         adb_devices=parse_adb_devices(values.get("adb", [])),
+        emulated=bool(_first(values, "emulated")),
         clock=clock,
         raw=values,
     )
@@ -259,10 +264,10 @@ def judge(inventory: Inventory, node: NodeSpec, facts: NodeFacts) -> tuple[list[
     problems: list[str] = []
     warnings: list[str] = []
     if node.kind == "jetson":
-        wanted = JETSON_BOARD_NAMES.get(node.model, node.model)
+        wanted = JETSON_BOARD_NAMES.get(node.model, (node.model,))
         if facts.board_model is None:
             problems.append("no /proc/device-tree/model: is this a Jetson?")
-        elif wanted.lower() not in facts.board_model.lower():
+        elif not any(w.lower() in facts.board_model.lower() for w in wanted):
             problems.append(f"inventory says {node.model} but the board reports {facts.board_model!r}")
         if facts.l4t_release is None:
             problems.append("no L4T release in /etc/nv_tegra_release")

@@ -197,12 +197,22 @@ class LinkSpec(_Strict):
     symmetric: StrictBool = False
 
 
+class EmulationInstance(_Strict):
+    """Written by ``testbed emulate up`` into the inventory it resolves; never written by hand."""
+
+    mode: Literal["netns", "local"]
+    source: SafePath  # the inventory it was built from
+    source_digest: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class EmulationSettings(_Strict):
-    """Where the emulated testbed puts its addresses and how it names what it creates."""
+    """Where the emulated testbed puts its addresses, its state, and how it names what it creates."""
 
     management_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("10.231.0.0/24")
     data_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("10.232.0.0/24")
     name_prefix: Annotated[str, Field(pattern=r"^[a-z][a-z0-9]{0,5}$")] = "tb"
+    state_dir: SafePath | None = None  # default: /run/hil-testbed/<prefix> (root), else per user
+    instance: EmulationInstance | None = None
 
 
 class InventorySpec(_Strict):
@@ -435,7 +445,7 @@ def _cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]
         names.add(node.name)
         if node.name in RESERVED_NAMES:
             yield src.problem(at + ("name",), f"{node.name!r} is reserved", "choose another name")
-        yield from _node_kind_problems(node, src, at)
+        yield from _node_kind_problems(node, src, at, resolved=spec.emulation.instance is not None)
 
     node_names = {n.name for n in spec.nodes}
     for i, node in enumerate(spec.nodes):
@@ -505,7 +515,9 @@ def _cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]
             )
 
 
-def _node_kind_problems(node: NodeSpec, src: YamlSource, at: tuple[str | int, ...]) -> Iterable[InputProblem]:
+def _node_kind_problems(
+    node: NodeSpec, src: YamlSource, at: tuple[str | int, ...], *, resolved: bool
+) -> Iterable[InputProblem]:
     if node.kind == "jetson" and node.model not in JETSON_MODELS:
         yield src.problem(at + ("model",), f"unknown Jetson model {node.model!r}", "one of " + ", ".join(JETSON_MODELS))
     if node.kind == "android":
@@ -526,7 +538,7 @@ def _node_kind_problems(node: NodeSpec, src: YamlSource, at: tuple[str | int, ..
             )
     elif node.adb is not None:
         yield src.problem(at + ("adb",), "only phones (kind: android) have an adb section", "remove it")
-    if node.emulated is not None:
+    if node.emulated is not None and not resolved:
         for field in ("address", "data"):
             if getattr(node, field) is not None:
                 yield src.problem(
@@ -534,6 +546,9 @@ def _node_kind_problems(node: NodeSpec, src: YamlSource, at: tuple[str | int, ..
                     "an emulated node gets its addresses from 'emulation'",
                     f"remove {field} (or the emulated section)",
                 )
+    if node.emulated is not None and resolved and node.address is None:
+        yield src.problem(at, "a resolved emulated node needs its address", "run testbed emulate up again")
+    if node.emulated is not None:
         if node.transport == "local":
             yield src.problem(at + ("transport",), "an emulated node is reached over SSH", "remove transport")
         yield from _power_mode_problems(node.emulated, src, at + ("emulated",))

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nodes.emulated.cgroup import CpuCgroup
 from testbed.errors import TestbedError
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
@@ -70,16 +71,19 @@ class SshKeys:
         known_hosts.touch()
         return cls(directory, host_key, client_key, authorized, known_hosts)
 
-    def trust(self, address: str, port: int) -> None:
-        """Add this host key for ``address:port`` to known_hosts (as ``ssh-keyscan`` would)."""
+    def trust(self, address: str, port: int, host_key: Path | None = None) -> None:
+        """Add a host key (this one by default) for ``address:port`` to known_hosts, as
+        ``ssh-keyscan`` would."""
         name = address if port == 22 else f"[{address}]:{port}"
-        key = " ".join(self.host_key.with_suffix(".pub").read_text().split()[:2])
+        key = " ".join((host_key or self.host_key).with_suffix(".pub").read_text().split()[:2])
         with self.known_hosts.open("a") as f:
             f.write(f"{name} {key}\n")
 
 
 class SshdServer:
-    """One sshd in the foreground (``-D``), as a child process of ours, on ``address:port``."""
+    """One sshd in the foreground (``-D``) on ``address:port``: a child process of ours, or, with
+    ``detached``, one that outlives us (the emulated testbed's nodes). With ``netns`` it runs in that
+    network namespace, and with ``cgroup`` every session it starts inherits that CPU quota."""
 
     def __init__(
         self,
@@ -89,19 +93,32 @@ class SshdServer:
         port: int | None = None,
         name: str = "sshd",
         environment: dict[str, str] | None = None,
+        host_key: Path | None = None,
+        files_dir: Path | None = None,
+        netns: str | None = None,
+        hostname: str | None = None,
+        cgroup: CpuCgroup | None = None,
+        detached: bool = False,
     ) -> None:
         self.keys = keys
         self.address = address
-        self.port = port or free_port(address)
+        self.port = port or (22 if netns else free_port(address))
         self.name = name
+        self.host_key = host_key or keys.host_key
+        self.netns = netns
+        self.hostname = hostname
+        self.cgroup = cgroup
+        self.detached = detached
         # Set in every session: stand-in tools on PATH, or a HOME of the node's own (which also keeps
         # the controller user's shell start-up files, such as a slow pyenv init, out of node commands).
         self.environment = dict(environment or {})
         if "HOME" in self.environment:
             Path(self.environment["HOME"]).mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen[bytes] | None = None
-        self.config_path = keys.directory / f"{name}.sshd_config"
-        self.log_path = keys.directory / f"{name}.sshd.log"
+        files_dir = files_dir or keys.directory
+        self.config_path = files_dir / f"{name}.sshd_config"
+        self.log_path = files_dir / f"{name}.sshd.log"
+        self.pid_path = files_dir / f"{name}.sshd.pid"
 
     def config_text(self) -> str:
         root_login = "prohibit-password" if os.geteuid() == 0 else "no"
@@ -109,9 +126,9 @@ class SshdServer:
             [
                 f"Port {self.port}",
                 f"ListenAddress {self.address}",
-                f"HostKey {self.keys.host_key}",
+                f"HostKey {self.host_key}",
                 f"AuthorizedKeysFile {self.keys.authorized_keys}",
-                f"PidFile {self.keys.directory / (self.name + '.pid')}",
+                f"PidFile {self.pid_path}",
                 "StrictModes no",
                 "PubkeyAuthentication yes",
                 "PasswordAuthentication no",
@@ -136,14 +153,55 @@ class SshdServer:
         return ["SetEnv " + " ".join(f'"{k}={v}"' for k, v in self.environment.items())]
 
     def start(self, timeout_s: float = 10.0) -> SshdServer:
+        self.launch()
+        self.wait_ready(timeout_s)
+        return self
+
+    def launch(self) -> int:
+        """Start sshd without waiting for it to listen; return its pid."""
         if os.geteuid() == 0:
             Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # Debian's privilege separation dir
         self.config_path.write_text(self.config_text())
         argv = [find_sshd(), "-D", "-e", "-f", str(self.config_path)]
+        if self.netns:
+            argv = self._in_namespaces(argv)
+        cgroup = self.cgroup
         log = self.log_path.open("ab")
-        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=self.detached,
+            preexec_fn=(lambda: cgroup.attach(os.getpid())) if cgroup else None,
+        )
         log.close()
-        self.keys.trust(self.address, self.port)
+        self.keys.trust(self.address, self.port, self.host_key)
+        return self.process.pid
+
+    def _in_namespaces(self, argv: list[str]) -> list[str]:
+        """Run ``argv`` in the node's network namespace, with a UTS and a mount namespace of its own.
+
+        The host name is the node's: MPI tells nodes apart by it (ranks on one host name talk through
+        shared memory, not the network). /sys is mounted anew so that it shows the namespace's own
+        interfaces (UCX, for one, finds devices there), with the host's cgroup file systems moved
+        onto it so that the node's tools still reach its cgroup. None of this touches the host.
+        """
+        scratch = self.config_path.parent / f".{self.name}.cgroupfs"
+        scratch.mkdir(exist_ok=True)
+        setup = (
+            'hostname "$0" && mount --rbind /sys/fs/cgroup "$1" && mount -t sysfs sysfs /sys '
+            '&& mount --move "$1" /sys/fs/cgroup && shift && exec "$@"'
+        )
+        return [
+            "nsenter", f"--net=/run/netns/{self.netns}", "--",
+            "unshare", "--uts", "--mount", "--propagation", "slave", "--",
+            "sh", "-c", setup, self.hostname or self.name, str(scratch), *argv,
+        ]  # fmt: skip
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Wait until sshd accepts connections; raise with its log if it exits or never listens."""
+        assert self.process is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -152,7 +210,7 @@ class SshdServer:
                     f"{self.log_path.read_text(errors='replace')[-500:]}"
                 )
             if self._accepts():
-                return self
+                return
             time.sleep(0.02)
         self.stop()
         raise TestbedError(f"sshd {self.name} did not listen on {self.address}:{self.port} in {timeout_s} s")

@@ -1,0 +1,144 @@
+"""An emulated node as its stand-in tools see it: the configuration ``testbed emulate up`` wrote,
+the current power mode, and the modeled power of that mode.
+
+Modeled power (DESIGN.md, "The emulated testbed"): P = P_idle + (P_busy - P_idle) * u, where u is
+the CPU utilisation of the node (its CPU time per second of wall time, over its mode's CPU quota,
+clipped to [0, 1]).
+"""
+
+import json
+import os
+import time
+from typing import Any, Dict, List, NamedTuple, Optional
+
+from nodes.emulated.cgroup import CpuCgroup, ProcessTreeCpu
+
+CONFIG_VARIABLE = "TESTBED_EMULATED_NODE"  # path of node.json; set in every SSH session of the node
+STANDIN_ROOT_VARIABLE = "TESTBED_STANDIN_ROOT"  # where the stand-in board files live
+
+
+class NotEmulated(Exception):
+    """Raised when a stand-in tool runs outside an emulated node."""
+
+
+class PowerMode(NamedTuple):
+    id: int
+    name: str
+    cpus: float
+    idle_w: float
+    busy_w: float
+
+
+def modeled_power_w(mode: PowerMode, utilisation: float) -> float:
+    """P = P_idle + (P_busy - P_idle) * u, with u clipped to [0, 1]."""
+    u = min(1.0, max(0.0, utilisation))
+    return mode.idle_w + (mode.busy_w - mode.idle_w) * u
+
+
+class EmulatedNode:
+    def __init__(self, config: Dict[str, Any]) -> None:
+        self.config = config
+        self.name = str(config["node"])
+        self.kind = str(config["kind"])
+        self.model = str(config["model"])
+        self.mode = str(config["mode"])  # netns or local
+        self.power_modes = [PowerMode(**m) for m in config["power_modes"]]
+        self.power_mode_file = str(config["power_mode_file"])
+
+    @classmethod
+    def from_environment(cls) -> "EmulatedNode":
+        path = os.environ.get(CONFIG_VARIABLE)
+        if not path:
+            raise NotEmulated(
+                "this is a stand-in for an NVIDIA tool and runs only on a node of hil-testbed's emulated "
+                "testbed (%s is not set)" % CONFIG_VARIABLE
+            )
+        with open(path) as f:
+            return cls(json.load(f))
+
+    # -- power modes ------------------------------------------------------------------------
+
+    def power_mode(self) -> Optional[PowerMode]:
+        try:
+            with open(self.power_mode_file) as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            text = ""
+        for mode in self.power_modes:
+            if str(mode.id) == text:
+                return mode
+        return self.power_modes[0] if self.power_modes else None
+
+    def mode_by_id(self, mode_id: int) -> Optional[PowerMode]:
+        for mode in self.power_modes:
+            if mode.id == mode_id:
+                return mode
+        return None
+
+    def set_power_mode(self, mode: PowerMode) -> None:
+        """Switch to ``mode``: its CPU quota (netns mode) and the recorded mode id."""
+        group = self.cgroup()
+        if group is not None:
+            group.set_quota_cpus(mode.cpus)
+        tmp = self.power_mode_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("%d\n" % mode.id)
+        os.replace(tmp, self.power_mode_file)
+
+    # -- CPU time ---------------------------------------------------------------------------
+
+    def cgroup(self) -> Optional[CpuCgroup]:
+        name = self.config.get("cgroup")
+        return CpuCgroup(name) if name else None
+
+    def cpu_usage_s(self) -> float:
+        """CPU seconds used by the node so far (its cgroup, or its sshd's process tree)."""
+        group = self.cgroup()
+        if group is not None:
+            return group.usage_s()
+        pid = self.config.get("cpu_root_pid")
+        return ProcessTreeCpu(int(pid)).usage_s() if pid else 0.0
+
+
+class UtilisationMeter:
+    """Utilisation of the node between successive calls, against the current mode's CPU quota."""
+
+    def __init__(self, node: EmulatedNode) -> None:
+        self.node = node
+        self.last = (time.monotonic(), node.cpu_usage_s())
+
+    def sample(self) -> List[float]:
+        """[CPUs busy, utilisation in 0..1] since the previous sample."""
+        now, used = time.monotonic(), self.node.cpu_usage_s()
+        wall = max(1e-6, now - self.last[0])
+        busy_cpus = max(0.0, used - self.last[1]) / wall
+        self.last = (now, used)
+        mode = self.node.power_mode()
+        quota = mode.cpus if mode is not None else 1.0
+        return [busy_cpus, min(1.0, busy_cpus / quota)]
+
+
+def online_cores(total_cores: int, node: EmulatedNode, mode: Optional[PowerMode]) -> int:
+    """Cores a power mode keeps online, in proportion to its CPU quota against the largest mode's."""
+    if mode is None or not node.power_modes:
+        return total_cores
+    largest = max(m.cpus for m in node.power_modes)
+    return max(1, min(total_cores, round(total_cores * mode.cpus / largest)))
+
+
+def clocks_pinned_file(node: EmulatedNode) -> str:
+    """Where the stand-in jetson_clocks records whether clocks are pinned at their maximum."""
+    return os.path.join(os.path.dirname(node.power_mode_file), "clocks_pinned")
+
+
+def clocks_pinned(node: EmulatedNode) -> bool:
+    try:
+        with open(clocks_pinned_file(node)) as f:
+            return f.read().strip() == "1"
+    except FileNotFoundError:
+        return False
+
+
+def set_clocks_pinned(node: EmulatedNode, pinned: bool) -> None:
+    with open(clocks_pinned_file(node), "w") as f:
+        f.write("1\n" if pinned else "0\n")

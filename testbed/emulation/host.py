@@ -1,0 +1,196 @@
+"""Changes to this host made by the emulated testbed, each journaled before it is made, and their undo.
+
+Everything goes through the ``ip`` command (iproute2), so the commands are the ones a user would
+type and appear verbatim in errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from nodes.emulated.cgroup import CpuCgroup
+from testbed.emulation.journal import Journal, JournalEntry
+from testbed.errors import TestbedError
+
+STOP_GRACE_S = 3.0
+GONE_WAIT_S = 10.0
+# down removes processes first, then what they live in, then the links between nodes.
+UNDO_PHASES = ("process", "cgroup", "veth", "netns", "bridge")
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    if check and proc.returncode != 0:
+        raise TestbedError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip() or proc.returncode}")
+    return proc
+
+
+def link_exists(name: str) -> bool:
+    return Path("/sys/class/net", name).exists()
+
+
+def netns_exists(name: str) -> bool:
+    return Path("/run/netns", name).exists()
+
+
+def netns_pids(name: str) -> list[int]:
+    if not netns_exists(name):
+        return []
+    proc = ip("netns", "pids", name, check=False)
+    return [int(p) for p in proc.stdout.split() if p.isdigit()]
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When a live process started (field 22 of /proc/PID/stat): tells a pid from a recycled one.
+    None when there is no such process, or only its zombie (ended, waiting for its parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _signal(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _wait_gone(alive: Callable[[], object], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while alive():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def end_processes(pids_now: Callable[[], list[int]]) -> None:
+    """TERM what ``pids_now()`` lists, then KILL what is left after a grace period."""
+    pids = pids_now()
+    if not pids:
+        return
+    _signal(pids, signal.SIGTERM)
+    if not _wait_gone(pids_now, STOP_GRACE_S):
+        _signal(pids_now(), signal.SIGKILL)
+        _wait_gone(pids_now, GONE_WAIT_S)
+
+
+class HostChanges:
+    """Makes changes under one name prefix, journaling each before making it."""
+
+    def __init__(self, journal: Journal, prefix: str) -> None:
+        self.journal = journal
+        self.prefix = prefix
+
+    def _ours(self, name: str) -> None:
+        if not name.startswith(self.prefix):
+            raise TestbedError(f"refusing to touch {name!r}: it does not carry the testbed prefix {self.prefix!r}")
+
+    def bridge(self, name: str) -> None:
+        self._ours(name)
+        self.journal.record("bridge", name)
+        ip("link", "add", name, "type", "bridge")
+        ip("link", "set", name, "up")
+
+    def netns(self, name: str) -> None:
+        self._ours(name)
+        self.journal.record("netns", name)
+        ip("netns", "add", name)
+        ip("-n", name, "link", "set", "lo", "up")
+
+    def veth_into(self, host_name: str, bridge: str, netns: str, inner_name: str, address: str, prefixlen: int) -> None:
+        """A veth pair: ``host_name`` on ``bridge``, ``inner_name`` with ``address`` inside ``netns``."""
+        self._ours(host_name)
+        self.journal.record("veth", host_name, netns=netns)
+        ip("link", "add", host_name, "type", "veth", "peer", "name", inner_name, "netns", netns)
+        ip("link", "set", host_name, "master", bridge, "up")
+        ip("-n", netns, "addr", "add", f"{address}/{prefixlen}", "dev", inner_name)
+        ip("-n", netns, "link", "set", inner_name, "up")
+
+    def cgroup(self, name: str, cpus: float | None) -> CpuCgroup:
+        self._ours(name)
+        self.journal.record("cgroup", name)
+        group = CpuCgroup(name)
+        group.create()
+        if cpus is not None:
+            group.set_quota_cpus(cpus)
+        return group
+
+    def process(self, pid: int, label: str) -> None:
+        """Record a process that was just started (a pid is only known after the start)."""
+        self.journal.record("process", label, pid=pid, start_ticks=process_start_ticks(pid))
+
+
+def undo(entries: list[JournalEntry], prefix: str) -> list[str]:
+    """Remove everything in ``entries`` that still exists; return what could not be removed."""
+    problems: list[str] = []
+    _undo_processes([e for e in entries if e.kind == "process"])
+    for phase in UNDO_PHASES[1:]:
+        for entry in reversed([e for e in entries if e.kind == phase]):
+            if phase != "process" and not entry.name.startswith(prefix):
+                problems.append(f"skipped {entry.kind} {entry.name!r}: not under the prefix {prefix!r}")
+                continue
+            try:
+                _UNDO[phase](entry)
+            except (OSError, TestbedError) as exc:
+                problems.append(f"{entry.kind} {entry.name}: {exc}")
+    return problems
+
+
+def _undo_processes(entries: list[JournalEntry]) -> None:
+    """End the recorded processes that still run as the same process (same pid and start time)."""
+    recorded = [(e.details.get("pid"), e.details.get("start_ticks")) for e in entries]
+
+    def still_ours() -> list[int]:
+        return [
+            pid
+            for pid, ticks in recorded
+            if isinstance(pid, int) and ticks is not None and process_start_ticks(pid) == ticks
+        ]
+
+    end_processes(still_ours)
+
+
+def _undo_cgroup(entry: JournalEntry) -> None:
+    group = CpuCgroup(entry.name)
+    if not any(os.path.isdir(d) for d in group.directories):
+        return
+    end_processes(group.pids)  # processes started over SSH on the node
+    deadline = time.monotonic() + GONE_WAIT_S
+    while True:
+        try:
+            group.remove()
+            return
+        except OSError:  # busy until the last task has been reaped
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _undo_link(entry: JournalEntry) -> None:
+    if link_exists(entry.name):
+        ip("link", "del", entry.name, check=False)
+    if not _wait_gone(lambda: link_exists(entry.name), GONE_WAIT_S):
+        raise TestbedError(f"interface {entry.name} is still there after `ip link del`")
+
+
+def _undo_netns(entry: JournalEntry) -> None:
+    end_processes(lambda: netns_pids(entry.name))
+    if netns_exists(entry.name):
+        ip("netns", "del", entry.name)
+
+
+_UNDO = {
+    "cgroup": _undo_cgroup,
+    "veth": _undo_link,
+    "netns": _undo_netns,
+    "bridge": _undo_link,
+}

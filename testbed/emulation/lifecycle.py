@@ -1,0 +1,348 @@
+"""``testbed emulate up``, ``down`` and ``status``.
+
+``up`` journals every change before making it (see :mod:`testbed.emulation.journal`) and writes
+the resolved inventory last: its presence means the testbed is up. ``down`` undoes the journal,
+which also cleans up after an ``up`` that was killed halfway.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from nodes.emulated.cgroup import CpuCgroup, cgroup_version
+from testbed.emulation import host
+from testbed.emulation.journal import Journal
+from testbed.emulation.node_files import NodeFiles, write_node_tools
+from testbed.emulation.plan import NODE_DATA_INTERFACE, NODE_MGMT_INTERFACE, EmulationPlan, plan_emulation
+from testbed.emulation.resolved import RESOLVED_NAME, NodeAccess, source_digest, write_resolved_inventory
+from testbed.errors import TestbedError
+from testbed.inventory import Inventory, load_inventory
+from testbed.sshd_server import SshdServer, SshKeys, free_port, login_user
+
+MODES = ("netns", "local")
+SSHD_READY_S = 20.0
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    node: str
+    mode: str
+    address: str
+    data_address: str
+    power_mode: str
+    cpu_quota: str
+    sshd: bool
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class EmulationStatus:
+    state_dir: Path
+    running: bool
+    mode: str | None
+    nodes: tuple[NodeHealth, ...]
+    leftovers: int  # journal entries of a testbed that is not (fully) up
+
+    @property
+    def ok(self) -> bool:
+        return self.running and all(n.ok for n in self.nodes)
+
+
+@contextmanager
+def _locked(state_dir: Path) -> Iterator[None]:
+    """One ``up`` or ``down`` at a time per state directory."""
+    state_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(state_dir.parent / f".{state_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _journal(plan: EmulationPlan) -> Journal:
+    return Journal(plan.state_dir / "journal.jsonl")
+
+
+def up(inventory: Inventory, *, mode: str = "netns", say: Say = print) -> EmulationStatus:
+    plan = plan_emulation(inventory)
+    if mode not in MODES:
+        raise TestbedError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+    if mode == "netns":
+        _require_netns_host(plan)
+    with _locked(plan.state_dir):
+        journal = _journal(plan)
+        if journal.exists():
+            current = status(inventory)
+            if current.ok and current.mode == mode and _built_from(plan, inventory):
+                say(f"already up ({mode} mode, {len(current.nodes)} nodes); state in {plan.state_dir}")
+                return current
+            say(f"removing what an earlier `up` left in {plan.state_dir} ({len(journal.entries())} records)")
+            _teardown(plan, journal, say)
+        if mode == "netns":
+            _check_names_free(plan)
+        plan.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        started = time.monotonic()
+        try:
+            access = _build_netns(plan, journal, say) if mode == "netns" else _build_local(plan, journal, say)
+            keys = _keys(plan)
+            write_resolved_inventory(
+                inventory,
+                plan.state_dir,
+                mode=mode,
+                access=access,
+                identity_file=keys.client_key,
+                known_hosts=keys.known_hosts,
+            )
+        except BaseException:
+            say("`up` failed: removing what it made")
+            _teardown(plan, journal, say)
+            raise
+        say(f"{len(plan.nodes)} emulated nodes up in {time.monotonic() - started:.1f} s ({mode} mode)")
+    return status(inventory)
+
+
+def _built_from(plan: EmulationPlan, inventory: Inventory) -> bool:
+    path = plan.state_dir / RESOLVED_NAME
+    if not path.exists():
+        return False
+    instance = load_inventory(path).spec.emulation.instance
+    return instance is not None and instance.source_digest == source_digest(inventory)
+
+
+def _require_netns_host(plan: EmulationPlan) -> None:
+    if os.geteuid() != 0:
+        raise TestbedError(
+            f"the emulated testbed needs root for network namespaces, veths and CPU cgroups (you are uid "
+            f"{os.geteuid()}). Run it as root, or use `testbed emulate up --mode local`: nodes become sshd "
+            "processes on 127.0.0.1, with no network isolation, no link shaping and no CPU quotas"
+        )
+    if cgroup_version() is None:
+        raise TestbedError(
+            "no cgroup cpu controller on this host (needed for power-mode CPU quotas); see `testbed doctor`, "
+            "or use `testbed emulate up --mode local`"
+        )
+
+
+def _check_names_free(plan: EmulationPlan) -> None:
+    """Refuse to build over interfaces, namespaces or subnets that are not ours."""
+    taken = [b for b in (plan.mgmt_bridge, plan.data_bridge) if host.link_exists(b)]
+    for node in plan.nodes:
+        taken += [v for v in (node.host_mgmt_veth, node.host_data_veth) if host.link_exists(v)]
+        taken += [f"namespace {node.netns}" for _ in [0] if host.netns_exists(node.netns)]
+        if CpuCgroup(node.cgroup).exists():
+            taken.append(f"cgroup {node.cgroup}")
+    if taken:
+        raise TestbedError(
+            f"{', '.join(taken)} already exist(s) and {plan.state_dir} has no record of making them; "
+            "choose another emulation.name_prefix in the inventory (or remove them if they are yours)"
+        )
+    routes = json.loads(host.ip("-j", "-4", "route", "show", "table", "all").stdout or "[]")
+    for route in routes:
+        dst = route.get("dst", "")
+        if dst in ("", "default") or ("/" not in dst and not dst[0].isdigit()):
+            continue
+        try:
+            net = ipaddress.ip_network(dst if "/" in dst else f"{dst}/32", strict=False)
+        except ValueError:
+            continue
+        for field, ours in (("management_subnet", plan.mgmt_network), ("data_subnet", plan.data_network)):
+            if net.version == 4 and net.overlaps(ours) and net.prefixlen > 0:
+                raise TestbedError(
+                    f"emulation.{field} {ours} overlaps {dst} (dev {route.get('dev', '?')}) on this host; "
+                    "choose a free subnet in the inventory"
+                )
+
+
+def _keys(plan: EmulationPlan) -> SshKeys:
+    return SshKeys.create(plan.state_dir / "keys")
+
+
+def _build_netns(plan: EmulationPlan, journal: Journal, say: Say) -> dict[str, NodeAccess]:
+    changes = host.HostChanges(journal, plan.prefix)
+    keys = _keys(plan)
+    write_node_tools(plan.state_dir, keys)
+    changes.bridge(plan.mgmt_bridge)
+    host.ip("addr", "add", f"{plan.host_mgmt_address}/{plan.mgmt_network.prefixlen}", "dev", plan.mgmt_bridge)
+    changes.bridge(plan.data_bridge)
+    servers = []
+    for node in plan.nodes:
+        changes.netns(node.netns)
+        changes.veth_into(
+            node.host_mgmt_veth,
+            plan.mgmt_bridge,
+            node.netns,
+            NODE_MGMT_INTERFACE,
+            node.mgmt_address,
+            plan.mgmt_network.prefixlen,
+        )
+        changes.veth_into(
+            node.host_data_veth,
+            plan.data_bridge,
+            node.netns,
+            NODE_DATA_INTERFACE,
+            node.data_address,
+            plan.data_network.prefixlen,
+        )
+        initial = node.initial_power_mode
+        group = changes.cgroup(node.cgroup, initial.cpus if initial else None)
+        files = NodeFiles(plan.state_dir, node)
+        mode = "netns"
+        files.create(mode=mode, cgroup=node.cgroup)
+        server = SshdServer(
+            keys,
+            address=node.mgmt_address,
+            port=22,
+            name=node.name,
+            environment=files.environment(mode),
+            host_key=files.host_key,
+            files_dir=files.directory,
+            netns=node.netns,
+            hostname=node.name,
+            cgroup=group,
+            detached=True,
+        )
+        changes.process(server.launch(), f"sshd {node.name}")
+        servers.append(server)
+    _wait_all(servers)
+    return {
+        n.name: NodeAccess(n.mgmt_address, 22, login_user(), NODE_DATA_INTERFACE, n.data_address) for n in plan.nodes
+    }
+
+
+def _build_local(plan: EmulationPlan, journal: Journal, say: Say) -> dict[str, NodeAccess]:
+    say("local mode: nodes are sshd processes on 127.0.0.1 (no isolation, no link shaping, no CPU quotas)")
+    changes = host.HostChanges(journal, plan.prefix)
+    keys = _keys(plan)
+    write_node_tools(plan.state_dir, keys)
+    servers, access = [], {}
+    for node in plan.nodes:
+        files = NodeFiles(plan.state_dir, node)
+        mode = "local"
+        files.create(mode=mode, cgroup=None)
+        port = free_port()
+        server = SshdServer(
+            keys,
+            address="127.0.0.1",
+            port=port,
+            name=node.name,
+            environment=files.environment(mode),
+            host_key=files.host_key,
+            files_dir=files.directory,
+            detached=True,
+        )
+        pid = server.launch()
+        changes.process(pid, f"sshd {node.name}")
+        files.write_config(mode="local", cgroup=None, cpu_root_pid=pid)
+        servers.append(server)
+        access[node.name] = NodeAccess("127.0.0.1", port, login_user(), "lo", "127.0.0.1")
+    _wait_all(servers)
+    return access
+
+
+def _wait_all(servers: list[SshdServer]) -> None:
+    for server in servers:
+        server.wait_ready(SSHD_READY_S)
+
+
+def down(inventory: Inventory, *, say: Say = print) -> list[str]:
+    """Remove everything ``up`` made (idempotent); return what could not be removed."""
+    plan = plan_emulation(inventory)
+    with _locked(plan.state_dir):
+        journal = _journal(plan)
+        if not journal.exists():
+            if plan.state_dir.exists():
+                shutil.rmtree(plan.state_dir)
+            say(f"nothing to remove: no emulated testbed recorded in {plan.state_dir}")
+            return []
+        return _teardown(plan, journal, say)
+
+
+def _teardown(plan: EmulationPlan, journal: Journal, say: Say) -> list[str]:
+    entries = journal.entries()
+    started = time.monotonic()
+    problems = host.undo(entries, plan.prefix)
+    if problems:
+        for p in problems:
+            say(f"could not remove {p}")
+        say(f"kept {plan.state_dir} (its journal lists what is left); fix the above and run down again")
+        return problems
+    shutil.rmtree(plan.state_dir, ignore_errors=True)
+    say(f"removed {len(entries)} recorded objects in {time.monotonic() - started:.1f} s")
+    return []
+
+
+def status(inventory: Inventory) -> EmulationStatus:
+    plan = plan_emulation(inventory)
+    journal = _journal(plan)
+    resolved = plan.state_dir / RESOLVED_NAME
+    if not resolved.exists():
+        return EmulationStatus(plan.state_dir, False, None, (), len(journal.entries()))
+    running = load_inventory(resolved)
+    instance = running.spec.emulation.instance
+    mode = instance.mode if instance else None
+    sshd_pids = {e.name.split(" ", 1)[1]: e.details for e in journal.entries() if e.kind == "process"}
+    nodes = []
+    for node_plan in plan.nodes:
+        node = running.node(node_plan.name)
+        target = running.ssh_target(node)
+        problems = []
+        details = sshd_pids.get(node.name, {})
+        pid = details.get("pid")
+        sshd_alive = isinstance(pid, int) and host.process_start_ticks(pid) == details.get("start_ticks")
+        if not sshd_alive:
+            problems.append("sshd is not running")
+        elif not _accepts(target.host, target.port):
+            problems.append(f"sshd does not accept connections on {target.host}:{target.port}")
+        quota = "not enforced (local mode)"
+        if mode == "netns":
+            for what, ok in (
+                (f"namespace {node_plan.netns}", host.netns_exists(node_plan.netns)),
+                (f"veth {node_plan.host_mgmt_veth}", host.link_exists(node_plan.host_mgmt_veth)),
+                (f"veth {node_plan.host_data_veth}", host.link_exists(node_plan.host_data_veth)),
+            ):
+                if not ok:
+                    problems.append(f"{what} is missing")
+            group = CpuCgroup(node_plan.cgroup)
+            if group.exists():
+                cpus = group.quota_cpus()
+                quota = "unlimited" if cpus is None else f"{cpus:g} CPUs"
+            else:
+                problems.append(f"cgroup {node_plan.cgroup} is missing")
+                quota = "?"
+        files = NodeFiles(plan.state_dir, node_plan)
+        mode_id = files.power_mode.read_text().strip() if files.power_mode.exists() else ""
+        names = {str(m.id): m.name for m in node_plan.power_modes}
+        nodes.append(
+            NodeHealth(
+                node=node.name,
+                mode=mode or "?",
+                address=f"{target.host}:{target.port}",
+                data_address=f"{node.data.interface} {node.data.address}" if node.data else "",
+                power_mode=f"{mode_id} {names.get(mode_id, '')}".strip(),
+                cpu_quota=quota,
+                sshd=sshd_alive,
+                problems=tuple(problems),
+            )
+        )
+    return EmulationStatus(plan.state_dir, True, mode, tuple(nodes), 0)
+
+
+def _accepts(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=1.0):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,122 @@
+"""Files an emulated node lives on: its home, host key, stand-in configuration, power-mode state,
+the stand-in Jetson tools on its PATH, and the board files (``/etc/nv_tegra_release``,
+``/proc/device-tree/model``) under a stand-in root that node-side readers honour.
+
+Nodes share the controller's file system and Python environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+from nodes.emulated import boards
+from nodes.emulated.node import CONFIG_VARIABLE, STANDIN_ROOT_VARIABLE
+from testbed.emulation.plan import NODE_DATA_INTERFACE as DATA_INTERFACE
+from testbed.emulation.plan import EmulatedNodePlan
+from testbed.sshd_server import SshKeys, generate_key
+
+REPO = Path(__file__).resolve().parents[2]
+JETSON_TOOLS = {
+    "nvpmodel": "nodes.emulated.nvpmodel",
+    "jetson_clocks": "nodes.emulated.jetson_clocks",
+    "tegrastats": "nodes.emulated.tegrastats",
+}
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _write_executable(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def write_node_tools(state_dir: Path, keys: SshKeys) -> None:
+    """Tools on the nodes' PATH: the stand-in Jetson tools (run with this Python), and an ``ssh``
+    that trusts the other nodes, as in a lab whose nodes share keys (mpiexec launches ranks with it)."""
+    for tool, module in JETSON_TOOLS.items():
+        _write_executable(
+            state_dir / "bin-jetson" / tool,
+            "#!/bin/sh\n"
+            f"# Stand-in for NVIDIA's {tool}, written by `testbed emulate up` (hil-testbed).\n"
+            f"PYTHONPATH='{REPO}' exec '{sys.executable}' -m {module} \"$@\"\n",
+        )
+    config = keys.directory / "ssh_config"
+    config.write_text(
+        "Host *\n"
+        f"  IdentityFile {keys.client_key}\n"
+        f"  UserKnownHostsFile {keys.known_hosts}\n"
+        "  StrictHostKeyChecking yes\n"
+        "  BatchMode yes\n"
+    )
+    ssh = shutil.which("ssh") or "/usr/bin/ssh"
+    _write_executable(
+        state_dir / "bin-node" / "ssh",
+        "#!/bin/sh\n# ssh between emulated nodes, with the testbed's keys (hil-testbed).\n"
+        f'exec {ssh} -F {config} "$@"\n',
+    )
+
+
+class NodeFiles:
+    def __init__(self, state_dir: Path, node: EmulatedNodePlan) -> None:
+        self.node = node
+        self.directory = state_dir / "nodes" / node.name
+        self.home = self.directory / "home"
+        self.host_key = self.directory / "host_ed25519"
+        self.config = self.directory / "node.json"
+        self.power_mode = self.directory / "power_mode"
+        self.standin_root = self.directory / "root"
+        self.jetson_bin = state_dir / "bin-jetson"
+        self.node_bin = state_dir / "bin-node"
+
+    def create(self, *, mode: str, cgroup: str | None) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        generate_key(self.host_key)
+        initial = self.node.initial_power_mode
+        self.power_mode.write_text(f"{initial.id}\n" if initial else "")
+        if self.node.kind == "jetson":
+            board = boards.board_for(self.node.model)
+            release = self.standin_root / "etc" / "nv_tegra_release"
+            model = self.standin_root / "proc" / "device-tree" / "model"
+            release.parent.mkdir(parents=True, exist_ok=True)
+            model.parent.mkdir(parents=True, exist_ok=True)
+            release.write_text(board.nv_tegra_release + "\n")
+            model.write_bytes(board.device_tree_model.encode() + b"\0")  # NUL-terminated, as in the device tree
+        self.write_config(mode=mode, cgroup=cgroup, cpu_root_pid=None)
+
+    def write_config(self, *, mode: str, cgroup: str | None, cpu_root_pid: int | None) -> None:
+        """What the stand-in tools read: the board, power modes, and where the node's CPU time is."""
+        config = {
+            "node": self.node.name,
+            "kind": self.node.kind,
+            "model": self.node.model,
+            "mode": mode,
+            "cgroup": cgroup,
+            "cpu_root_pid": cpu_root_pid,
+            "power_mode_file": str(self.power_mode),
+            "power_modes": [m.model_dump() for m in self.node.power_modes],
+        }
+        tmp = self.config.with_suffix(".tmp")
+        tmp.write_text(json.dumps(config, indent=1) + "\n")
+        os.replace(tmp, self.config)
+
+    def environment(self, mode: str) -> dict[str, str]:
+        """What every SSH session on the node starts with."""
+        python_bin = str(Path(sys.executable).parent)
+        path = [str(self.node_bin), python_bin, SYSTEM_PATH]
+        env = {"HOME": str(self.home), CONFIG_VARIABLE: str(self.config)}
+        if mode == "netns":
+            # Nodes share one kernel, so MPI would pass messages between them through shared memory;
+            # on separate boards they cross the network. Keep MPI (UCX or libfabric) on the data plane.
+            env.update(
+                UCX_TLS="tcp,self", UCX_NET_DEVICES=DATA_INTERFACE, FI_PROVIDER="tcp", FI_TCP_IFACE=DATA_INTERFACE
+            )
+        if self.node.kind == "jetson":
+            path.insert(0, str(self.jetson_bin))
+            env[STANDIN_ROOT_VARIABLE] = str(self.standin_root)
+        env["PATH"] = ":".join(path)
+        return env

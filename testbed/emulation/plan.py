@@ -1,0 +1,116 @@
+"""Names and addresses of everything the emulated testbed creates, derived from the inventory alone.
+
+Kernel names carry the inventory's ``emulation.name_prefix`` so that ``down`` can tell ours from
+the host's; interface names stay within Linux's 15 characters by using the node's index.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from testbed.errors import TestbedError
+from testbed.inventory import EmulatedPowerMode, Inventory
+
+NODE_MGMT_INTERFACE = "mgmt0"
+NODE_DATA_INTERFACE = "data0"
+RUN_ROOT = Path("/run/hil-testbed")
+
+
+@dataclass(frozen=True)
+class EmulatedNodePlan:
+    name: str
+    kind: str
+    model: str
+    index: int
+    netns: str
+    cgroup: str
+    host_mgmt_veth: str
+    host_data_veth: str
+    mgmt_address: str
+    data_address: str
+    power_modes: tuple[EmulatedPowerMode, ...]
+    initial_mode: int | None
+
+    @property
+    def initial_power_mode(self) -> EmulatedPowerMode | None:
+        """The mode the node starts in: ``initial_mode``, else the first listed."""
+        for mode in self.power_modes:
+            if mode.id == self.initial_mode:
+                return mode
+        return self.power_modes[0] if self.power_modes else None
+
+
+@dataclass(frozen=True)
+class EmulationPlan:
+    prefix: str
+    state_dir: Path
+    mgmt_bridge: str
+    data_bridge: str
+    mgmt_network: ipaddress.IPv4Network
+    data_network: ipaddress.IPv4Network
+    host_mgmt_address: str
+    nodes: tuple[EmulatedNodePlan, ...]
+
+    def node(self, name: str) -> EmulatedNodePlan:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+
+def default_state_dir(prefix: str) -> Path:
+    """``/run/hil-testbed/<prefix>`` for root (gone at reboot, like the namespaces); else per user."""
+    if os.geteuid() == 0:
+        return RUN_ROOT / prefix
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/hil-testbed-{os.geteuid()}"
+    return Path(runtime) / "hil-testbed" / prefix
+
+
+def state_dir_of(inventory: Inventory) -> Path:
+    configured = inventory.spec.emulation.state_dir
+    if configured is None:
+        return default_state_dir(inventory.spec.emulation.name_prefix)
+    path = Path(configured).expanduser()
+    return path if path.is_absolute() else (inventory.path.parent / path).resolve()
+
+
+def plan_emulation(inventory: Inventory) -> EmulationPlan:
+    emulation = inventory.spec.emulation
+    prefix = emulation.name_prefix
+    emulated = [n for n in inventory.nodes if n.emulated is not None]
+    if not emulated:
+        raise TestbedError(f"{inventory.path}: no node has an 'emulated:' section; nothing to emulate")
+    mgmt_hosts = list(emulation.management_subnet.hosts())
+    data_hosts = list(emulation.data_subnet.hosts())
+    nodes = []
+    for index, node in enumerate(emulated):
+        assert node.emulated is not None
+        nodes.append(
+            EmulatedNodePlan(
+                name=node.name,
+                kind=node.kind,
+                model=node.model,
+                index=index,
+                netns=f"{prefix}-{node.name}",
+                cgroup=f"{prefix}-{node.name}",
+                host_mgmt_veth=f"{prefix}{index}m",
+                host_data_veth=f"{prefix}{index}d",
+                mgmt_address=str(mgmt_hosts[index + 1]),
+                data_address=str(data_hosts[index + 1]),
+                power_modes=node.emulated.power_modes,
+                initial_mode=node.emulated.initial_mode,
+            )
+        )
+    return EmulationPlan(
+        prefix=prefix,
+        state_dir=state_dir_of(inventory),
+        mgmt_bridge=f"{prefix}-mgmt",
+        data_bridge=f"{prefix}-data",
+        mgmt_network=emulation.management_subnet,
+        data_network=emulation.data_subnet,
+        host_mgmt_address=str(mgmt_hosts[0]),
+        nodes=tuple(nodes),
+    )

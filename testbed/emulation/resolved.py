@@ -1,0 +1,121 @@
+"""The resolved inventory: the user's inventory with the addresses, keys and data interfaces that
+``testbed emulate up`` gave its emulated nodes, written into the state directory. Every command
+that loads an inventory through :func:`load_lab` uses it while the emulated testbed runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ruamel.yaml import YAML
+
+from testbed.emulation.plan import state_dir_of
+from testbed.errors import TestbedError
+from testbed.inventory import Inventory, load_inventory
+from testbed.yaml_source import YamlSource
+
+RESOLVED_NAME = "inventory.yaml"
+HEADER = (
+    "# Written by `testbed emulate up` from {source}; do not edit (it is rewritten at every `up`).\n"
+    "# The emulated nodes' addresses, SSH keys and data interfaces are filled in.\n"
+)
+
+
+@dataclass(frozen=True)
+class NodeAccess:
+    """How the controller reaches one emulated node, and its data-plane interface."""
+
+    address: str
+    port: int
+    user: str
+    data_interface: str
+    data_address: str
+
+
+def source_digest(inventory: Inventory) -> str:
+    """A digest of what ``up`` builds from (nodes and emulation settings, not links or profiles)."""
+    spec = inventory.spec
+    payload = {
+        "nodes": [n.model_dump(mode="json") for n in spec.nodes],
+        "emulation": spec.emulation.model_dump(mode="json", exclude={"instance"}),
+        "defaults": spec.defaults.model_dump(mode="json"),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def write_resolved_inventory(
+    inventory: Inventory,
+    state_dir: Path,
+    *,
+    mode: str,
+    access: dict[str, NodeAccess],
+    identity_file: Path,
+    known_hosts: Path,
+) -> Path:
+    """Write the resolved inventory atomically (its presence means ``up`` finished)."""
+    data = YamlSource.load(inventory.path).data
+    emulation = data.setdefault("emulation", {})
+    emulation["state_dir"] = str(state_dir)
+    emulation["instance"] = {
+        "mode": mode,
+        "source": str(inventory.path.resolve()),
+        "source_digest": source_digest(inventory),
+    }
+    if mode == "local":
+        data.setdefault("defaults", {})["sudo"] = False  # local nodes run as the user, never via sudo
+    for node in data["nodes"]:
+        a = access.get(str(node["name"]))
+        if a is None:
+            continue
+        node["address"] = a.address
+        node["ssh"] = {
+            "user": a.user,
+            "port": a.port,
+            "identity_file": str(identity_file),
+            "known_hosts": str(known_hosts),
+        }
+        node["data"] = {"interface": a.data_interface, "address": a.data_address}
+    yaml = YAML(typ="rt")
+    yaml.width = 120
+    text = io.StringIO()
+    yaml.dump(data, text)
+    path = state_dir / RESOLVED_NAME
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(HEADER.format(source=inventory.path) + text.getvalue())
+    os.replace(tmp, path)
+    return path
+
+
+def resolved_path(inventory: Inventory) -> Path:
+    return state_dir_of(inventory) / RESOLVED_NAME
+
+
+def load_lab(path: str | Path) -> Inventory:
+    """Load an inventory for use: while the emulated testbed built from it runs, its resolved form.
+
+    Raises :class:`TestbedError` (exit status 2) when the inventory's nodes changed since ``up``.
+    """
+    inventory = load_inventory(path)
+    if inventory.spec.emulation.instance is not None or not any(n.emulated for n in inventory.nodes):
+        return inventory
+    resolved = resolved_path(inventory)
+    if not resolved.exists():
+        return inventory  # not running: commands that need the nodes say so
+    running = load_inventory(resolved)
+    instance = running.spec.emulation.instance
+    if instance is None or Path(instance.source) != inventory.path.resolve():
+        raise TestbedError(
+            f"{resolved} belongs to another inventory ({instance.source if instance else 'unknown'}); "
+            f"give that one with -i, or set emulation.name_prefix or emulation.state_dir in {inventory.path}"
+        )
+    if instance.source_digest != source_digest(inventory):
+        raise TestbedError(
+            f"{inventory.path} changed (nodes, defaults or emulation) since `testbed emulate up`; "
+            f"run `testbed emulate down -i {inventory.path}` and `up` again"
+        )
+    return running
