@@ -58,6 +58,8 @@ def _to_json(value: Any) -> Any:
         return [_to_json(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, Path):
+        return str(value)
     return value
 
 

@@ -247,7 +247,8 @@ def _build_local(plan: EmulationPlan, journal: Journal, say: Say) -> dict[str, N
         changes.process(pid, f"sshd {node.name}")
         files.write_config(mode="local", cgroup=None, cpu_root_pid=pid)
         servers.append(server)
-        access[node.name] = NodeAccess("127.0.0.1", port, login_user(), "lo", "127.0.0.1")
+        # A loopback address of its own on the data plane, so that each node is told apart there.
+        access[node.name] = NodeAccess("127.0.0.1", port, login_user(), "lo", f"127.0.2.{node.index + 2}")
     _wait_all(servers)
     return access
 
