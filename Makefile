@@ -9,6 +9,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SYSTEM_PACKAGES := openssh-server iperf3 iproute2
 PYTEST_ARGS ?=
+# Network namespaces need root; without it the demo runs the emulated nodes as local processes.
+EMULATE_MODE := $(if $(filter 0,$(shell id -u)),,--mode local)
 
 .PHONY: demo test lint bench system-packages venv clean
 
@@ -29,6 +31,10 @@ demo: $(STAMP) system-packages
 	$(BIN)/testbed inventory show -i inventory.yaml
 	@echo "== facts of this machine, gathered as from any node"
 	$(BIN)/testbed inventory check -i examples/inventories/controller.yaml
+	@echo "== the emulated testbed: a namespace, an sshd and a CPU quota per node (local mode without root)"
+	$(BIN)/testbed emulate up -i inventory.yaml $(EMULATE_MODE)
+	@$(BIN)/testbed inventory check -i inventory.yaml; status=$$?; \
+	  $(BIN)/testbed emulate down -i inventory.yaml; exit $$status
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -39,6 +45,7 @@ test: $(STAMP) system-packages lint
 
 bench: $(STAMP) system-packages
 	$(BIN)/python bench/fanout.py
+	$(BIN)/python bench/emulate.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

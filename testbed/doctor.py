@@ -65,6 +65,15 @@ def check_host() -> list[Capability]:
     )
     caps += _kernel_capabilities(root)
     caps.append(_cgroup_cpu(root))
+    missing = [tool for tool in ("nsenter", "unshare") if shutil.which(tool) is None]
+    caps.append(
+        Capability(
+            "nsenter/unshare",
+            not missing,
+            "util-linux: " + ("found" if not missing else f"missing {', '.join(missing)} (apt-get install util-linux)"),
+            "starting each node's sshd in its namespaces",
+        )
+    )
     sshd = next((p for p in SSHD_CANDIDATES if os.access(p, os.X_OK)), None)
     caps.append(
         Capability(
