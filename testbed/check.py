@@ -15,7 +15,7 @@ from testbed.transport import open_transport, usb_host_transport
 
 def check_node(inventory: Inventory, node: NodeSpec) -> NodeFacts:
     if node.emulated is not None and node.address is None:
-        raise NodeError(node.name, "emulated node without an address: the emulated testbed is not running")
+        raise NodeError(node.name, "the emulated testbed is not running; start it with `testbed emulate up`")
     if node.kind == "android":
         with usb_host_transport(inventory, node) as host:
             return gather_phone_facts(inventory, node, host)

@@ -90,7 +90,8 @@ def up(inventory: Inventory, *, mode: str = "netns", say: Say = print) -> Emulat
                 say(f"already up ({mode} mode, {len(current.nodes)} nodes); state in {plan.state_dir}")
                 return current
             say(f"removing what an earlier `up` left in {plan.state_dir} ({len(journal.entries())} records)")
-            _teardown(plan, journal, say)
+            if _teardown(plan, journal, say):
+                raise TestbedError(f"could not remove the leftovers of an earlier `up`; see {journal.path}")
         if mode == "netns":
             _check_names_free(plan)
         plan.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
