@@ -34,6 +34,7 @@ def test_doctor_reports_each_capability_and_leaves_no_trace():
         "ifb",
         "netem",
         "cgroup-cpu",
+        "nsenter/unshare",
         "sshd",
         "iperf3",
         "mpiexec",
