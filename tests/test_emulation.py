@@ -60,6 +60,21 @@ def ours_left(prefix: str) -> list[str]:
     return left
 
 
+def processes_under(directory: Path) -> list[int]:
+    """Live processes whose command line names a file under ``directory`` (a node's sshd)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(directory) in (entry / "cmdline").read_bytes().decode(errors="replace") and alive(
+                    int(entry.name)
+                ):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 def node_pids(state_dir: Path) -> list[int]:
     return [e.details["pid"] for e in Journal(state_dir / "journal.jsonl").entries() if e.kind == "process"]
 
@@ -277,7 +292,7 @@ def test_down_cleans_up_after_up_was_killed_halfway(tmp_path):
     assert status.returncode == 1 and "not running" in status.stdout
     down = run_cli("emulate", "down", "-i", str(path))
     assert down.returncode == 0, down.stderr
-    assert ours_left("tk") == []
+    assert ours_left("tk") == [] and processes_under(tmp_path) == []
 
 
 def test_up_refuses_names_it_did_not_create_and_leaves_them(tmp_path):
@@ -323,7 +338,7 @@ def test_local_mode_runs_nodes_as_sshd_on_loopback(tmp_path):
         assert status["mode"] == "local" and {n["cpu_quota"] for n in status["nodes"]} == {"not enforced (local mode)"}
     finally:
         assert run_cli("emulate", "down", "-i", str(path)).returncode == 0
-    assert not (tmp_path / "state").exists()
+    assert not (tmp_path / "state").exists() and processes_under(tmp_path) == []
 
 
 def test_without_root_up_explains_and_offers_local_mode():
@@ -363,3 +378,21 @@ def test_thirty_nodes_come_up_in_under_a_minute_and_check_green(tmp_path):
     finally:
         run_cli("emulate", "down", "-i", str(path))
     assert ours_left("ts") == []
+
+
+def test_a_failing_up_removes_what_it_made(tmp_path, monkeypatch):
+    from testbed.emulation import lifecycle
+    from testbed.inventory import load_inventory
+
+    path = emulated_inventory(tmp_path, "tx", 236)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure after every node was started")
+
+    monkeypatch.setattr(lifecycle, "write_resolved_inventory", fail)
+    said = []
+    with pytest.raises(RuntimeError, match="injected"):
+        lifecycle.up(load_inventory(path), say=said.append)
+    assert any("removing what it made" in line for line in said)
+    assert ours_left("tx") == [] and not (tmp_path / "state").exists()
+    assert processes_under(tmp_path) == []

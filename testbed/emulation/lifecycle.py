@@ -99,7 +99,7 @@ def up(inventory: Inventory, *, mode: str = "netns", say: Say = print) -> Emulat
         try:
             access = _build_netns(plan, journal, say) if mode == "netns" else _build_local(plan, journal, say)
             keys = _keys(plan)
-            write_resolved_inventory(
+            resolved = write_resolved_inventory(
                 inventory,
                 plan.state_dir,
                 mode=mode,
@@ -107,6 +107,7 @@ def up(inventory: Inventory, *, mode: str = "netns", say: Say = print) -> Emulat
                 identity_file=keys.client_key,
                 known_hosts=keys.known_hosts,
             )
+            load_inventory(resolved)  # what every later command will read must load
         except BaseException:
             say("`up` failed: removing what it made")
             _teardown(plan, journal, say)
