@@ -38,6 +38,15 @@ def free_port(address: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def accepts_connections(address: str, port: int, *, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections on ``address:port``."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def generate_key(path: Path) -> Path:
     """An ed25519 key pair at ``path`` and ``path.pub`` (kept if it already exists)."""
     if not path.exists():
@@ -209,18 +218,11 @@ class SshdServer:
                     f"sshd {self.name} exited with {self.process.returncode}: "
                     f"{self.log_path.read_text(errors='replace')[-500:]}"
                 )
-            if self._accepts():
+            if accepts_connections(self.address, self.port, timeout_s=0.2):
                 return
             time.sleep(0.02)
         self.stop()
         raise TestbedError(f"sshd {self.name} did not listen on {self.address}:{self.port} in {timeout_s} s")
-
-    def _accepts(self) -> bool:
-        try:
-            with socket.create_connection((self.address, self.port), timeout=0.2):
-                return True
-        except OSError:
-            return False
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -133,19 +133,23 @@ class CpuCgroup:
         return None
 
 
+def process_stat(pid: int) -> Optional[List[str]]:
+    """Fields 3 onwards of /proc/PID/stat (state, ppid, ...), or None when there is no such process.
+    ``process_stat(pid)[k - 3]`` is field k of proc(5)."""
+    try:
+        stat = _read("/proc/%d/stat" % pid)
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces and ")"
+
+
 def _process_table() -> Dict[int, List[int]]:
     """pid -> [ppid, utime+stime+cutime+cstime in clock ticks] for every process we can read."""
     table = {}  # type: Dict[int, List[int]]
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = _read("/proc/%s/stat" % entry)
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        # fields[0] is state (field 3); ppid is field 4; utime..cstime are fields 14-17.
-        table[int(entry)] = [int(fields[1]), sum(int(x) for x in fields[11:15])]
+        fields = process_stat(int(entry)) if entry.isdigit() else None
+        if fields is not None:  # ppid is field 4; utime, stime, cutime, cstime are fields 14-17
+            table[int(entry)] = [int(fields[1]), sum(int(x) for x in fields[11:15])]
     return table
 
 

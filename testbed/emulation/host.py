@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from nodes.emulated.cgroup import CpuCgroup
+from nodes.emulated.cgroup import CpuCgroup, process_stat
 from testbed.emulation.journal import Journal, JournalEntry
 from testbed.errors import TestbedError
 
@@ -49,12 +49,8 @@ def netns_pids(name: str) -> list[int]:
 def process_start_ticks(pid: int) -> int | None:
     """When a live process started (field 22 of /proc/PID/stat): tells a pid from a recycled one.
     None when there is no such process, or only its zombie (ended, waiting for its parent)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+    fields = process_stat(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _signal(pids: Iterable[int], sig: int) -> None:

@@ -12,7 +12,6 @@ import ipaddress
 import json
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,7 +26,7 @@ from testbed.emulation.plan import NODE_DATA_INTERFACE, NODE_MGMT_INTERFACE, Emu
 from testbed.emulation.resolved import RESOLVED_NAME, NodeAccess, source_digest, write_resolved_inventory
 from testbed.errors import TestbedError
 from testbed.inventory import Inventory, load_inventory
-from testbed.sshd_server import SshdServer, SshKeys, free_port, login_user
+from testbed.sshd_server import SshdServer, SshKeys, accepts_connections, free_port, login_user
 
 MODES = ("netns", "local")
 SSHD_READY_S = 20.0
@@ -201,14 +200,13 @@ def _build_netns(plan: EmulationPlan, journal: Journal, say: Say) -> dict[str, N
         initial = node.initial_power_mode
         group = changes.cgroup(node.cgroup, initial.cpus if initial else None)
         files = NodeFiles(plan.state_dir, node)
-        mode = "netns"
-        files.create(mode=mode, cgroup=node.cgroup)
+        files.create(mode="netns", cgroup=node.cgroup)
         server = SshdServer(
             keys,
             address=node.mgmt_address,
             port=22,
             name=node.name,
-            environment=files.environment(mode),
+            environment=files.environment("netns"),
             host_key=files.host_key,
             files_dir=files.directory,
             netns=node.netns,
@@ -232,15 +230,14 @@ def _build_local(plan: EmulationPlan, journal: Journal, say: Say) -> dict[str, N
     servers, access = [], {}
     for node in plan.nodes:
         files = NodeFiles(plan.state_dir, node)
-        mode = "local"
-        files.create(mode=mode, cgroup=None)
+        files.create(mode="local", cgroup=None)
         port = free_port()
         server = SshdServer(
             keys,
             address="127.0.0.1",
             port=port,
             name=node.name,
-            environment=files.environment(mode),
+            environment=files.environment("local"),
             host_key=files.host_key,
             files_dir=files.directory,
             detached=True,
@@ -307,7 +304,7 @@ def status(inventory: Inventory) -> EmulationStatus:
         sshd_alive = isinstance(pid, int) and host.process_start_ticks(pid) == details.get("start_ticks")
         if not sshd_alive:
             problems.append("sshd is not running")
-        elif not _accepts(target.host, target.port):
+        elif not accepts_connections(target.host, target.port):
             problems.append(f"sshd does not accept connections on {target.host}:{target.port}")
         quota = "not enforced (local mode)"
         if mode == "netns":
@@ -342,10 +339,3 @@ def status(inventory: Inventory) -> EmulationStatus:
         )
     return EmulationStatus(plan.state_dir, True, mode, tuple(nodes), 0)
 
-
-def _accepts(address: str, port: int) -> bool:
-    try:
-        with socket.create_connection((address, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
