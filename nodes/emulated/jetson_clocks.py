@@ -14,7 +14,6 @@ from typing import List, Optional
 from nodes.emulated import boards
 from nodes.emulated.node import (
     EmulatedNode,
-    NotEmulated,
     clocks_pinned,
     online_cores,
     set_clocks_pinned,
@@ -79,10 +78,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--restore", nargs="?", const="", metavar="FILE", help="restore stored settings")
     parser.add_argument("--fan", action="store_true", help="set the fan to maximum speed")
     args = parser.parse_args(argv)
-    try:
-        node = EmulatedNode.from_environment()
-    except NotEmulated as exc:
-        print("Error: %s" % exc, file=sys.stderr)
+    node = EmulatedNode.for_standin("Error: ")
+    if node is None:
         return 1
     if node.mode == "netns" and os.geteuid() != 0:
         print("Error: Run this script(%s) as a root user" % sys.argv[0])

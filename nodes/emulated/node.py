@@ -8,6 +8,7 @@ clipped to [0, 1]).
 
 import json
 import os
+import sys
 import time
 from typing import Any, Dict, List, NamedTuple, Optional
 
@@ -55,6 +56,15 @@ class EmulatedNode:
             )
         with open(path) as f:
             return cls(json.load(f))
+
+    @classmethod
+    def for_standin(cls, error_prefix: str) -> "Optional[EmulatedNode]":
+        """The node a stand-in tool runs on; None (after saying why on stderr) outside the testbed."""
+        try:
+            return cls.from_environment()
+        except NotEmulated as exc:
+            sys.stderr.write("%s%s\n" % (error_prefix, exc))
+            return None
 
     # -- power modes ------------------------------------------------------------------------
 

@@ -96,8 +96,9 @@ def up(inventory: Inventory, *, mode: str = "netns", say: Say = print) -> Emulat
         plan.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         started = time.monotonic()
         try:
-            access = _build_netns(plan, journal, say) if mode == "netns" else _build_local(plan, journal, say)
-            keys = _keys(plan)
+            keys = SshKeys.create(plan.state_dir / "keys")
+            build = _build_netns if mode == "netns" else _build_local
+            access = build(plan, journal, keys, say)
             resolved = write_resolved_inventory(
                 inventory,
                 plan.state_dir,
@@ -167,13 +168,8 @@ def _check_names_free(plan: EmulationPlan) -> None:
                 )
 
 
-def _keys(plan: EmulationPlan) -> SshKeys:
-    return SshKeys.create(plan.state_dir / "keys")
-
-
-def _build_netns(plan: EmulationPlan, journal: Journal, say: Say) -> dict[str, NodeAccess]:
+def _build_netns(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say) -> dict[str, NodeAccess]:
     changes = host.HostChanges(journal, plan.prefix)
-    keys = _keys(plan)
     write_node_tools(plan.state_dir, keys)
     changes.bridge(plan.mgmt_bridge)
     host.ip("addr", "add", f"{plan.host_mgmt_address}/{plan.mgmt_network.prefixlen}", "dev", plan.mgmt_bridge)
@@ -222,10 +218,9 @@ def _build_netns(plan: EmulationPlan, journal: Journal, say: Say) -> dict[str, N
     }
 
 
-def _build_local(plan: EmulationPlan, journal: Journal, say: Say) -> dict[str, NodeAccess]:
+def _build_local(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say) -> dict[str, NodeAccess]:
     say("local mode: nodes are sshd processes on 127.0.0.1 (no isolation, no link shaping, no CPU quotas)")
     changes = host.HostChanges(journal, plan.prefix)
-    keys = _keys(plan)
     write_node_tools(plan.state_dir, keys)
     servers, access = [], {}
     for node in plan.nodes:
