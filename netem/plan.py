@@ -50,7 +50,8 @@ def quantum_bytes(rate_bit_s: float) -> int:
     return min(200_000, max(MTU_BYTES, math.ceil(rate_bit_s / 8 * 0.01)))
 
 
-def _netem_args(profile: LinkProfile) -> list[str]:
+def netem_args(profile: LinkProfile) -> list[str]:
+    """netem's words for the profile's delay, jitter and loss (empty when it has none)."""
     args = []
     if profile.delay_s or profile.jitter_s:
         args += ["delay", f"{round((profile.delay_s or 0) * 1e6)}us"]
@@ -120,7 +121,7 @@ class TcPlan:
             )  # fmt: skip
             limit = str(queue_limit_packets(p.profile))
             leaf = (
-                ["netem", *_netem_args(p.profile), "limit", limit]
+                ["netem", *netem_args(p.profile), "limit", limit]
                 if p.profile.needs_netem
                 else ["pfifo", "limit", limit]
             )

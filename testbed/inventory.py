@@ -351,6 +351,41 @@ def inventory_from_source(source: YamlSource) -> Inventory:
     return Inventory(source.path, spec, groups, _expand_links(spec, groups))
 
 
+
+class LinksFileSpec(_Strict):
+    """A file given to ``testbed link apply --links``: links (and optionally more profiles) that
+    replace the inventory's links for one apply."""
+
+    link_profiles: dict[Name, LinkProfile] = {}
+    links: tuple[LinkSpec, ...] = Field(min_length=1)
+
+
+def links_from_file(inventory: Inventory, path: str | Path) -> tuple[DirectedLink, ...]:
+    """The directed links of a links file, checked against the inventory's nodes, groups and
+    profiles; problems name the links file's lines."""
+    source = YamlSource.load(path)
+    if not isinstance(source.data, dict):
+        raise InputError([source.problem((), "a links file must be a mapping with a 'links' list", "")])
+    try:
+        extra = LinksFileSpec.model_validate(source.data)
+    except ValidationError as exc:
+        raise InputError([_pydantic_problem(source, err) for err in exc.errors()]) from None
+    problems = []
+    for name, profile in extra.link_profiles.items():
+        problems += list(_profile_problems(name, profile, source))
+        if name in inventory.spec.link_profiles:
+            problems.append(
+                source.problem(("link_profiles", name), f"profile {name!r} is already defined in {inventory.path}",
+                               "give it another name")
+            )  # fmt: skip
+    spec = inventory.spec.model_copy(
+        update={"link_profiles": {**inventory.spec.link_profiles, **extra.link_profiles}, "links": extra.links}
+    )
+    problems += list(_link_problems(spec, source, {n.name for n in spec.nodes}, True))
+    if problems:
+        raise InputError(problems)
+    return _expand_links(spec, inventory.groups)
+
 # --------------------------------------------------------------------------------------------
 # Problem reporting
 
@@ -485,20 +520,7 @@ def _cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]
 
     for name, profile in spec.link_profiles.items():
         yield from _profile_problems(name, profile, src)
-
-    selectable = node_names | set(spec.groups) | {"all"}
-    for i, link in enumerate(spec.links):
-        for field, value in (("from", link.source), ("to", link.destination)):
-            if value not in selectable:
-                yield src.problem(
-                    ("links", i, field), f"unknown node or group {value!r}", "name a node, a group, or 'all'"
-                )
-        if link.profile not in spec.link_profiles:
-            yield src.problem(
-                ("links", i, "profile"), f"unknown link profile {link.profile!r}", "define it under link_profiles"
-            )
-    if not cycle:
-        yield from _link_conflicts(spec, src)
+    yield from _link_problems(spec, src, node_names, cycle is None)
 
     em = spec.emulation
     if em.management_subnet.overlaps(em.data_subnet):
@@ -513,6 +535,25 @@ def _cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]
                 f"{net} is too small for {emulated} emulated nodes",
                 "use a larger subnet, e.g. a /24",
             )
+
+
+def _link_problems(
+    spec: InventorySpec, src: YamlSource, node_names: set[str], groups_ok: bool
+) -> Iterable[InputProblem]:
+    """Links naming unknown nodes, groups or profiles; two profiles for one direction."""
+    selectable = node_names | set(spec.groups) | {"all"}
+    for i, link in enumerate(spec.links):
+        for field, value in (("from", link.source), ("to", link.destination)):
+            if value not in selectable:
+                yield src.problem(
+                    ("links", i, field), f"unknown node or group {value!r}", "name a node, a group, or 'all'"
+                )
+        if link.profile not in spec.link_profiles:
+            yield src.problem(
+                ("links", i, "profile"), f"unknown link profile {link.profile!r}", "define it under link_profiles"
+            )
+    if groups_ok:
+        yield from _link_conflicts(spec, src)
 
 
 def _node_kind_problems(

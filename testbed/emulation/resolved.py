@@ -5,6 +5,7 @@ that loads an inventory through :func:`load_lab` uses it while the emulated test
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -118,4 +119,9 @@ def load_lab(path: str | Path) -> Inventory:
             f"{inventory.path} changed (nodes, defaults or emulation) since `testbed emulate up`; "
             f"run `testbed emulate down -i {inventory.path}` and `up` again"
         )
-    return running
+    # Groups, profiles and links are not built into the testbed: the user's file is the truth for
+    # them even when edited after `up`.
+    shaping = {k: getattr(inventory.spec, k) for k in ("groups", "link_profiles", "links")}
+    return dataclasses.replace(
+        running, spec=running.spec.model_copy(update=shaping), groups=inventory.groups, links=inventory.links
+    )

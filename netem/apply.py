@@ -1,0 +1,423 @@
+"""Applying tc plans to nodes as one transaction, reading them back, and undoing them.
+
+``apply_plans`` first probes every node it will touch (reachable, data interface present, not the
+interface of the SSH session, sch_netem present where a profile needs it, no foreign qdiscs in the
+way) and refuses, changing nothing, when any problem is found. Then, on each node: the journal is
+written (snapshot of the interfaces before the first apply), the plan's commands run with sudo,
+and tc is read back and compared with the plan. When any node fails, every node already touched
+is undone. ``clear_links`` undoes from the nodes' journals alone, so it also works after the
+controller was killed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from netem import node_journal
+from netem.node_journal import DeviceSnapshot, LinkJournal
+from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan, compile_plan
+from netem.tc_state import InterfaceState, differences, parse_read, read_script
+from netem.trace import BandwidthTrace, NodeSchedule, schedules, traced_links
+from testbed.errors import NodeError, TestbedError
+from testbed.fanout import FanOutResult, NodeOutcome, fan_out
+from testbed.inventory import Inventory, NodeSpec
+from testbed.transport import Transport, open_transport
+from testbed.transport.base import prefix_words, quote_path
+
+Say = Callable[[str], None]
+
+# Prints "loaded", "builtin", "module" or "missing": whether tc can create a netem qdisc here.
+NETEM_PROBE = (
+    "if [ -d /sys/module/sch_netem ]; then echo loaded; "
+    'elif grep -qs "/sch_netem.ko" "/lib/modules/$(uname -r)/modules.builtin"; then echo builtin; '
+    "elif modprobe -n -q sch_netem 2>/dev/null; then echo module; "
+    "else echo missing; fi"
+)
+
+
+def _section(output: str, name: str) -> str:
+    lines, inside = [], False
+    for line in output.splitlines():
+        if line.startswith("#### "):
+            inside = line == f"#### {name}"
+        elif inside:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class NodeProbe:
+    """What one node looks like before we touch it."""
+
+    node: str
+    ssh_interface: str | None  # the interface the controller's SSH session arrives on
+    management_interface: str | None  # the interface holding the node's inventory address
+    netem: str  # loaded, builtin, module or missing
+    journal: LinkJournal | None
+    states: dict[str, InterfaceState]
+
+
+def _interface_of(addr_json: str, address: str | None) -> str | None:
+    if not address:
+        return None
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return None  # a host name: the SSH session's interface covers it
+    try:
+        links = json.loads(addr_json or "[]")
+    except json.JSONDecodeError:
+        return None
+    for link in links:
+        for info in link.get("addr_info", ()):
+            if info.get("local") and ipaddress.ip_address(info["local"]) == wanted:
+                return link.get("ifname")
+    return None
+
+
+def probe_node(transport: Transport, node: NodeSpec, devices: Sequence[str], workdir: str) -> NodeProbe:
+    script = "\n".join(
+        [
+            'echo "#### ssh"; echo "${SSH_CONNECTION:-}"',
+            'echo "#### addr"; ip -j addr show 2>/dev/null || echo "[]"',
+            f'echo "#### netem"; {NETEM_PROBE}',
+            node_journal.read_script(workdir),
+            read_script(devices),
+        ]
+    )
+    output = transport.run_script(script, timeout_s=30.0).check().stdout
+    ssh = _section(output, "ssh").split()
+    addr_json = _section(output, "addr")
+    try:
+        journal = node_journal.parse_read(output)
+    except (ValueError, KeyError) as exc:
+        raise NodeError(node.name, f"its link journal cannot be read ({exc}); fix or remove it by hand") from None
+    return NodeProbe(
+        node=node.name,
+        ssh_interface=_interface_of(addr_json, ssh[2]) if len(ssh) >= 3 else None,
+        management_interface=_interface_of(addr_json, node.address),
+        netem=_section(output, "netem").strip() or "missing",
+        journal=journal,
+        states=parse_read(output),
+    )
+
+
+def read_states(transport: Transport, devices: Sequence[str]) -> dict[str, InterfaceState]:
+    return parse_read(transport.run_script(read_script(devices), timeout_s=30.0).check().stdout)
+
+
+def plan_devices(plans: Sequence[TcPlan]) -> list[str]:
+    """Every device the plans put a qdisc on or create."""
+    devices: list[str] = []
+    for p in plans:
+        devices += [p.interface] + ([p.ifb] if p.ifb else [])
+    return list(dict.fromkeys(devices))
+
+
+def refusals(probe: NodeProbe, plans: Sequence[TcPlan]) -> list[str]:
+    """Why the plans must not be applied on this node (empty: go ahead)."""
+    problems = []
+    owned = probe.journal or LinkJournal(devices={})
+    for p in plans:
+        where = f"{probe.node}: {p.interface}"
+        state = probe.states.get(p.interface)
+        if state is None or not state.exists:
+            problems.append(f"{where} does not exist on the node (check data.interface in the inventory)")
+            continue
+        for what, iface in (("SSH session", probe.ssh_interface), ("management address", probe.management_interface)):
+            if iface == p.interface:
+                problems.append(
+                    f"{where} carries the node's {what}: shaping it could cut the controller off; "
+                    "give the node a separate data interface"
+                )
+        if p.needs_netem and probe.netem == "missing":
+            problems.append(f"{where}: the profile needs delay, jitter or loss, but the kernel has no sch_netem module")
+        root = state.root_qdisc
+        if root is not None and root.get("handle") not in ("0:", f"{HTB_HANDLE}:") and not p.ifb:
+            problems.append(
+                f"{where} has a root qdisc {root.get('kind')} {root.get('handle')} that is not ours; remove it "
+                f"(tc qdisc del dev {p.interface} root) or find out who set it"
+            )
+        if p.ifb:
+            if state.qdisc(f"{INGRESS_HANDLE}:") is not None and p.interface not in owned.ingress_on:
+                problems.append(f"{where} already has an ingress qdisc that is not ours")
+            if any(q.get("kind") == "clsact" for q in state.qdiscs):
+                problems.append(f"{where} has a clsact qdisc; ingress shaping needs the ingress hook")
+            ifb = probe.states.get(p.ifb)
+            if ifb is not None and ifb.exists and p.ifb not in owned.ifbs:
+                problems.append(f"{probe.node}: device {p.ifb} exists and is not ours")
+    return problems
+
+
+def _journal_for(probe: NodeProbe, plans: Sequence[TcPlan]) -> LinkJournal:
+    devices = {}
+    for dev in plan_devices(plans):
+        state = probe.states.get(dev)
+        qdiscs = state.qdiscs if state is not None and state.exists else ()
+        devices[dev] = DeviceSnapshot(qdiscs, state.class_text if state is not None else "")
+    new = LinkJournal(
+        devices=devices,
+        ingress_on=tuple(p.interface for p in plans if p.ifb),
+        ifbs=tuple(p.ifb for p in plans if p.ifb),
+        extra={"written_unix_s": round(time.time(), 3), "by": "testbed link apply"},
+    )
+    return probe.journal.merged_with(new) if probe.journal else new
+
+
+def _commands_for(plan: TcPlan, states: dict[str, InterfaceState]) -> list[list[str]]:
+    """The plan's commands, taking what is already there into account: our root is kept (HTB's
+    root cannot be replaced in place) and classes it no longer plans are removed."""
+    dev = plan.shaped_device
+    state = states.get(dev)
+    root = state.root_qdisc if state is not None and state.exists else None
+    iface = states.get(plan.interface)
+    ours = root is not None and root.get("handle") == f"{HTB_HANDLE}:"
+    if plan.ifb:
+        ours = ours and iface is not None and iface.qdisc(f"{INGRESS_HANDLE}:") is not None
+    commands: list[list[str]] = []
+    if plan.ifb and not ours and state is not None and state.exists:
+        commands.append(["ip", "link", "del", plan.ifb])  # ours but half made: start over
+    if ours:
+        planned = {f"{HTB_HANDLE}:{p.minor:x}" for p in plan.peers}
+        for c in state.classes if state is not None else ():
+            if c.classid not in planned:
+                minor = c.classid.split(":")[1]
+                commands += [
+                    ["tc", "filter", "del", "dev", dev, "parent", f"{HTB_HANDLE}:", "protocol", "ip", "prio", "1",
+                     "handle", f"800::{minor}", "u32"],
+                    ["tc", "class", "del", "dev", dev, "classid", c.classid],
+                ]  # fmt: skip
+                if plan.ifb:
+                    commands.append(
+                        ["tc", "filter", "del", "dev", plan.interface, "parent", f"{INGRESS_HANDLE}:", "protocol",
+                         "ip", "prio", "1", "handle", f"800::{minor}", "u32"]
+                    )  # fmt: skip
+    return commands + plan.apply_commands(ours_in_place=ours)
+
+
+@dataclass(frozen=True)
+class NodeApplied:
+    node: str
+    plans: tuple[TcPlan, ...]
+    commands: int
+    states: dict[str, InterfaceState]
+
+
+def apply_on_node(transport: Transport, probe: NodeProbe, plans: Sequence[TcPlan], workdir: str) -> NodeApplied:
+    """Journal first, then the commands, then read back and compare. Raises :class:`NodeError`
+    naming the interface and the difference when the read-back does not match."""
+    journal = _journal_for(probe, plans)
+    commands = [c for p in plans for c in _commands_for(p, probe.states)]
+    sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
+    transport.run(
+        ["sh", "-c", node_journal.write_script(workdir)], stdin=journal.to_json().encode(), timeout_s=30.0
+    ).check()
+    transport.run_script(node_journal.commands_script(commands, sudo_words), timeout_s=60.0).check()
+    states = read_states(transport, plan_devices(plans))
+    problems = [d for p in plans for d in differences(p, states)]
+    if problems:
+        raise NodeError(probe.node, "read-back differs from the plan: " + "; ".join(problems))
+    return NodeApplied(probe.node, tuple(plans), len(commands), states)
+
+
+@dataclass(frozen=True)
+class NodeCleared:
+    node: str
+    had_journal: bool
+    commands: int
+    trace_stopped: str | None
+    leftovers: tuple[str, ...]  # differences from the snapshot after undo
+
+
+def clear_on_node(transport: Transport, node: str, workdir: str) -> NodeCleared:
+    """Undo from the node's journal: stop the trace player, remove what we own, compare with the
+    snapshot, then drop the journal."""
+    journal = node_journal.parse_read(
+        transport.run_script(node_journal.read_script(workdir), timeout_s=30.0).check().stdout
+    )
+    if journal is None:
+        return NodeCleared(node, False, 0, None, ())
+    stopped = None
+    if journal.trace_pidfile:
+        stopped = transport.stop_background(journal.trace_pidfile, sudo=True)
+    devices = list(dict.fromkeys([*journal.devices, *journal.ingress_on, *journal.ifbs]))
+    states = read_states(transport, devices)
+    commands = journal.undo_commands(states)
+    if commands:
+        sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
+        transport.run_script(node_journal.commands_script(commands, sudo_words), timeout_s=60.0).check()
+    after = read_states(transport, devices)
+    leftovers = journal.snapshot_differences(after)
+    still_ours = journal.undo_commands(after)
+    if still_ours:
+        raise NodeError(node, "after undo, still ours: " + "; ".join(" ".join(c) for c in still_ours))
+    transport.run_script(node_journal.remove_script(workdir), timeout_s=30.0).check()
+    return NodeCleared(node, True, len(commands), stopped, tuple(leftovers))
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    applied: FanOutResult[NodeApplied]
+    rolled_back: FanOutResult[NodeCleared] | None  # when a node failed, every touched node undone
+
+    @property
+    def ok(self) -> bool:
+        return self.applied.ok
+
+
+def _workdir(inventory: Inventory) -> str:
+    return inventory.spec.defaults.workdir
+
+
+def _plans_by_node(plans: Sequence[TcPlan]) -> dict[str, list[TcPlan]]:
+    by_node: dict[str, list[TcPlan]] = {}
+    for p in plans:
+        by_node.setdefault(p.node, []).append(p)
+    return by_node
+
+
+def probe_nodes(inventory: Inventory, plans: Sequence[TcPlan]) -> FanOutResult[NodeProbe]:
+    by_node = _plans_by_node(plans)
+
+    def probe(name: str) -> NodeProbe:
+        with open_transport(inventory, inventory.node(name)) as t:
+            return probe_node(t, inventory.node(name), plan_devices(by_node[name]), _workdir(inventory))
+
+    return fan_out(list(by_node), probe, description="probing interfaces")
+
+
+def apply_plans(inventory: Inventory, plans: Sequence[TcPlan], *, say: Say = lambda _: None) -> ApplyResult:
+    """Apply all plans or none: refuse up front (TestbedError, nothing changed) when a node is
+    unfit; when applying fails on any node, undo every node (NodeError outcomes say why)."""
+    by_node = _plans_by_node(plans)
+    probes = probe_nodes(inventory, plans)
+    if not probes.ok:
+        failed = "; ".join(f"{o.node}: {o.error}" for o in probes.failed)
+        raise NodeError("probe", f"cannot reach every node to shape, nothing changed: {failed}")
+    found = [r for o in probes.outcomes if o.value is not None for r in refusals(o.value, by_node[o.node])]
+    if found:
+        raise TestbedError("refusing to shape links, nothing was changed:\n  " + "\n  ".join(found))
+    probe_of = probes.values()
+
+    def apply(name: str) -> NodeApplied:
+        with open_transport(inventory, inventory.node(name)) as t:
+            return apply_on_node(t, probe_of[name], by_node[name], _workdir(inventory))
+
+    applied = fan_out(list(by_node), apply, description="shaping links")
+    rolled_back = None
+    if not applied.ok:
+        say("shaping failed on " + ", ".join(o.node for o in applied.failed) + "; undoing every node")
+        rolled_back = clear_nodes(inventory, list(by_node))
+    return ApplyResult(applied, rolled_back)
+
+
+def shapeable_nodes(inventory: Inventory) -> list[str]:
+    """Nodes that can hold our qdiscs (phones cannot: they are shaped on the receiving side)."""
+    return [n.name for n in inventory.nodes if n.kind != "android"]
+
+
+def clear_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanOutResult[NodeCleared]:
+    names = list(names) if names is not None else shapeable_nodes(inventory)
+
+    def clear(name: str) -> NodeCleared:
+        with open_transport(inventory, inventory.node(name)) as t:
+            return clear_on_node(t, name, _workdir(inventory))
+
+    return fan_out(names, clear, description="clearing links")
+
+
+@dataclass(frozen=True)
+class NodeShaping:
+    """What is shaped on one node, read back."""
+
+    node: str
+    journal: LinkJournal | None
+    states: dict[str, InterfaceState]
+
+
+def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanOutResult[NodeShaping]:
+    names = list(names) if names is not None else shapeable_nodes(inventory)
+
+    def show(name: str) -> NodeShaping:
+        node = inventory.node(name)
+        devices = [node.data.interface] if node.data else []
+        with open_transport(inventory, node) as t:
+            out = t.run_script(node_journal.read_script(_workdir(inventory)), timeout_s=30.0).check().stdout
+            journal = node_journal.parse_read(out)
+            if journal:
+                devices += [*journal.devices, *journal.ifbs]
+            return NodeShaping(name, journal, read_states(t, list(dict.fromkeys(devices))))
+
+    return fan_out(names, show, description="reading tc")
+
+
+PLAYER_SOURCE = Path(__file__).resolve().parent.parent / "nodes" / "link_trace_player.py"
+
+
+@dataclass(frozen=True)
+class TraceStarted:
+    """A trace being replayed: t = 0 was ``start_unix_s`` (controller clock), when the first row
+    was in place on every node; each node's player logs its steps to ``logfiles[node]``."""
+
+    start_unix_s: float
+    duration_s: float
+    logfiles: dict[str, str]
+    schedules: tuple[NodeSchedule, ...]
+
+
+def apply_trace(
+    inventory: Inventory, traces: dict[str, BandwidthTrace], *, say: Say = lambda _: None
+) -> tuple[ApplyResult, TraceStarted | None]:
+    """Apply the traces' first rows as a plan (a transaction, as :func:`apply_plans`), then start a
+    player on every shaped node for the later rows. The journal names each player before it starts,
+    so ``testbed link clear`` stops it."""
+    links, driven = traced_links(inventory, traces)
+    plans = compile_plan(inventory, links)
+    result = apply_plans(inventory, plans, say=say)
+    if not result.ok:
+        return result, None
+    start_unix_s = time.time()
+    node_schedules = schedules(plans, driven, prefix_words(sudo=inventory.spec.defaults.sudo, env=None))
+    workdir = _workdir(inventory)
+    player = PLAYER_SOURCE.read_bytes()
+
+    def start(schedule: NodeSchedule) -> str:
+        with open_transport(inventory, inventory.node(schedule.node)) as t:
+            # argv words are not expanded by a shell: the player's paths must be absolute
+            directory = t.run_script("echo " + quote_path(node_journal.journal_dir(workdir))).check().stdout.strip()
+            out = t.run_script(node_journal.read_script(workdir), timeout_s=30.0).check().stdout
+            journal = node_journal.parse_read(out)
+            if journal is None:
+                raise NodeError(schedule.node, "its link journal vanished after apply")
+            pidfile, logfile = f"{directory}/trace-player.pid", f"{directory}/trace.jsonl"
+            document = {"start_unix_s": start_unix_s, "steps": list(schedule.steps)}
+            for path, data in (
+                (f"{directory}/link_trace_player.py", player),
+                (f"{directory}/trace-schedule.json", json.dumps(document).encode()),
+                (node_journal.journal_path(workdir), journal.with_trace(pidfile).to_json().encode()),
+            ):
+                t.run(["sh", "-c", node_journal.store_script(path)], stdin=data, timeout_s=30.0).check()
+            python = inventory.spec.defaults.python
+            t.start_background(
+                [python, f"{directory}/link_trace_player.py", f"{directory}/trace-schedule.json", logfile],
+                pidfile=pidfile,
+                logfile=f"{directory}/trace-player.log",
+            )
+            return logfile
+
+    by_node = {s.node: s for s in node_schedules}
+    started = fan_out(list(by_node), lambda name: start(by_node[name]), description="starting trace players")
+    if not started.ok:
+        say("starting the trace failed on " + ", ".join(o.node for o in started.failed) + "; undoing every node")
+        rolled_back = clear_nodes(inventory, list(dict.fromkeys(p.node for p in plans)))
+        failed = FanOutResult(
+            tuple(NodeOutcome(o.node, None, o.error, o.duration_s) for o in started.failed), started.wall_s
+        )
+        return ApplyResult(failed, rolled_back), None
+    duration = max(tr.duration_s for tr in traces.values())
+    return result, TraceStarted(start_unix_s, duration, started.values(), node_schedules)

@@ -1,0 +1,169 @@
+"""The link journal kept on each shaped node: what its interfaces looked like before we touched
+them, and what we own there (root qdiscs, ingress qdiscs, ifb devices, a trace player). It is
+written before the first tc command runs, so ``testbed link clear`` can undo from it alone, also
+after the controller was killed halfway through an apply.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from netem.plan import HTB_HANDLE, INGRESS_HANDLE
+from netem.tc_state import InterfaceState
+from testbed.transport.base import quote_path
+
+JOURNAL_FORMAT = 1
+
+
+def journal_dir(workdir: str) -> str:
+    """Where the journal and trace files live on the node (under the inventory's workdir)."""
+    return workdir.rstrip("/") + "/netem"
+
+
+def journal_path(workdir: str) -> str:
+    return journal_dir(workdir) + "/journal.json"
+
+
+@dataclass(frozen=True)
+class DeviceSnapshot:
+    """One device as it was before the first apply: ``tc -j qdisc show`` and ``tc -s class show``."""
+
+    qdiscs: tuple[dict, ...]
+    class_text: str
+
+
+@dataclass(frozen=True)
+class LinkJournal:
+    devices: dict[str, DeviceSnapshot]  # every device we put a root qdisc on
+    ingress_on: tuple[str, ...] = ()  # devices we put an ingress qdisc on
+    ifbs: tuple[str, ...] = ()  # ifb devices we created
+    trace_pidfile: str | None = None  # the trace player running on the node, if any
+    extra: dict = field(default_factory=dict)  # written_unix_s, by
+
+    def merged_with(self, newer: LinkJournal) -> LinkJournal:
+        """Re-applying keeps the first snapshot of each device: that is the state to return to."""
+        devices = {**newer.devices, **self.devices}
+        return LinkJournal(
+            devices=devices,
+            ingress_on=tuple(dict.fromkeys(self.ingress_on + newer.ingress_on)),
+            ifbs=tuple(dict.fromkeys(self.ifbs + newer.ifbs)),
+            trace_pidfile=newer.trace_pidfile or self.trace_pidfile,
+            extra=newer.extra,
+        )
+
+    def with_trace(self, pidfile: str | None) -> LinkJournal:
+        return replace(self, trace_pidfile=pidfile)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": JOURNAL_FORMAT,
+                "devices": {d: {"qdiscs": list(s.qdiscs), "class_text": s.class_text} for d, s in self.devices.items()},
+                "ingress_on": list(self.ingress_on),
+                "ifbs": list(self.ifbs),
+                "trace_pidfile": self.trace_pidfile,
+                **self.extra,
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> LinkJournal:
+        data = json.loads(text)
+        if data.get("format") != JOURNAL_FORMAT:
+            raise ValueError(f"link journal format {data.get('format')!r} is not {JOURNAL_FORMAT}")
+        known = {"format", "devices", "ingress_on", "ifbs", "trace_pidfile"}
+        return cls(
+            devices={d: DeviceSnapshot(tuple(s["qdiscs"]), s["class_text"]) for d, s in data["devices"].items()},
+            ingress_on=tuple(data["ingress_on"]),
+            ifbs=tuple(data["ifbs"]),
+            trace_pidfile=data.get("trace_pidfile"),
+            extra={k: v for k, v in data.items() if k not in known},
+        )
+
+    def undo_commands(self, states: dict[str, InterfaceState]) -> list[list[str]]:
+        """Remove only what we own and what is still there: ingress redirects first (so no packet
+        is sent to a vanishing ifb), then ifb devices, then our root qdiscs."""
+        commands: list[list[str]] = []
+        for dev in self.ingress_on:
+            s = states.get(dev)
+            if s is not None and s.qdisc(f"{INGRESS_HANDLE}:") is not None:
+                commands.append(["tc", "qdisc", "del", "dev", dev, "handle", f"{INGRESS_HANDLE}:", "ingress"])
+        for ifb in self.ifbs:
+            s = states.get(ifb)
+            if s is not None and s.exists:
+                commands.append(["ip", "link", "del", ifb])
+        for dev in self.devices:
+            if dev in self.ifbs:
+                continue  # deleting the ifb took its qdiscs with it
+            s = states.get(dev)
+            root = s.root_qdisc if s is not None else None
+            if root is not None and root.get("handle") == f"{HTB_HANDLE}:":
+                commands.append(["tc", "qdisc", "del", "dev", dev, "root", "handle", f"{HTB_HANDLE}:", "htb"])
+        return commands
+
+    def snapshot_differences(self, states: dict[str, InterfaceState]) -> list[str]:
+        """Where the devices differ from the snapshot (after undo this should be empty)."""
+        problems = []
+        for dev, snap in self.devices.items():
+            s = states.get(dev)
+            now = s.qdiscs if s is not None else ()
+            if list(now) != list(snap.qdiscs):
+                problems.append(
+                    f"{dev}: qdiscs are {json.dumps(now)}, before apply they were {json.dumps(snap.qdiscs)}"
+                )
+        for ifb in self.ifbs:
+            s = states.get(ifb)
+            if s is not None and s.exists:
+                problems.append(f"{ifb}: still exists")
+        return problems
+
+
+def store_script(path: str) -> str:
+    """sh that stores stdin at ``path`` (absolute or ``~/``), atomically and synced."""
+    d = quote_path(path.rsplit("/", 1)[0])
+    f = quote_path(path)
+    return (
+        f"mkdir -p {d} && cat > {f}.tmp && (sync {f}.tmp 2>/dev/null || sync) && mv {f}.tmp {f} && "
+        f"(sync {d} 2>/dev/null || true)"
+    )
+
+
+def write_script(workdir: str) -> str:
+    """sh that stores stdin as the journal, before anything else runs."""
+    return store_script(journal_path(workdir))
+
+
+def read_script(workdir: str) -> str:
+    """sh that prints the journal between markers (nothing between them when there is none)."""
+    j = quote_path(journal_path(workdir))
+    return f'echo "#### journal"; cat {j} 2>/dev/null; echo; echo "#### end-journal"'
+
+
+def parse_read(output: str) -> LinkJournal | None:
+    inside, lines = False, []
+    for line in output.splitlines():
+        if line == "#### journal":
+            inside = True
+        elif line == "#### end-journal":
+            break
+        elif inside:
+            lines.append(line)
+    text = "\n".join(lines).strip()
+    return LinkJournal.from_json(text) if text else None
+
+
+def remove_script(workdir: str) -> str:
+    return f"rm -f {quote_path(journal_path(workdir))}"
+
+
+def commands_script(commands: Sequence[Sequence[str]], sudo_words: Sequence[str]) -> str:
+    """sh that runs tc/ip commands in order and stops at the first failure, saying which."""
+    lines = []
+    for i, cmd in enumerate(commands):
+        line = shlex.join([*sudo_words, *cmd])
+        lines.append(f"{line} || {{ echo {shlex.quote(f'failed command {i + 1}: ' + shlex.join(cmd))} >&2; exit 3; }}")
+    return "\n".join(lines) + "\n"

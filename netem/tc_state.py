@@ -1,0 +1,220 @@
+"""What tc says is on a node's interfaces, and how that compares with a :class:`TcPlan`.
+
+Qdiscs and filters are read as JSON (``tc -j``). HTB classes are read as text (``tc -s class
+show``): iproute2 up to at least 6.1 prints HTB classes without JSON even under ``-j``. One shell
+script reads every device at once so that a read-back costs one round trip.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan, queue_limit_packets
+
+SECTION_MARK = "#### "  # every section of a combined script's output starts with this
+SECTION = SECTION_MARK + "tc-state "
+RATE_TOLERANCE = 0.005  # tc prints rates rounded (e.g. 1234567Kbit -> 1234Mbit); HTB keeps bytes/s
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)bit$")
+_MULTIPLIER = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_CLASS = re.compile(r"^class htb (\S+) (?:root|parent (\S+))(?: leaf (\S+))?.* rate (\S+) ceil (\S+)")
+_SENT = re.compile(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)")
+
+
+def parse_tc_rate_bit_s(text: str) -> float:
+    """``8Mbit`` -> 8e6 (tc prints SI multipliers of bit/s)."""
+    m = _RATE.match(text)
+    if not m:
+        raise ValueError(f"not a tc rate: {text!r}")
+    return float(m.group(1)) * _MULTIPLIER[m.group(2)]
+
+
+@dataclass(frozen=True)
+class HtbClass:
+    """One HTB class and its counters since it was created."""
+
+    classid: str
+    parent: str | None  # None: directly under the root qdisc
+    leaf: str | None
+    rate_bit_s: float
+    ceil_bit_s: float
+    sent_bytes: int
+    sent_packets: int
+    dropped_packets: int
+    overlimits: int
+
+
+def parse_htb_classes(text: str) -> tuple[HtbClass, ...]:
+    """Parse ``tc -s class show dev D`` (HTB classes; other kinds are skipped)."""
+    classes = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = _CLASS.match(line.strip())
+        if not m:
+            continue
+        sent = _SENT.search(lines[i + 1]) if i + 1 < len(lines) else None
+        counts = [int(v) for v in sent.groups()] if sent else [0, 0, 0, 0]
+        classes.append(
+            HtbClass(
+                classid=m.group(1),
+                parent=m.group(2),
+                leaf=m.group(3),
+                rate_bit_s=parse_tc_rate_bit_s(m.group(4)),
+                ceil_bit_s=parse_tc_rate_bit_s(m.group(5)),
+                sent_bytes=counts[0],
+                sent_packets=counts[1],
+                dropped_packets=counts[2],
+                overlimits=counts[3],
+            )
+        )
+    return tuple(classes)
+
+
+@dataclass(frozen=True)
+class InterfaceState:
+    """One device as tc and ip show it."""
+
+    device: str
+    exists: bool
+    qdiscs: tuple[dict, ...]  # tc -j qdisc show, as printed
+    class_text: str  # tc -s class show, as printed
+    filters: tuple[dict, ...]  # tc -j filter show parent <ours>:
+    ingress_filters: tuple[dict, ...]  # tc -j filter show ingress
+
+    @property
+    def classes(self) -> tuple[HtbClass, ...]:
+        return parse_htb_classes(self.class_text)
+
+    def qdisc(self, handle: str) -> dict | None:
+        return next((q for q in self.qdiscs if q.get("handle") == handle), None)
+
+    @property
+    def root_qdisc(self) -> dict | None:
+        return next((q for q in self.qdiscs if q.get("root")), None)
+
+
+def read_script(devices: Sequence[str]) -> str:
+    """A sh script that prints every device's state in sections :func:`parse_read` understands."""
+    parts = []
+    for dev in devices:
+        d = shlex.quote(dev)
+        parts += [
+            f'echo "{SECTION}link {dev}"; ip -j link show dev {d} 2>/dev/null || echo "[]"',
+            f'echo "{SECTION}qdisc {dev}"; tc -j qdisc show dev {d} 2>/dev/null || echo "[]"',
+            f'echo "{SECTION}class {dev}"; tc -s class show dev {d} 2>/dev/null',
+            f'echo "{SECTION}filter {dev}"; tc -j filter show dev {d} parent {HTB_HANDLE}: 2>/dev/null || echo "[]"',
+            f'echo "{SECTION}ingress {dev}"; tc -j filter show dev {d} ingress 2>/dev/null || echo "[]"',
+        ]
+    return "\n".join(parts) + "\n"
+
+
+def _json_list(text: str) -> tuple[dict, ...]:
+    text = text.strip()
+    if not text:
+        return ()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return ()
+    return tuple(v for v in value if isinstance(v, dict)) if isinstance(value, list) else ()
+
+
+def parse_read(output: str) -> dict[str, InterfaceState]:
+    """The states printed by :func:`read_script`, by device."""
+    sections: dict[tuple[str, str], list[str]] = {}
+    current: list[str] | None = None
+    for line in output.splitlines():
+        if line.startswith(SECTION):
+            kind, _, dev = line[len(SECTION) :].partition(" ")
+            current = sections.setdefault((kind, dev), [])
+        elif line.startswith(SECTION_MARK):
+            current = None  # someone else's section
+        elif current is not None:
+            current.append(line)
+    devices = dict.fromkeys(dev for _, dev in sections)
+    states = {}
+    for dev in devices:
+        text = {
+            kind: "\n".join(sections.get((kind, dev), [])) for kind in ("link", "qdisc", "class", "filter", "ingress")
+        }
+        states[dev] = InterfaceState(
+            device=dev,
+            exists=bool(_json_list(text["link"])),
+            qdiscs=_json_list(text["qdisc"]),
+            class_text=text["class"],
+            filters=_json_list(text["filter"]),
+            ingress_filters=_json_list(text["ingress"]),
+        )
+    return states
+
+
+def _u32_matches(filters: Sequence[dict], address: str, offset: int) -> list[dict]:
+    """u32 filters (their options) that match ``address`` at ``offset`` (16: dst, 12: src)."""
+    value = f"{int(ipaddress.IPv4Address(address)):x}"
+    found = []
+    for f in filters:
+        opts = f.get("options") or {}
+        match = opts.get("match") or {}
+        if match.get("value") == value and match.get("mask") == "ffffffff" and match.get("off") == offset:
+            found.append(opts)
+    return found
+
+
+def differences(plan: TcPlan, states: dict[str, InterfaceState]) -> list[str]:
+    """How what is on the node differs from the plan; empty when it matches."""
+    problems: list[str] = []
+    dev = plan.shaped_device
+    state = states.get(dev)
+    if state is None or not state.exists:
+        return [f"device {dev} does not exist"]
+    root = state.root_qdisc
+    if root is None or root.get("kind") != "htb" or root.get("handle") != f"{HTB_HANDLE}:":
+        seen = f"{root.get('kind')} {root.get('handle')}" if root else "none"
+        problems.append(f"{dev}: root qdisc is {seen}, expected htb {HTB_HANDLE}:")
+    classes = {c.classid: c for c in state.classes}
+    offset = 16 if plan.direction == "egress" else 12
+    for p in plan.peers:
+        classid = f"{HTB_HANDLE}:{p.minor:x}"
+        c = classes.pop(classid, None)
+        want = p.profile.rate_bit_s or 1e11
+        if c is None:
+            problems.append(f"{dev}: class {classid} (to {p.peer}) is missing")
+        else:
+            for what, got in (("rate", c.rate_bit_s), ("ceil", c.ceil_bit_s)):
+                if abs(got - want) > RATE_TOLERANCE * want:
+                    problems.append(
+                        f"{dev}: class {classid} (to {p.peer}) {what} is {got:.0f} bit/s, expected {want:.0f}"
+                    )
+        leaf = state.qdisc(f"{p.minor:x}:")
+        kind = "netem" if p.profile.needs_netem else "pfifo"
+        if leaf is None or leaf.get("parent") != classid or leaf.get("kind") != kind:
+            problems.append(f"{dev}: leaf qdisc {p.minor:x}: under {classid} should be {kind}, found {leaf}")
+        elif (leaf.get("options") or {}).get("limit") != queue_limit_packets(p.profile):
+            problems.append(
+                f"{dev}: leaf {p.minor:x}: limit is {(leaf.get('options') or {}).get('limit')}, "
+                f"expected {queue_limit_packets(p.profile)}"
+            )
+        if not any(f.get("flowid") == classid for f in _u32_matches(state.filters, p.peer_address, offset)):
+            problems.append(f"{dev}: no u32 filter sends {p.peer_address} to {classid}")
+        if plan.ifb:
+            iface = states.get(plan.interface)
+            redirects = [
+                a
+                for f in _u32_matches(iface.ingress_filters if iface else (), p.peer_address, 12)
+                for a in f.get("actions", ())
+                if a.get("kind") == "mirred" and a.get("to_dev") == plan.ifb
+            ]
+            if not redirects:
+                problems.append(f"{plan.interface}: ingress from {p.peer_address} is not redirected to {plan.ifb}")
+    for extra in classes:
+        problems.append(f"{dev}: class {extra} is not in the plan")
+    if plan.ifb:
+        iface = states.get(plan.interface)
+        if iface is None or iface.qdisc(f"{INGRESS_HANDLE}:") is None:
+            problems.append(f"{plan.interface}: ingress qdisc is missing")
+    return problems

@@ -1,0 +1,244 @@
+"""Time-varying bandwidth traces: CSV files of ``t_s, up_rate, down_rate[, delay_ms, loss_pct]``,
+a seeded generator of HAT-style WiFi traces, and the per-node schedules that replay them.
+
+``up`` is a device's link to a server-role node, ``down`` the way back. ``delay_ms`` and
+``loss_pct`` apply to each direction (one way). A trace starts with the row at ``t_s = 0``; that
+row is applied as the initial plan, the later rows are replayed on the node by
+``nodes/link_trace_player.py`` with ``tc class change`` (and ``tc qdisc change`` for netem).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from netem.plan import HTB_HANDLE, TcPlan, burst_bytes, netem_args, quantum_bytes, queue_limit_packets
+from testbed import units
+from testbed.errors import InputError, InputProblem, TestbedError
+from testbed.inventory import DirectedLink, Inventory, LinkProfile
+
+COLUMNS = ("t_s", "up_rate", "down_rate", "delay_ms", "loss_pct")
+MB_S = 8e6  # bit/s in one MB/s (SI), the unit HAT reports
+
+# HAT (Sec. 5.1): three groups of devices at 2, 8 and 14 m from the routers; uplinks varied within
+# 5-10 MB/s and downlinks within 10-15 MB/s. The paper gives only the overall ranges; we give each
+# distance a third of each range (nearer is faster), so the groups differ as they would.
+HAT_DISTANCE_GROUPS = {
+    "near": {"distance_m": 2, "up_MBps": (8.33, 10.0), "down_MBps": (13.33, 15.0)},
+    "mid": {"distance_m": 8, "up_MBps": (6.67, 8.33), "down_MBps": (11.67, 13.33)},
+    "far": {"distance_m": 14, "up_MBps": (5.0, 6.67), "down_MBps": (10.0, 11.67)},
+}
+
+
+@dataclass(frozen=True)
+class TraceStep:
+    t_s: float
+    up_bit_s: float
+    down_bit_s: float
+    delay_s: float | None = None
+    loss_pct: float | None = None
+
+
+@dataclass(frozen=True)
+class BandwidthTrace:
+    source: str  # the file it came from, or how it was generated
+    steps: tuple[TraceStep, ...]
+
+    @property
+    def needs_netem(self) -> bool:
+        return any(s.delay_s or s.loss_pct for s in self.steps)
+
+    @property
+    def duration_s(self) -> float:
+        return self.steps[-1].t_s
+
+
+def load_trace(path: str | Path) -> BandwidthTrace:
+    """Read a trace CSV; every problem names the file, line and column."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError([InputProblem(str(path), None, "", f"cannot read: {exc}")]) from None
+    rows = list(csv.reader(line for line in text.splitlines() if line.strip() and not line.startswith("#")))
+    lines = [i + 1 for i, line in enumerate(text.splitlines()) if line.strip() and not line.startswith("#")]
+    if not rows:
+        raise InputError([InputProblem(str(path), None, "", "the trace is empty", "first line: " + ",".join(COLUMNS))])
+    header = [h.strip() for h in rows[0]]
+    problems = []
+    unknown = [h for h in header if h not in COLUMNS]
+    missing = [c for c in COLUMNS[:3] if c not in header]
+    if unknown or missing:
+        problems.append(
+            InputProblem(str(path), lines[0], "header", f"unknown columns {unknown}, missing {missing}",
+                         "columns: t_s, up_rate, down_rate and optionally delay_ms, loss_pct")
+        )  # fmt: skip
+        raise InputError(problems)
+    steps: list[TraceStep] = []
+    for row, line in zip(rows[1:], lines[1:], strict=True):
+        cells = dict(zip(header, (c.strip() for c in row), strict=False))
+        if len(row) != len(header):
+            problems.append(InputProblem(str(path), line, "", f"{len(row)} values for {len(header)} columns"))
+            continue
+        try:
+            t_s = float(cells["t_s"])
+            if not math.isfinite(t_s) or t_s < 0:
+                raise ValueError
+        except ValueError:
+            problems.append(InputProblem(str(path), line, "t_s", f"{cells['t_s']!r} is not a time in seconds >= 0"))
+            continue
+        values: dict[str, float | None] = {}
+        for column, parse in (("up_rate", units.parse_rate_bit_s), ("down_rate", units.parse_rate_bit_s)):
+            try:
+                values[column] = parse(cells[column])
+            except units.UnitError as exc:
+                problems.append(InputProblem(str(path), line, column, exc.problem, exc.hint))
+        for column in ("delay_ms", "loss_pct"):
+            raw = cells.get(column, "")
+            try:
+                values[column] = float(raw) if raw else None
+                if values[column] is not None and not (0 <= values[column] <= (100 if column == "loss_pct" else 1e4)):
+                    raise ValueError
+            except ValueError:
+                problems.append(InputProblem(str(path), line, column, f"{raw!r} is not a number in range"))
+        if steps and t_s <= steps[-1].t_s:
+            problems.append(InputProblem(str(path), line, "t_s", f"{t_s:g} does not come after {steps[-1].t_s:g}"))
+        if len(values) == 4 and values["up_rate"] and values["down_rate"]:
+            delay_ms = values["delay_ms"]
+            steps.append(
+                TraceStep(t_s, values["up_rate"], values["down_rate"],
+                          None if delay_ms is None else delay_ms / 1000, values["loss_pct"])
+            )  # fmt: skip
+    if not problems and (not steps or steps[0].t_s != 0):
+        problems.append(
+            InputProblem(str(path), lines[1] if len(lines) > 1 else None, "t_s", "the first row must be t_s = 0")
+        )
+    if problems:
+        raise InputError(problems)
+    return BandwidthTrace(str(path), tuple(steps))
+
+
+def write_trace(trace: BandwidthTrace, path: str | Path) -> None:
+    with open(path, "w", newline="") as f:
+        f.write(f"# {trace.source}\n")
+        w = csv.writer(f)
+        w.writerow(COLUMNS[:3])
+        for s in trace.steps:
+            w.writerow([f"{s.t_s:g}", f"{s.up_bit_s / MB_S:.2f}MBps", f"{s.down_bit_s / MB_S:.2f}MBps"])
+
+
+def hat_trace(
+    group: str, *, seed: int, duration_s: float = 60.0, hold_s: tuple[float, float] = (2.0, 5.0)
+) -> BandwidthTrace:
+    """A HAT-style WiFi trace for one distance group (``near``, ``mid``, ``far``): rates drawn
+    uniformly in the group's share of 5-10 MB/s up and 10-15 MB/s down, each held for a time drawn
+    from ``hold_s``. The same seed gives the same trace."""
+    if group not in HAT_DISTANCE_GROUPS:
+        raise TestbedError(f"unknown distance group {group!r}; use one of {', '.join(HAT_DISTANCE_GROUPS)}")
+    g = HAT_DISTANCE_GROUPS[group]
+    rng = random.Random(f"hat-{group}-{seed}")
+    steps, t = [], 0.0
+    while t < duration_s:
+        up = round(rng.uniform(*g["up_MBps"]), 2) * MB_S
+        down = round(rng.uniform(*g["down_MBps"]), 2) * MB_S
+        steps.append(TraceStep(round(t, 3), up, down))
+        t += rng.uniform(*hold_s)
+    return BandwidthTrace(
+        f"hat_trace(group={group!r}, seed={seed}, duration_s={duration_s:g}, {g['distance_m']} m)", tuple(steps)
+    )
+
+
+def _server_nodes(inventory: Inventory) -> set[str]:
+    return {n.name for n in inventory.nodes if "server" in n.roles}
+
+
+def traced_links(
+    inventory: Inventory, traces: dict[str, BandwidthTrace]
+) -> tuple[tuple[DirectedLink, ...], dict[tuple[str, str], tuple[BandwidthTrace, str]]]:
+    """The inventory's links with the traced ones set to their first step, and which trace column
+    (``up`` or ``down``) drives each traced direction. ``traces`` maps device node names."""
+    servers = _server_nodes(inventory)
+    driven: dict[tuple[str, str], tuple[BandwidthTrace, str]] = {}
+    links = []
+    for link in inventory.links:
+        if link.source in traces and link.destination in servers:
+            driven[(link.source, link.destination)] = (traces[link.source], "up")
+        elif link.destination in traces and link.source in servers:
+            driven[(link.source, link.destination)] = (traces[link.destination], "down")
+        hit = driven.get((link.source, link.destination))
+        if hit is None:
+            links.append(link)
+            continue
+        trace, column = hit
+        first = trace.steps[0]
+        rate_max = max(getattr(s, f"{column}_bit_s") for s in trace.steps)
+        profile = LinkProfile.model_construct(
+            rate_bit_s=getattr(first, f"{column}_bit_s"),
+            delay_s=(first.delay_s or 1e-6) if trace.needs_netem else None,
+            jitter_s=None, distribution=None,
+            loss_pct=first.loss_pct, loss_correlation_pct=None,
+            queue_limit_packets=queue_limit_packets(replace_rate(link.profile, rate_max)),
+        )  # fmt: skip
+        links.append(DirectedLink(link.source, link.destination, f"trace:{column}", profile))
+    for device in traces:
+        for column, pairs in (("up", [(device, s) for s in servers]), ("down", [(s, device) for s in servers])):
+            if not any(pair in driven for pair in pairs):
+                raise TestbedError(
+                    f"the trace for {device!r} has {column}_rate, but {inventory.path} has no {column}link between "
+                    f"{device!r} and a server-role node for it to drive; add one under links:"
+                )
+    return tuple(links), driven
+
+
+def replace_rate(profile: LinkProfile, rate_bit_s: float) -> LinkProfile:
+    return profile.model_copy(update={"rate_bit_s": rate_bit_s, "queue_limit_packets": None})
+
+
+@dataclass(frozen=True)
+class NodeSchedule:
+    """What the trace player on one node does: at each time, these commands."""
+
+    node: str
+    steps: tuple[dict, ...]  # {"t_s", "commands", "rates"}
+
+
+def schedules(
+    plans: Sequence[TcPlan], driven: dict[tuple[str, str], tuple[BandwidthTrace, str]], sudo_words: Sequence[str]
+) -> tuple[NodeSchedule, ...]:
+    """Per node, the ``tc class change`` commands for every trace row after the first."""
+    out = []
+    for node in dict.fromkeys(p.node for p in plans):
+        timeline: dict[float, dict] = {}
+        for plan in (p for p in plans if p.node == node):
+            dev = plan.shaped_device
+            for peer in plan.peers:
+                pair = (peer.peer, node) if plan.direction == "ingress" else (node, peer.peer)
+                if pair not in driven:
+                    continue
+                trace, column = driven[pair]
+                classid = f"{HTB_HANDLE}:{peer.minor:x}"
+                for s in trace.steps[1:]:
+                    rate = getattr(s, f"{column}_bit_s")
+                    step = timeline.setdefault(s.t_s, {"t_s": s.t_s, "commands": [], "rates": {}})
+                    burst = f"{burst_bytes(rate)}b"
+                    step["commands"].append(
+                        [*sudo_words, "tc", "class", "change", "dev", dev, "parent", f"{HTB_HANDLE}:",
+                         "classid", classid, "htb", "rate", f"{round(rate)}bit", "ceil", f"{round(rate)}bit",
+                         "burst", burst, "cburst", burst, "quantum", str(quantum_bytes(rate))]
+                    )  # fmt: skip
+                    if peer.profile.needs_netem:
+                        netem = replace(peer, profile=peer.profile.model_copy(
+                            update={"delay_s": s.delay_s or 1e-6, "loss_pct": s.loss_pct}))  # fmt: skip
+                        step["commands"].append(
+                            [*sudo_words, "tc", "qdisc", "change", "dev", dev, "parent", classid, "handle",
+                             f"{peer.minor:x}:", "netem", *netem_args(netem.profile), "limit",
+                             str(queue_limit_packets(peer.profile))]
+                        )  # fmt: skip
+                    step["rates"][f"{pair[0]}->{pair[1]}"] = rate
+        if timeline:
+            out.append(NodeSchedule(node, tuple(timeline[t] for t in sorted(timeline))))
+    return tuple(out)
