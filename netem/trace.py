@@ -79,6 +79,7 @@ def load_trace(path: str | Path) -> BandwidthTrace:
         )  # fmt: skip
         raise InputError(problems)
     steps: list[TraceStep] = []
+    previous_t_s: float | None = None
     for row, line in zip(rows[1:], lines[1:], strict=True):
         cells = dict(zip(header, (c.strip() for c in row), strict=False))
         if len(row) != len(header):
@@ -105,8 +106,9 @@ def load_trace(path: str | Path) -> BandwidthTrace:
                     raise ValueError
             except ValueError:
                 problems.append(InputProblem(str(path), line, column, f"{raw!r} is not a number in range"))
-        if steps and t_s <= steps[-1].t_s:
-            problems.append(InputProblem(str(path), line, "t_s", f"{t_s:g} does not come after {steps[-1].t_s:g}"))
+        if previous_t_s is not None and t_s <= previous_t_s:
+            problems.append(InputProblem(str(path), line, "t_s", f"{t_s:g} does not come after {previous_t_s:g}"))
+        previous_t_s = t_s
         if len(values) == 4 and values["up_rate"] and values["down_rate"]:
             delay_ms = values["delay_ms"]
             steps.append(

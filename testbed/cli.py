@@ -8,6 +8,7 @@ touched on any node then).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import sys
 from pathlib import Path
@@ -425,7 +426,7 @@ def link_apply(
     before the first tc command; tc is read back and compared with the plan; if any node fails,
     every node is undone (exit 1). Applying again replaces the shaping in place."""
     from netem.apply import apply_plans, apply_trace
-    from netem.plan import compile_plan
+    from netem.plan import compile_plan, queue_limit_packets
 
     inv = load_lab(inventory)
     if sum(x is not None for x in (profile, links_file, trace)) > 1:
@@ -442,13 +443,13 @@ def link_apply(
             elif profile is not None:
                 if profile not in inv.spec.link_profiles:
                     known = ", ".join(inv.spec.link_profiles) or "none"
-                    raise TestbedError(f"--profile {profile}: no such profile in {inv.path} (it has: {known})")
+                    raise TestbedError(f"--profile {profile}: no such profile in {inventory} (it has: {known})")
                 chosen = inv.spec.link_profiles[profile]
                 links = tuple(dataclasses.replace(lk, profile_name=profile, profile=chosen) for lk in inv.links)
             else:
                 links = inv.links
             if not links:
-                raise TestbedError(f"{inv.path} has no links to shape; add 'links:' or pass --links FILE")
+                raise TestbedError(f"{inventory} has no links to shape; add 'links:' or pass --links FILE")
             result = apply_plans(inv, compile_plan(inv, links), say=_say)
     except NodeError as exc:
         err.print("[red]error:[/] " + escape(str(exc)), highlight=False, soft_wrap=True)
@@ -462,8 +463,6 @@ def link_apply(
         for o in result.applied.outcomes:
             for plan in o.value.plans if o.value else ():
                 for p in plan.peers:
-                    from netem.plan import queue_limit_packets
-
                     table.add_row(
                         plan.node, plan.shaped_device, plan.direction, p.peer, p.profile_name,
                         format_rate(p.profile.rate_bit_s) if p.profile.rate_bit_s else "",
@@ -516,8 +515,6 @@ def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: Json
                     flt = filters.get(c.classid, {}).get("options", {}).get("match", {})
                     peer = ""
                     if flt.get("value"):
-                        import ipaddress
-
                         address = str(ipaddress.IPv4Address(int(flt["value"], 16)))
                         peer = by_address.get(address, address)
                     leaf = state.qdisc(c.leaf) if c.leaf else None
@@ -552,7 +549,7 @@ def link_verify(
 
     inv = load_lab(inventory)
     if not inv.links:
-        raise TestbedError(f"{inv.path} has no links to verify")
+        raise TestbedError(f"{inventory} has no links to verify")
     rows = verify_links(inv, duration_s=duration, say=_say)
     if as_json:
         out.print_json(data=_to_json(rows))

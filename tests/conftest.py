@@ -56,3 +56,20 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
         timeout=120,
         check=False,
     )
+
+
+DEFAULT_INVENTORY = (REPO / "inventory.yaml").read_text()
+
+
+def emulated_inventory(directory: Path, prefix: str, subnet_octet: int, nodes_yaml: str | None = None) -> Path:
+    """The default inventory (or ``nodes_yaml``) under its own prefix, subnets and state directory."""
+    text = DEFAULT_INVENTORY
+    text = text.replace("10.231.0.0/24", f"10.{subnet_octet}.0.0/24").replace(
+        "10.232.0.0/24", f"10.{subnet_octet + 1}.0.0/24"
+    )
+    text = text.replace("name_prefix: tb", f"name_prefix: {prefix}\n  state_dir: {directory / 'state'}")
+    if nodes_yaml is not None:
+        text = text[: text.index("nodes:")] + nodes_yaml
+    path = directory / "inventory.yaml"
+    path.write_text(text)
+    return path

@@ -24,26 +24,9 @@ from nodes.emulated.cgroup import CpuCgroup
 from testbed.emulation.journal import Journal
 from testbed.emulation.resolved import load_lab
 from testbed.transport import open_transport
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, emulated_inventory, run_cli
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
-
-DEFAULT_INVENTORY = (REPO / "inventory.yaml").read_text()
-
-
-def emulated_inventory(directory: Path, prefix: str, subnet_octet: int, nodes_yaml: str | None = None) -> Path:
-    """The default inventory (or ``nodes_yaml``) under its own prefix, subnets and state directory."""
-    text = DEFAULT_INVENTORY
-    text = text.replace("10.231.0.0/24", f"10.{subnet_octet}.0.0/24").replace(
-        "10.232.0.0/24", f"10.{subnet_octet + 1}.0.0/24"
-    )
-    text = text.replace("name_prefix: tb", f"name_prefix: {prefix}\n  state_dir: {directory / 'state'}")
-    if nodes_yaml is not None:
-        text = text[: text.index("nodes:")] + nodes_yaml
-    path = directory / "inventory.yaml"
-    path.write_text(text)
-    return path
-
 
 def ours_left(prefix: str) -> list[str]:
     """Every namespace, interface, cgroup or process under ``prefix`` that exists on the host."""
