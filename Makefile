@@ -34,6 +34,12 @@ demo: $(STAMP) system-packages
 	@echo "== the emulated testbed: a namespace, an sshd and a CPU quota per node (local mode without root)"
 	$(BIN)/testbed emulate up -i inventory.yaml $(EMULATE_MODE)
 	@$(BIN)/testbed inventory check -i inventory.yaml; status=$$?; \
+	  if [ $$status -eq 0 ] && [ -z "$(EMULATE_MODE)" ]; then \
+	    echo "== link shaping on the data veths: apply (read back), measure with iperf3, undo"; \
+	    $(BIN)/testbed link apply -i inventory.yaml && \
+	    $(BIN)/testbed link verify -i inventory.yaml --duration 2; status=$$?; \
+	    $(BIN)/testbed link clear -i inventory.yaml || status=1; \
+	  fi; \
 	  $(BIN)/testbed emulate down -i inventory.yaml; exit $$status
 
 lint: $(STAMP)
@@ -46,6 +52,7 @@ test: $(STAMP) system-packages lint
 bench: $(STAMP) system-packages
 	$(BIN)/python bench/fanout.py
 	$(BIN)/python bench/emulate.py
+	$(BIN)/python bench/shaping.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

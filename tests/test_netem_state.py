@@ -236,3 +236,12 @@ def test_a_links_file_is_checked_against_the_inventory_with_its_own_lines(invent
     assert {(lk.source, lk.destination, lk.profile.rate_bit_s) for lk in links} == {
         ("dev", "srv", 96e6), ("srv", "dev", 96e6)
     }  # fmt: skip
+
+
+def test_the_shipped_examples_load():
+    inventory = load_inventory(REPO / "inventory.yaml")
+    links = links_from_file(inventory, REPO / "examples" / "links" / "wifi-delay.yaml")
+    assert len(links) == 6 and all(lk.profile.needs_netem for lk in links)
+    for group in HAT_DISTANCE_GROUPS:
+        trace = load_trace(REPO / "examples" / "traces" / f"hat-{group}.csv")
+        assert trace.duration_s > 100 and not trace.needs_netem
