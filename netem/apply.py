@@ -5,7 +5,7 @@ interface of the SSH session, sch_netem present where a profile needs it, no for
 way) and refuses, changing nothing, when any problem is found. Then, on each node: the journal is
 written (snapshot of the interfaces before the first apply), the plan's commands run with sudo,
 and tc is read back and compared with the plan. When any node fails, every node already touched
-is undone. ``clear_links`` undoes from the nodes' journals alone, so it also works after the
+is undone. ``clear_nodes`` undoes from the nodes' journals alone, so it also works after the
 controller was killed.
 """
 
@@ -212,6 +212,9 @@ def apply_on_node(transport: Transport, probe: NodeProbe, plans: Sequence[TcPlan
     """Journal first, then the commands, then read back and compare. Raises :class:`NodeError`
     naming the interface and the difference when the read-back does not match."""
     journal = _journal_for(probe, plans)
+    if journal.trace_pidfile:  # a trace still playing would overwrite the new rates
+        transport.stop_background(journal.trace_pidfile, sudo=True)
+        journal = journal.with_trace(None)
     commands = [c for p in plans for c in _commands_for(p, probe.states)]
     sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
     transport.run(
@@ -293,7 +296,9 @@ def probe_nodes(inventory: Inventory, plans: Sequence[TcPlan]) -> FanOutResult[N
 
 def apply_plans(inventory: Inventory, plans: Sequence[TcPlan], *, say: Say = lambda _: None) -> ApplyResult:
     """Apply all plans or none: refuse up front (TestbedError, nothing changed) when a node is
-    unfit; when applying fails on any node, undo every node (NodeError outcomes say why)."""
+    unfit; when applying fails on any node, undo every node (NodeError outcomes say why). Nodes
+    that carry shaping from an earlier apply but have no plan now are cleared, so what is shaped
+    afterwards is exactly the plans."""
     by_node = _plans_by_node(plans)
     probes = probe_nodes(inventory, plans)
     if not probes.ok:
@@ -303,6 +308,13 @@ def apply_plans(inventory: Inventory, plans: Sequence[TcPlan], *, say: Say = lam
     if found:
         raise TestbedError("refusing to shape links, nothing was changed:\n  " + "\n  ".join(found))
     probe_of = probes.values()
+    # The plans say what is shaped: nodes shaped earlier that have no plan now are cleared.
+    others = [n for n in shapeable_nodes(inventory) if n not in by_node]
+    for o in clear_nodes(inventory, others).outcomes:
+        if not o.ok:
+            say(f"{o.node}: could not clear its earlier shaping: {o.error}")
+        elif o.value is not None and o.value.had_journal:
+            say(f"{o.node}: earlier shaping removed (no link of this apply starts or ends there)")
 
     def apply(name: str) -> NodeApplied:
         with open_transport(inventory, inventory.node(name)) as t:

@@ -115,6 +115,8 @@ def test_reapplying_changes_in_place_and_removes_classes_no_longer_planned(lab, 
     server = {o.node: o.value for o in show_nodes(inv, ["server"]).outcomes}["server"]
     (only,) = server.states["data0"].classes
     assert only.rate_bit_s == 64e6
+    assert [j.parts[-5] for j in journals(lab)] == ["server"]  # the devices' uplinks were cleared
+    assert qdiscs("orin")[0]["kind"] == "noqueue"
     # The snapshot kept is the first one (before any shaping), so clear goes back to it.
     assert clear_nodes(inv).ok
     assert qdiscs("server") == [{"kind": "noqueue", "handle": "0:", "root": True, "refcnt": 2, "options": {}}]
