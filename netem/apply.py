@@ -21,7 +21,7 @@ from pathlib import Path
 from netem import node_journal
 from netem.node_journal import DeviceSnapshot, LinkJournal
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan, compile_plan
-from netem.tc_state import InterfaceState, differences, parse_read, read_script
+from netem.tc_state import InterfaceState, differences, parse_read, read_script, split_sections
 from netem.trace import BandwidthTrace, NodeSchedule, schedules, traced_links
 from testbed.errors import NodeError, TestbedError
 from testbed.fanout import FanOutResult, NodeOutcome, fan_out
@@ -38,16 +38,6 @@ NETEM_PROBE = (
     "elif modprobe -n -q sch_netem 2>/dev/null; then echo module; "
     "else echo missing; fi"
 )
-
-
-def _section(output: str, name: str) -> str:
-    lines, inside = [], False
-    for line in output.splitlines():
-        if line.startswith("#### "):
-            inside = line == f"#### {name}"
-        elif inside:
-            lines.append(line)
-    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -91,8 +81,9 @@ def probe_node(transport: Transport, node: NodeSpec, devices: Sequence[str], wor
         ]
     )
     output = transport.run_script(script, timeout_s=30.0).check().stdout
-    ssh = _section(output, "ssh").split()
-    addr_json = _section(output, "addr")
+    sections = split_sections(output)
+    ssh = sections.get("ssh", "").split()
+    addr_json = sections.get("addr", "")
     try:
         journal = node_journal.parse_read(output)
     except (ValueError, KeyError) as exc:
@@ -101,7 +92,7 @@ def probe_node(transport: Transport, node: NodeSpec, devices: Sequence[str], wor
         node=node.name,
         ssh_interface=_interface_of(addr_json, ssh[2]) if len(ssh) >= 3 else None,
         management_interface=_interface_of(addr_json, node.address),
-        netem=_section(output, "netem").strip() or "missing",
+        netem=sections.get("netem", "").strip() or "missing",
         journal=journal,
         states=parse_read(output),
     )
@@ -217,9 +208,7 @@ def apply_on_node(transport: Transport, probe: NodeProbe, plans: Sequence[TcPlan
         journal = journal.with_trace(None)
     commands = [c for p in plans for c in _commands_for(p, probe.states)]
     sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
-    transport.run(
-        ["sh", "-c", node_journal.write_script(workdir)], stdin=journal.to_json().encode(), timeout_s=30.0
-    ).check()
+    node_journal.write(transport, workdir, journal)
     transport.run_script(node_journal.commands_script(commands, sudo_words), timeout_s=60.0).check()
     states = read_states(transport, plan_devices(plans))
     problems = [d for p in plans for d in differences(p, states)]
@@ -240,9 +229,7 @@ class NodeCleared:
 def clear_on_node(transport: Transport, node: str, workdir: str) -> NodeCleared:
     """Undo from the node's journal: stop the trace player, remove what we own, compare with the
     snapshot, then drop the journal."""
-    journal = node_journal.parse_read(
-        transport.run_script(node_journal.read_script(workdir), timeout_s=30.0).check().stdout
-    )
+    journal = node_journal.read(transport, workdir)
     if journal is None:
         return NodeCleared(node, False, 0, None, ())
     stopped = None
@@ -359,8 +346,7 @@ def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanO
         node = inventory.node(name)
         devices = [node.data.interface] if node.data else []
         with open_transport(inventory, node) as t:
-            out = t.run_script(node_journal.read_script(_workdir(inventory)), timeout_s=30.0).check().stdout
-            journal = node_journal.parse_read(out)
+            journal = node_journal.read(t, _workdir(inventory))
             if journal:
                 devices += [*journal.devices, *journal.ifbs]
             return NodeShaping(name, journal, read_states(t, list(dict.fromkeys(devices))))
@@ -402,18 +388,14 @@ def apply_trace(
         with open_transport(inventory, inventory.node(schedule.node)) as t:
             # argv words are not expanded by a shell: the player's paths must be absolute
             directory = t.run_script("echo " + quote_path(node_journal.journal_dir(workdir))).check().stdout.strip()
-            out = t.run_script(node_journal.read_script(workdir), timeout_s=30.0).check().stdout
-            journal = node_journal.parse_read(out)
+            journal = node_journal.read(t, workdir)
             if journal is None:
                 raise NodeError(schedule.node, "its link journal vanished after apply")
             pidfile, logfile = f"{directory}/trace-player.pid", f"{directory}/trace.jsonl"
             document = {"start_unix_s": start_unix_s, "steps": list(schedule.steps)}
-            for path, data in (
-                (f"{directory}/link_trace_player.py", player),
-                (f"{directory}/trace-schedule.json", json.dumps(document).encode()),
-                (node_journal.journal_path(workdir), journal.with_trace(pidfile).to_json().encode()),
-            ):
-                t.run(["sh", "-c", node_journal.store_script(path)], stdin=data, timeout_s=30.0).check()
+            node_journal.write(t, workdir, journal.with_trace(pidfile))  # named before it starts
+            node_journal.store(t, f"{directory}/link_trace_player.py", player)
+            node_journal.store(t, f"{directory}/trace-schedule.json", json.dumps(document).encode())
             python = inventory.spec.defaults.python
             t.start_background(
                 [python, f"{directory}/link_trace_player.py", f"{directory}/trace-schedule.json", logfile],

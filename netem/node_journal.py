@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE
-from netem.tc_state import InterfaceState
-from testbed.transport.base import quote_path
+from netem.tc_state import InterfaceState, split_sections
+from testbed.transport.base import Transport, quote_path
 
 JOURNAL_FORMAT = 1
 
@@ -132,28 +132,28 @@ def store_script(path: str) -> str:
     )
 
 
-def write_script(workdir: str) -> str:
-    """sh that stores stdin as the journal, before anything else runs."""
-    return store_script(journal_path(workdir))
+def store(transport: Transport, path: str, data: bytes) -> None:
+    """Store ``data`` at ``path`` on the node (atomically, synced)."""
+    transport.run(["sh", "-c", store_script(path)], stdin=data, timeout_s=30.0).check()
+
+
+def write(transport: Transport, workdir: str, journal: LinkJournal) -> None:
+    store(transport, journal_path(workdir), journal.to_json().encode())
 
 
 def read_script(workdir: str) -> str:
-    """sh that prints the journal between markers (nothing between them when there is none)."""
-    j = quote_path(journal_path(workdir))
-    return f'echo "#### journal"; cat {j} 2>/dev/null; echo; echo "#### end-journal"'
+    """sh that prints the journal in a ``#### journal`` section (empty when there is none)."""
+    return f'echo "#### journal"; cat {quote_path(journal_path(workdir))} 2>/dev/null; echo'
 
 
 def parse_read(output: str) -> LinkJournal | None:
-    inside, lines = False, []
-    for line in output.splitlines():
-        if line == "#### journal":
-            inside = True
-        elif line == "#### end-journal":
-            break
-        elif inside:
-            lines.append(line)
-    text = "\n".join(lines).strip()
+    """The journal printed by :func:`read_script` (alone or inside a combined script's output)."""
+    text = split_sections(output).get("journal", "").strip()
     return LinkJournal.from_json(text) if text else None
+
+
+def read(transport: Transport, workdir: str) -> LinkJournal | None:
+    return parse_read(transport.run_script(read_script(workdir), timeout_s=30.0).check().stdout)
 
 
 def remove_script(workdir: str) -> str:

@@ -124,33 +124,37 @@ def _json_list(text: str) -> tuple[dict, ...]:
     return tuple(v for v in value if isinstance(v, dict)) if isinstance(value, list) else ()
 
 
-def parse_read(output: str) -> dict[str, InterfaceState]:
-    """The states printed by :func:`read_script`, by device."""
-    sections: dict[tuple[str, str], list[str]] = {}
+def split_sections(output: str) -> dict[str, str]:
+    """The text under each ``#### NAME`` marker line of a combined script's output, by NAME."""
+    sections: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in output.splitlines():
-        if line.startswith(SECTION):
-            kind, _, dev = line[len(SECTION) :].partition(" ")
-            current = sections.setdefault((kind, dev), [])
-        elif line.startswith(SECTION_MARK):
-            current = None  # someone else's section
+        if line.startswith(SECTION_MARK):
+            current = sections.setdefault(line[len(SECTION_MARK) :], [])
         elif current is not None:
             current.append(line)
-    devices = dict.fromkeys(dev for _, dev in sections)
-    states = {}
-    for dev in devices:
-        text = {
-            kind: "\n".join(sections.get((kind, dev), [])) for kind in ("link", "qdisc", "class", "filter", "ingress")
-        }
-        states[dev] = InterfaceState(
+    return {name: "\n".join(lines) for name, lines in sections.items()}
+
+
+def parse_read(output: str) -> dict[str, InterfaceState]:
+    """The states printed by :func:`read_script`, by device."""
+    prefix = SECTION[len(SECTION_MARK) :]
+    text: dict[str, dict[str, str]] = {}
+    for name, body in split_sections(output).items():
+        if name.startswith(prefix):
+            kind, _, dev = name[len(prefix) :].partition(" ")
+            text.setdefault(dev, {})[kind] = body
+    return {
+        dev: InterfaceState(
             device=dev,
-            exists=bool(_json_list(text["link"])),
-            qdiscs=_json_list(text["qdisc"]),
-            class_text=text["class"],
-            filters=_json_list(text["filter"]),
-            ingress_filters=_json_list(text["ingress"]),
+            exists=bool(_json_list(t.get("link", ""))),
+            qdiscs=_json_list(t.get("qdisc", "")),
+            class_text=t.get("class", ""),
+            filters=_json_list(t.get("filter", "")),
+            ingress_filters=_json_list(t.get("ingress", "")),
         )
-    return states
+        for dev, t in text.items()
+    }
 
 
 def _u32_matches(filters: Sequence[dict], address: str, offset: int) -> list[dict]:

@@ -183,7 +183,8 @@ def traced_links(
             delay_s=(first.delay_s or 1e-6) if trace.needs_netem else None,
             jitter_s=None, distribution=None,
             loss_pct=first.loss_pct, loss_correlation_pct=None,
-            queue_limit_packets=queue_limit_packets(replace_rate(link.profile, rate_max)),
+            # the queue is sized once, for the fastest row (the user's own limit, if given, wins)
+            queue_limit_packets=queue_limit_packets(link.profile.model_copy(update={"rate_bit_s": rate_max})),
         )  # fmt: skip
         links.append(DirectedLink(link.source, link.destination, f"trace:{column}", profile))
     for device in traces:
@@ -194,10 +195,6 @@ def traced_links(
                     f"{device!r} and a server-role node for it to drive; add one under links:"
                 )
     return tuple(links), driven
-
-
-def replace_rate(profile: LinkProfile, rate_bit_s: float) -> LinkProfile:
-    return profile.model_copy(update={"rate_bit_s": rate_bit_s, "queue_limit_packets": None})
 
 
 @dataclass(frozen=True)

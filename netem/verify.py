@@ -10,6 +10,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from netem.apply import NETEM_PROBE
 from netem.node_journal import journal_dir
@@ -35,14 +36,14 @@ class LinkMeasurement:
     destination: str
     profile: str
     target_rate_bit_s: float | None
-    measured_rate_bit_s: float | None
-    rate_error_pct: float | None
-    retransmits: int | None
-    target_rtt_ms: float | None
-    measured_rtt_ms: float | None
-    rtt_mdev_ms: float | None
-    loss_pct: float | None
-    within_tolerance: bool
+    target_rtt_ms: float | None = None
+    measured_rate_bit_s: float | None = None
+    rate_error_pct: float | None = None
+    retransmits: int | None = None
+    measured_rtt_ms: float | None = None
+    rtt_mdev_ms: float | None = None
+    loss_pct: float | None = None
+    within_tolerance: bool = False
     note: str = ""
 
 
@@ -101,15 +102,8 @@ def measure_link(inventory: Inventory, link: DirectedLink, *, port: int, duratio
         back = next((x for x in inventory.links if (x.source, x.destination) == (link.destination, link.source)), None)
         target_rtt = 1000 * (link.profile.delay_s + ((back.profile.delay_s or 0) if back else 0))
 
-    def row(**kw: object) -> LinkMeasurement:
-        base: dict = {
-            "source": link.source, "destination": link.destination, "profile": link.profile_name,
-            "target_rate_bit_s": target_rate, "measured_rate_bit_s": None, "rate_error_pct": None,
-            "retransmits": None, "target_rtt_ms": target_rtt, "measured_rtt_ms": None, "rtt_mdev_ms": None,
-            "loss_pct": None, "within_tolerance": False,
-        }  # fmt: skip
-        base.update(kw)
-        return LinkMeasurement(**base)  # type: ignore[arg-type]
+    def row(**measured: Any) -> LinkMeasurement:
+        return LinkMeasurement(link.source, link.destination, link.profile_name, target_rate, target_rtt, **measured)
 
     if "android" in (src_node.kind, dst_node.kind):
         return row(note="not measured: iperf3 on phones is not supported yet")
@@ -161,9 +155,7 @@ def verify_links(
             rows.append(measure_link(inventory, link, port=FIRST_PORT + i, duration_s=duration_s))
         except NodeError as exc:
             rows.append(
-                LinkMeasurement(
-                    link.source, link.destination, link.profile_name, link.profile.rate_bit_s, None, None, None,
-                    None, None, None, None, False, note=f"failed: {exc}",
-                )
+                LinkMeasurement(link.source, link.destination, link.profile_name, link.profile.rate_bit_s,
+                                note=f"failed: {exc}")
             )  # fmt: skip
     return tuple(rows)
