@@ -122,19 +122,9 @@ class LinkJournal:
         return problems
 
 
-def store_script(path: str) -> str:
-    """sh that stores stdin at ``path`` (absolute or ``~/``), atomically and synced."""
-    d = quote_path(path.rsplit("/", 1)[0])
-    f = quote_path(path)
-    return (
-        f"mkdir -p {d} && cat > {f}.tmp && (sync {f}.tmp 2>/dev/null || sync) && mv {f}.tmp {f} && "
-        f"(sync {d} 2>/dev/null || true)"
-    )
-
-
 def store(transport: Transport, path: str, data: bytes) -> None:
     """Store ``data`` at ``path`` on the node (atomically, synced)."""
-    transport.run(["sh", "-c", store_script(path)], stdin=data, timeout_s=30.0).check()
+    transport.store(path, data, timeout_s=30.0)
 
 
 def write(transport: Transport, workdir: str, journal: LinkJournal) -> None:

@@ -48,6 +48,20 @@ link_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(link_app, name="link")
+power_app = typer.Typer(
+    help="Read and set power modes: nvpmodel and jetson_clocks on Jetsons, the GPU power limit on "
+    "servers (NVML), the CPU governor and frequency cap on phones. Every change is read back, and "
+    "each node keeps a journal of its state before the first change so 'power restore' undoes it.",
+    no_args_is_help=True,
+)
+app.add_typer(power_app, name="power")
+telemetry_app = typer.Typer(
+    help="Probe and record energy and device telemetry: tegrastats on Jetsons, NVML and RAPL on "
+    "servers, the battery on phones, the power model on emulated nodes. Samplers run detached on the "
+    "nodes and flush as they sample, so nothing is lost when SSH drops.",
+    no_args_is_help=True,
+)
+app.add_typer(telemetry_app, name="telemetry")
 
 out = Console()
 err = Console(stderr=True)
@@ -57,6 +71,10 @@ InventoryOption = Annotated[
     typer.Option("--inventory", "-i", help="Inventory file describing the lab.", show_default=True),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+NodesOption = Annotated[
+    list[str] | None,
+    typer.Option("--nodes", "-n", help="Node or group to act on (repeatable); default: every node."),
+]
 
 
 def _to_json(value: Any) -> Any:
@@ -612,6 +630,166 @@ def link_hat_trace(
     trace = hat_trace(group, seed=seed, duration_s=duration)
     write_trace(trace, output)
     out.print(f"wrote {len(trace.steps)} steps over {trace.duration_s:g} s to {output}")
+
+
+def _power_table(title: str, readings: list[Any]) -> Table:
+    table = Table(title=title)
+    for column in ("node", "kind", "mode", "clocks locked", "journal", "modes available", "warnings"):
+        table.add_column(column, overflow="fold")
+    for r in readings:
+        mode = f"{r.mode_id} ({r.mode_name})" if r.mode_id != r.mode_name else str(r.mode_id or "-")
+        locked = "" if r.clocks_locked is None else ("yes" if r.clocks_locked else "no")
+        modes = ", ".join(f"{i} {n}" if i != n else i for i, n in r.modes)
+        table.add_row(r.node, r.kind, escape(mode), locked, "changed" if r.journal else "", escape(modes),
+                      escape("; ".join(r.warnings)))
+    return table
+
+
+@power_app.command("show")
+def power_show(inventory: InventoryOption = Path("inventory.yaml"), nodes: NodesOption = None,
+               as_json: JsonOption = False) -> None:
+    """Show each node's current power mode (as its tool reads it back), whether clocks are locked,
+    the modes it offers, and whether it was changed since the last restore (its journal)."""
+    from testbed.power import show_power
+
+    inv = load_lab(inventory)
+    result = show_power(inv, nodes)
+    readings = list(result.values().values())
+    if as_json:
+        out.print_json(data=_to_json(readings))
+    else:
+        out.print(_power_table("power modes", readings))
+    if not result.ok:
+        _print_outcome_errors(result)
+        raise typer.Exit(1)
+
+
+@power_app.command("set")
+def power_set(
+    target: Annotated[str, typer.Argument(help="Node or group name (or 'all').")],
+    mode: Annotated[str, typer.Argument(help="Jetson: mode id or name (0, MAXN, MODE_15W). Server: 'default' "
+                                      "or a GPU power limit such as 250W. Phone: GOVERNOR[@KHZ].")],
+    inventory: InventoryOption = Path("inventory.yaml"),
+    lock_clocks: Annotated[bool, typer.Option("--lock-clocks", help="Also lock clocks at their maximum "
+                                              "(jetson_clocks; NVML locked clocks).")] = False,
+) -> None:
+    """Set a power mode on a node or group and read it back; exits 1 if any node reads back
+    something else. The state before the first change is journaled on the node."""
+    from testbed.power import set_power
+
+    inv = load_lab(inventory)
+    result = set_power(inv, [target], mode, lock_clocks=lock_clocks)
+    readings = list(result.values().values())
+    if readings:
+        out.print(_power_table(f"power mode {mode}, read back", readings))
+    if not result.ok:
+        _print_outcome_errors(result)
+        raise typer.Exit(1)
+
+
+@power_app.command("restore")
+def power_restore(inventory: InventoryOption = Path("inventory.yaml"), nodes: NodesOption = None) -> None:
+    """Put every node back to the power mode and clocks its journal recorded before the first
+    change, read it back, and drop the journal. Nodes without a journal are left alone."""
+    from testbed.power import restore_power
+
+    inv = load_lab(inventory)
+    result = restore_power(inv, nodes)
+    for o in result.outcomes:
+        if o.ok:
+            v = o.value
+            out.print(f"{o.node}: " + (f"restored to {v.mode_id} ({v.mode_name})" if v else "nothing to restore"))
+    if not result.ok:
+        _print_outcome_errors(result)
+        raise typer.Exit(1)
+
+
+@telemetry_app.command("probe")
+def telemetry_probe(
+    inventory: InventoryOption = Path("inventory.yaml"),
+    nodes: NodesOption = None,
+    require_energy: Annotated[bool, typer.Option("--require-energy", help="Fail (exit 1) for every node "
+                                                 "without a working power or energy sensor.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Take two samples from every node's telemetry source and list each sensor with its reading,
+    or why it gave none (NVML NotSupported, RAPL root-only, a charging phone...)."""
+    from testbed.telemetry import probe_telemetry
+
+    inv = load_lab(inventory)
+    result = probe_telemetry(inv, nodes, require_energy=require_energy)
+    probes = list(result.values().values())
+    if as_json:
+        out.print_json(data=_to_json(probes))
+    else:
+        table = Table(title="telemetry sensors")
+        for column in ("node", "source", "metric", "sensor", "value", "unit", "kind", "problem"):
+            table.add_column(column, overflow="fold")
+        for p in probes:
+            by_metric: dict[str, list[Any]] = {}
+            for s in p.sensors:
+                by_metric.setdefault(s.metric + ("!" if s.problem else ""), []).append(s)
+            for group in by_metric.values():
+                s = group[0]  # one row per metric: its first sensor's reading, the others named
+                more = f" (+{len(group) - 1} more)" if len(group) > 1 else ""
+                value = f"{s.value:.6g}" if s.value is not None else ""
+                table.add_row(p.node, p.source, s.metric, escape(s.sensor) + more, value, s.unit, s.kind,
+                              f"[yellow]{escape(s.problem)}[/]" if s.problem else "")
+        out.print(table)
+    if not result.ok:
+        _print_outcome_errors(result)
+        raise typer.Exit(1)
+
+
+@telemetry_app.command("record")
+def telemetry_record(
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory for <node>.parquet, raw/ and recording.json.")],
+    seconds: Annotated[float, typer.Option("--seconds", help="How long to record.", min=0.5, max=86400)] = 10.0,
+    interval_ms: Annotated[int, typer.Option("--interval-ms", help="Sampling interval.", min=10, max=60000)] = 100,
+    inventory: InventoryOption = Path("inventory.yaml"),
+    nodes: NodesOption = None,
+    require_energy: Annotated[bool, typer.Option("--require-energy", help="Refuse to start unless every "
+                                                 "node has a working energy sensor.")] = False,
+) -> None:
+    """Record telemetry outside a campaign: start a detached sampler on every node, wait, measure
+    clock offsets at both ends, then collect telemetry/<node>.parquet in long format (ts_s on the
+    controller's clock, node_ts_s, metric, value, unit, sensor, kind, period_s)."""
+    from testbed.telemetry import record_telemetry
+
+    inv = load_lab(inventory)
+    result = record_telemetry(inv, nodes, seconds, out_dir, interval_s=interval_ms / 1000.0,
+                              require_energy=require_energy, say=_say)
+    table = Table(title=f"telemetry recorded in {out_dir}")
+    for column in ("node", "rows", "longest gap", "clock offset", "drift", "sampler"):
+        table.add_column(column)
+    for n in result.nodes:
+        gap = f"{n.max_gap_s * 1000:.0f} ms" if n.max_gap_s is not None else ""
+        table.add_row(n.node, str(n.rows), gap, f"{n.clock_start.offset_s * 1000:+.2f} ms",
+                      f"{n.drift_ppm:+.1f} ppm", n.stopped)
+    out.print(table)
+    for node, error in result.errors.items():
+        err.print(f"[red]{escape(node)}:[/] {escape(error)}", highlight=False, soft_wrap=True)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@telemetry_app.command("import-tegrastats")
+def telemetry_import_tegrastats(
+    log: Annotated[Path, typer.Argument(help="A tegrastats log (tegrastats --logfile, or its stdout).")],
+    node: Annotated[str, typer.Option("--node", help="The node name the rows are for.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory to write <node>.parquet to.")] = Path("."),
+    interval_ms: Annotated[int, typer.Option("--interval-ms", help="The log's interval (for JetPack 4 lines, "
+                                             "which carry no timestamp).", min=1)] = 1000,
+    utc_offset_h: Annotated[float, typer.Option("--utc-offset", help="Hours between the board's local time "
+                                                "(its timestamps) and UTC.")] = 0.0,
+) -> None:
+    """Convert an existing tegrastats log (JetPack 4 to 7) into our telemetry format."""
+    from testbed.telemetry import import_tegrastats
+
+    if not log.is_file():
+        raise TestbedError(f"{log}: no such file")
+    path = import_tegrastats(log, node, out_dir, interval_s=interval_ms / 1000.0, utc_offset_h=utc_offset_h)
+    out.print(f"wrote {path}")
 
 
 def main() -> None:

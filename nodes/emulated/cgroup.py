@@ -107,7 +107,7 @@ class CpuCgroup:
             _write(os.path.join(d, "cgroup.procs"), str(pid))
 
     def pids(self) -> List[int]:
-        found = set()  # type: set
+        found: set = set()
         for d in self.directories:
             with contextlib.suppress(FileNotFoundError):
                 found.update(int(p) for p in _read(os.path.join(d, "cgroup.procs")).split())
@@ -145,7 +145,7 @@ def process_stat(pid: int) -> Optional[List[str]]:
 
 def _process_table() -> Dict[int, List[int]]:
     """pid -> [ppid, utime+stime+cutime+cstime in clock ticks] for every process we can read."""
-    table = {}  # type: Dict[int, List[int]]
+    table: Dict[int, List[int]] = {}
     for entry in os.listdir("/proc"):
         fields = process_stat(int(entry)) if entry.isdigit() else None
         if fields is not None:  # ppid is field 4; utime, stime, cutime, cstime are fields 14-17
@@ -161,7 +161,7 @@ class ProcessTreeCpu:
 
     def usage_s(self) -> float:
         table = _process_table()
-        children = {}  # type: Dict[int, List[int]]
+        children: Dict[int, List[int]] = {}
         for pid, (ppid, _) in table.items():
             children.setdefault(ppid, []).append(pid)
         total, stack = 0, [self.root_pid]

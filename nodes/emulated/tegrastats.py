@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from typing import List, Optional, TextIO
+from typing import Dict, List, Optional, TextIO
 
 from nodes.emulated import boards
 from nodes.emulated.node import (
@@ -33,7 +33,7 @@ def _instances_dir(node: EmulatedNode) -> str:
 
 
 def _ram_used_mb(total_mb: int) -> int:
-    info = {}  # type: Dict[str, int]
+    info: Dict[str, int] = {}
     with open("/proc/meminfo") as f:
         for line in f:
             key, _, rest = line.partition(":")

@@ -124,6 +124,16 @@ def _node_path(path: str, what: str) -> str:
     return quote_path(path)
 
 
+def store_script(path: str) -> str:
+    """sh that stores stdin at ``path`` (absolute or ``~/``), atomically and synced."""
+    d = _node_path(path.rsplit("/", 1)[0] or "/", "directory")
+    f = _node_path(path, "path")
+    return (
+        f"mkdir -p {d} && cat > {f}.tmp && (sync {f}.tmp 2>/dev/null || sync) && mv {f}.tmp {f} && "
+        f"(sync {d} 2>/dev/null || true)"
+    )
+
+
 def background_start_script(argv: Sequence[str], pidfile: str, logfile: str, cwd: str | None) -> str:
     p, log = _node_path(pidfile, "pidfile"), _node_path(logfile, "logfile")
     cd = f"cd {quote_path(cwd)} || exit 125\n" if cwd else ""
@@ -259,6 +269,16 @@ class Transport(ABC):
     def run_script(self, script: str, *, timeout_s: float = 60.0, sudo: bool = False) -> CommandResult:
         """Run a POSIX sh script (passed as one quoted argument)."""
         return self.run(["sh", "-c", script], timeout_s=timeout_s, sudo=sudo)
+
+    def store(self, path: str, data: bytes, *, timeout_s: float = 60.0) -> None:
+        """Write ``data`` to ``path`` (absolute or ``~/``) on the node, atomically and synced."""
+        self.run(["sh", "-c", store_script(path)], stdin=data, timeout_s=timeout_s).check()
+
+    def expand_path(self, path: str) -> str:
+        """``path`` with a leading ``~`` expanded by the node (argv words are not expanded)."""
+        if not path.startswith("~"):
+            return path
+        return self.run_script("echo " + quote_path(path), timeout_s=30.0).check().stdout.strip()
 
     def start_background(
         self,

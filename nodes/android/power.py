@@ -1,0 +1,132 @@
+"""A phone's power mode: the CPU frequency governor and a cap on every cluster's maximum frequency
+(``/sys/devices/system/cpu/cpufreq/policyN``), written as root over ``adb shell su -c`` and read
+back. Modes are written ``GOVERNOR`` or ``GOVERNOR@KHZ`` (``schedutil@1804800``: each cluster's
+maximum capped at 1804800 kHz, or at its own maximum if lower). ``state`` also reads the thermal
+zones (``/sys/class/thermal/thermal_zoneN``, millidegrees).
+"""
+
+import re
+import shlex
+import subprocess
+from typing import Any, Dict, List, Tuple
+
+from nodes.power import PowerDriver, PowerError, PowerModeInfo, PowerState
+
+CPUFREQ = "/sys/devices/system/cpu/cpufreq"
+THERMAL = "/sys/class/thermal"
+_MODE = re.compile(r"^([a-z_]+)(?:@(\d+))?$")
+
+
+class AndroidPower(PowerDriver):
+    kind = "android"
+
+    def __init__(self, serial: str, adb: str = "adb") -> None:
+        self.serial, self.adb = serial, adb
+
+    def shell(self, command: str, root: bool = False) -> str:
+        line = "su -c %s" % shlex.quote(command) if root else command
+        try:
+            done = subprocess.run(
+                [self.adb, "-s", self.serial, "shell", line],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                universal_newlines=True,
+                timeout=30,
+                check=False,
+            )
+        except FileNotFoundError:
+            raise PowerError("adb is not installed on this host") from None
+        if done.returncode != 0:
+            raise PowerError(
+                "adb -s %s shell failed (%d): %s"
+                % (self.serial, done.returncode, (done.stderr or done.stdout).strip()[-300:])
+            )
+        return done.stdout
+
+    def policies(self) -> Dict[str, Dict[str, str]]:
+        """policyN -> governor, max, hw_max (kHz), available governors, related cpus."""
+        script = (
+            'for p in %s/policy*; do echo "$(basename $p)|$(cat $p/scaling_governor)|$(cat $p/scaling_max_freq)'
+            '|$(cat $p/cpuinfo_max_freq)|$(cat $p/scaling_available_governors)|$(cat $p/related_cpus)"; done' % CPUFREQ
+        )
+        found: Dict[str, Dict[str, str]] = {}
+        for line in self.shell(script).splitlines():
+            parts = line.strip().split("|")
+            if len(parts) == 6 and parts[0].startswith("policy"):
+                found[parts[0]] = {
+                    "governor": parts[1],
+                    "max_khz": parts[2],
+                    "hw_max_khz": parts[3],
+                    "governors": parts[4],
+                    "cpus": parts[5],
+                }
+        if not found:
+            raise PowerError("no cpufreq policies under %s on phone %s" % (CPUFREQ, self.serial))
+        return found
+
+    def thermal_c(self) -> Dict[str, float]:
+        script = 'for z in %s/thermal_zone*; do echo "$(cat $z/type)|$(cat $z/temp)"; done' % THERMAL
+        zones: Dict[str, float] = {}
+        for line in self.shell(script).splitlines():
+            name, _, value = line.strip().partition("|")
+            if re.match(r"^-?\d+$", value):
+                zones[name] = int(value) / 1000.0
+        return zones
+
+    def modes(self) -> List[PowerModeInfo]:
+        first = sorted(self.policies().items())[0][1]
+        return [
+            PowerModeInfo(g, g, "append @KHZ to cap every cluster's maximum frequency")
+            for g in first["governors"].split()
+        ]
+
+    def state(self) -> PowerState:
+        policies = self.policies()
+        governors = {p["governor"] for p in policies.values()}
+        capped = [p for p in policies.values() if p["max_khz"] != p["hw_max_khz"]]
+        mode = governors.pop() if len(governors) == 1 else "mixed"
+        if mode != "mixed" and capped:
+            mode += "@" + max(p["max_khz"] for p in capped)
+        return PowerState(mode, mode, None, [], {"policies": policies, "thermal_c": self.thermal_c()})
+
+    def _targets(self, mode: str, policies: Dict[str, Dict[str, str]]) -> List[Tuple[str, str, str]]:
+        match = _MODE.match(mode.strip())
+        if not match:
+            raise PowerError("a phone power mode is GOVERNOR or GOVERNOR@KHZ (e.g. schedutil@1804800), not %r" % mode)
+        governor, cap = match.group(1), match.group(2)
+        targets = []
+        for name, p in sorted(policies.items()):
+            if governor not in p["governors"].split():
+                raise PowerError("%s has no governor %r (it has: %s)" % (name, governor, p["governors"]))
+            top = int(p["hw_max_khz"])
+            targets.append((name, governor, str(min(top, int(cap)) if cap else top)))
+        return targets
+
+    def _write(self, targets: List[Tuple[str, str, str]]) -> None:
+        script = "; ".join(
+            "echo %s > %s/%s/scaling_governor && echo %s > %s/%s/scaling_max_freq"
+            % (g, CPUFREQ, name, khz, CPUFREQ, name)
+            for name, g, khz in targets
+        )
+        self.shell(script, root=True)
+        now = self.policies()
+        for name, governor, khz in targets:
+            if now[name]["governor"] != governor or now[name]["max_khz"] != khz:
+                raise PowerError(
+                    "%s reads back governor %s, max %s kHz; asked for %s, %s kHz"
+                    % (name, now[name]["governor"], now[name]["max_khz"], governor, khz)
+                )
+
+    def set_mode(self, mode: str) -> PowerState:
+        self._write(self._targets(mode, self.policies()))
+        return self.state()
+
+    def snapshot(self) -> Dict[str, Any]:
+        return {
+            "policies": {n: {"governor": p["governor"], "max_khz": p["max_khz"]} for n, p in self.policies().items()}
+        }
+
+    def restore(self, snapshot: Dict[str, Any]) -> PowerState:
+        saved = snapshot.get("policies") or {}
+        self._write([(n, p["governor"], p["max_khz"]) for n, p in sorted(saved.items())])
+        return self.state()

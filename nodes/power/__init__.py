@@ -1,0 +1,178 @@
+"""Power control on a node, behind one interface for every node kind, with a journal on the node
+that records the state before the first change so that ``restore`` puts it back, also after the
+controller was killed.
+
+Drivers: :class:`nodes.jetson.power.JetsonPower` (nvpmodel, jetson_clocks; also the emulated
+Jetsons' stand-ins), :class:`nodes.server.nvml_power.NvmlPower` (GPU power limit and locked
+clocks), :class:`nodes.android.power.AndroidPower` (CPU governor and per-cluster maximum frequency).
+
+Command line (``nodes/power/__main__.py``; prints one JSON object, exit status 3 with
+``{"error": ...}`` on failure)::
+
+    python3 -m nodes.power --kind jetson --journal ~/hil-testbed/power/journal.json show
+    python3 -m nodes.power --kind jetson --journal J set MODE [--lock-clocks]
+    python3 -m nodes.power --kind jetson --journal J restore
+"""
+
+import json
+import os
+import subprocess
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+
+FAILED = 3
+
+
+class PowerError(Exception):
+    """A power operation failed or its read-back differs from what was asked."""
+
+
+class PowerModeInfo(NamedTuple):
+    id: str
+    name: str
+    detail: str = ""
+
+
+class PowerState(NamedTuple):
+    mode_id: Optional[str]
+    mode_name: Optional[str]
+    clocks_locked: Optional[bool]  # None: the node has no such notion
+    warnings: List[str]
+    details: Dict[str, Any]
+
+
+class Runner(object):
+    """Runs the node's tools, adding ``sudo -n`` to privileged ones when asked to."""
+
+    def __init__(self, sudo: bool = False, timeout_s: float = 60.0) -> None:
+        self.sudo = sudo
+        self.timeout_s = timeout_s
+
+    def __call__(
+        self, argv: Sequence[str], privileged: bool = False, stdin: str = ""
+    ) -> "subprocess.CompletedProcess[str]":
+        words = (["sudo", "-n", "--"] if privileged and self.sudo else []) + list(argv)
+        try:
+            return subprocess.run(
+                words,
+                input=stdin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                universal_newlines=True,
+                timeout=self.timeout_s,
+                check=False,
+            )
+        except FileNotFoundError:
+            raise PowerError("%s is not installed (not on PATH)" % argv[0]) from None
+        except subprocess.TimeoutExpired:
+            raise PowerError("`%s` did not finish within %g s" % (" ".join(argv), self.timeout_s)) from None
+
+    def checked(self, argv: Sequence[str], privileged: bool = False, stdin: str = "") -> str:
+        done = self(argv, privileged, stdin)
+        if done.returncode != 0:
+            detail = (done.stderr.strip() or done.stdout.strip())[-400:]
+            raise PowerError(
+                "`%s` exited with status %d%s" % (" ".join(argv), done.returncode, ": " + detail if detail else "")
+            )
+        return done.stdout
+
+
+class PowerDriver(object):
+    """The common interface. ``mode`` arguments are a mode's id or its name."""
+
+    kind = "none"
+
+    def modes(self) -> List[PowerModeInfo]:
+        return []
+
+    def state(self) -> PowerState:
+        return PowerState(None, None, None, [], {})
+
+    def set_mode(self, mode: str) -> PowerState:
+        raise PowerError("this node has no power modes to set")
+
+    def lock_clocks(self) -> PowerState:
+        raise PowerError("this node has no clocks to lock")
+
+    def snapshot(self) -> Dict[str, Any]:
+        """What :meth:`restore` needs to put the node back as it is now."""
+        return {}
+
+    def restore(self, snapshot: Dict[str, Any]) -> PowerState:
+        return self.state()
+
+    def resolve(self, mode: str) -> PowerModeInfo:
+        """The mode named by ``mode`` (its id, or its name in any case)."""
+        modes = self.modes()
+        for m in modes:
+            if m.id == mode:
+                return m
+        for m in modes:
+            if m.name.lower() == mode.lower():
+                return m
+        known = ", ".join("%s (%s)" % (m.id, m.name) for m in modes) or "none"
+        raise PowerError("no power mode %r on this node; its modes: %s" % (mode, known))
+
+
+class PowerJournal(object):
+    """``journal.json`` on the node: the driver's snapshot from before the first change."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.expanduser(path)
+
+    def read(self) -> Optional[Dict[str, Any]]:
+        try:
+            with open(self.path) as f:
+                return dict(json.load(f))
+        except FileNotFoundError:
+            return None
+
+    def record_before_change(self, driver: PowerDriver) -> None:
+        """Write the snapshot unless one is there already (the first one is the original state)."""
+        if self.read() is not None:
+            return
+        directory = os.path.dirname(self.path)
+        if directory and not os.path.isdir(directory):
+            os.makedirs(directory)
+        document = {"kind": driver.kind, "snapshot": driver.snapshot()}
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(document, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def restore(self, driver: PowerDriver) -> Optional[PowerState]:
+        """Put the node back as the journal recorded it and drop the journal; None without one."""
+        document = self.read()
+        if document is None:
+            return None
+        if document.get("kind") != driver.kind:
+            raise PowerError(
+                "the journal %s was written by the %s driver, not %s" % (self.path, document.get("kind"), driver.kind)
+            )
+        state = driver.restore(dict(document.get("snapshot") or {}))
+        os.unlink(self.path)
+        return state
+
+
+def make_driver(
+    kind: str, sudo: bool, journal: PowerJournal, serial: Optional[str] = None, adb: str = "adb"
+) -> PowerDriver:
+    runner = Runner(sudo=sudo)
+    if kind == "jetson":
+        from nodes.jetson.power import JetsonPower
+
+        return JetsonPower(runner, clocks_file=os.path.join(os.path.dirname(journal.path), "l4t_dfs.conf"))
+    if kind == "server":
+        from nodes.server.nvml_power import NvmlPower
+
+        return NvmlPower(runner)
+    if kind == "android":
+        if not serial:
+            raise PowerError("the android driver needs --serial")
+        from nodes.android.power import AndroidPower
+
+        return AndroidPower(serial, adb=adb)
+    if kind == "none":
+        return PowerDriver()
+    raise PowerError("unknown node kind %r" % kind)

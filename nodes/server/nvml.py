@@ -1,0 +1,136 @@
+"""GPU telemetry through NVML (the ``nvidia-ml-py`` package, imported as ``pynvml``).
+
+Per GPU (sensor ``gpuN``): ``energy_mj`` from the total-energy counter (Volta and newer; the
+difference over a window is the energy, exact to the counter's 20-100 ms update), ``power_mw``
+(Ampere and newer except GA100 report a one-second average, older GPUs an instantaneous value;
+the row's ``period_s`` says which), ``gpu_util_pct``, ``mem_util_pct``, ``mem_used_mb``,
+``sm_clock_mhz``, ``temp_c`` and ``clock_event_reasons`` (NVML's bitmask of why clocks are held
+down: power cap, thermal, ...). A counter or reading the GPU does not support is reported by the
+probe with NVML's error (NotSupported on pre-Volta energy, on a Jetson's partial NVML) instead
+of being left out silently.
+"""
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from nodes.telemetry.rows import MEASURED, TelemetryRow
+from nodes.telemetry.source import PolledSource
+
+MB = 1024.0 * 1024.0
+
+
+def load_pynvml() -> Any:
+    try:
+        import pynvml
+    except ImportError:
+        raise RuntimeError("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from None
+    return pynvml
+
+
+def text(value: Any) -> str:
+    """NVML strings are bytes before nvidia-ml-py 11.515 and str after."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def nvml_error(nvml: Any, exc: Exception) -> str:
+    return "%s (NVML error %s)" % (str(exc) or type(exc).__name__, getattr(exc, "value", "?"))
+
+
+def averaged_power(name: str) -> bool:
+    """Whether nvmlDeviceGetPowerUsage is a 1 s average: Ampere and newer, except the A100 (GA100)."""
+    older = (
+        "K80",
+        "K40",
+        "M40",
+        "M60",
+        "P100",
+        "P40",
+        "P4",
+        "V100",
+        "T4",
+        "TITAN V",
+        "TITAN RTX",
+        "A100",
+        "GTX 10",
+        "GTX 9",
+        "RTX 20",
+        "QUADRO RTX",
+        "QUADRO P",
+        "QUADRO GV",
+    )
+    upper = name.upper()
+    return not any(marker in upper for marker in older)
+
+
+class NvmlSource(PolledSource):
+    name = "nvml"
+
+    def __init__(self, interval_s: float, nvml: Any = None) -> None:
+        super(NvmlSource, self).__init__()
+        self.nvml = nvml or load_pynvml()
+        self.interval_s = interval_s
+        self.nvml.nvmlInit()
+        self.handles: List[Tuple[str, Any, str]] = []  # (sensor, handle, name)
+        for i in range(self.nvml.nvmlDeviceGetCount()):
+            handle = self.nvml.nvmlDeviceGetHandleByIndex(i)
+            self.handles.append(("gpu%d" % i, handle, text(self.nvml.nvmlDeviceGetName(handle))))
+        self.unsupported: set = set()  # (sensor, metric) that raised NotSupported once
+        self.energy_base: Dict[str, int] = {}
+        reasons = getattr(self.nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        self.reasons = reasons or self.nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        self.header = {"gpus": [{"sensor": s, "name": n} for s, _, n in self.handles], "driver": self._driver_version()}
+        if not self.handles:
+            self.problems.append(("power_mw", "gpu", "NVML sees no GPU"))
+
+    def _driver_version(self) -> str:
+        try:
+            return text(self.nvml.nvmlSystemGetDriverVersion())
+        except Exception:
+            return ""
+
+    def _read(self, sensor: str, metric: str, call: Callable[..., Any], *args: Any) -> Optional[Any]:
+        if (sensor, metric) in self.unsupported:
+            return None
+        try:
+            return call(*args)
+        except self.nvml.NVMLError as exc:
+            self.unsupported.add((sensor, metric))
+            self.problems.append((metric, sensor, nvml_error(self.nvml, exc)))
+            return None
+
+    def sample(self, now_s: float) -> List[TelemetryRow]:
+        rows: List[TelemetryRow] = []
+        for sensor, handle, name in self.handles:
+            rows.extend(self._gpu_rows(now_s, sensor, handle, name))
+        return rows
+
+    def _gpu_rows(self, now_s: float, sensor: str, h: Any, name: str) -> List[TelemetryRow]:
+        nvml, period = self.nvml, self.interval_s
+        rows: List[TelemetryRow] = []
+
+        def add(metric: str, value: Optional[float], unit: str, native_period_s: float = period) -> None:
+            if value is not None:
+                rows.append(TelemetryRow(now_s, metric, float(value), unit, sensor, MEASURED, native_period_s))
+
+        energy = self._read(sensor, "energy_mj", nvml.nvmlDeviceGetTotalEnergyConsumption, h)
+        if energy is not None:
+            base = self.energy_base.setdefault(sensor, int(energy))
+            add("energy_mj", int(energy) - base, "mJ")  # since the sampler started
+        power = self._read(sensor, "power_mw", nvml.nvmlDeviceGetPowerUsage, h)
+        add("power_mw", power, "mW", 1.0 if averaged_power(name) else period)
+        util = self._read(sensor, "gpu_util_pct", nvml.nvmlDeviceGetUtilizationRates, h)
+        if util is not None:
+            add("gpu_util_pct", util.gpu, "%")
+            add("mem_util_pct", util.memory, "%")
+        memory = self._read(sensor, "mem_used_mb", nvml.nvmlDeviceGetMemoryInfo, h)
+        if memory is not None:
+            add("mem_used_mb", memory.used / MB, "MB")
+        sm_clock = self._read(sensor, "sm_clock_mhz", nvml.nvmlDeviceGetClockInfo, h, nvml.NVML_CLOCK_SM)
+        add("sm_clock_mhz", sm_clock, "MHz")
+        add("temp_c", self._read(sensor, "temp_c", nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU), "C")
+        add("clock_event_reasons", self._read(sensor, "clock_event_reasons", self.reasons, h), "bitmask")
+        return rows
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # a library that may be half-initialised
+            self.nvml.nvmlShutdown()

@@ -1,0 +1,120 @@
+"""The interface every telemetry source implements, and the probe that checks its sensors.
+
+A source yields batches of :class:`~nodes.telemetry.rows.TelemetryRow`. Polled sources (NVML,
+/proc/stat, RAPL, battery files, the emulated power model) implement :meth:`PolledSource.sample`
+and are timed here on a deadline schedule; stream sources (tegrastats) pace themselves.
+"""
+
+import time
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+from nodes.telemetry.rows import TelemetryRow
+
+# Metrics from which energy can be computed: a run that requires energy needs one of them.
+ENERGY_METRICS = ("power_mw", "board_power_mw", "energy_mj", "energy_uj")
+
+
+class SensorStatus(NamedTuple):
+    """What the probe found for one (metric, sensor): a number, or why there is none."""
+
+    metric: str
+    sensor: str
+    unit: str
+    kind: str
+    value: Optional[float]
+    problem: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.value is not None and not self.problem
+
+    @property
+    def energy(self) -> bool:
+        return self.metric in ENERGY_METRICS
+
+
+class Source(object):
+    """A telemetry source. ``problems`` collects sensors that exist but gave no number
+    (e.g. NVML's NotSupported), so that the probe reports them instead of staying silent."""
+
+    name = "source"
+
+    def __init__(self) -> None:
+        self.problems: List[Tuple[str, str, str]] = []  # (metric, sensor, problem)
+        self.header: Dict[str, object] = {}  # what the file header records about the source
+
+    def batches(self, interval_s: float, stopping: Callable[[], bool]) -> Iterator[List[TelemetryRow]]:
+        raise NotImplementedError
+
+    def probe(self, interval_s: float = 0.2, batches: int = 2) -> List[SensorStatus]:
+        """Take ``batches`` samples and report every sensor seen, with its last value."""
+        seen: Dict[Tuple[str, str], SensorStatus] = {}
+        taken = [0]
+
+        def enough() -> bool:
+            return taken[0] >= batches
+
+        for batch in self.batches(interval_s, enough):
+            taken[0] += 1
+            for row in batch:
+                seen[(row.metric, row.sensor)] = SensorStatus(row.metric, row.sensor, row.unit, row.kind, row.value)
+        for metric, sensor, problem in self.problems:
+            if (metric, sensor) not in seen:
+                seen[(metric, sensor)] = SensorStatus(metric, sensor, "", "", None, problem)
+        return sorted(seen.values())
+
+    def close(self) -> None:
+        pass
+
+
+class PolledSource(Source):
+    """A source read on the sampler's schedule."""
+
+    def sample(self, now_s: float) -> List[TelemetryRow]:
+        raise NotImplementedError
+
+    def batches(self, interval_s: float, stopping: Callable[[], bool]) -> Iterator[List[TelemetryRow]]:
+        return polled([self], interval_s, stopping)
+
+
+def polled(
+    sources: Sequence[PolledSource], interval_s: float, stopping: Callable[[], bool]
+) -> Iterator[List[TelemetryRow]]:
+    """Sample every source each ``interval_s`` on a deadline schedule (monotonic clock): a late
+    sample does not push the later ones back, and a sampler that fell behind skips ahead instead
+    of bursting."""
+    deadline = time.monotonic()
+    while not stopping():
+        batch: List[TelemetryRow] = []
+        now_s = time.time()
+        for source in sources:
+            batch.extend(source.sample(now_s))
+        yield batch
+        deadline += interval_s
+        now = time.monotonic()
+        if now > deadline + interval_s:
+            deadline = now  # fell behind by more than a period: resume from now
+        while not stopping() and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+class CompositeSource(PolledSource):
+    """Several polled sources sampled together (a GPU server's NVML and its CPUs)."""
+
+    def __init__(self, sources: Sequence[PolledSource]) -> None:
+        super(CompositeSource, self).__init__()
+        self.sources = list(sources)
+        self.name = "+".join(s.name for s in self.sources)
+        for s in self.sources:
+            self.header.update(s.header)
+
+    def sample(self, now_s: float) -> List[TelemetryRow]:
+        rows: List[TelemetryRow] = []
+        for source in self.sources:
+            rows.extend(source.sample(now_s))
+        self.problems = [p for s in self.sources for p in s.problems]
+        return rows
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()

@@ -1,0 +1,56 @@
+"""The node-side code (``nodes/``) as one zip that runs on any node's Python (3.8+) with
+``PYTHONPATH=<zip>``: built from this checkout, named by its content hash, and pushed only when the
+node does not have that exact version yet. So the samplers and drivers on a node are always the
+controller's version, and the hash can go into run manifests.
+
+Provisioning (a per-node virtual environment with the node's dependencies) is a separate step;
+this bundle needs only the standard library (and nvidia-ml-py for NVML, where installed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from testbed.transport.base import Transport
+
+NODES_PACKAGE = Path(__file__).resolve().parent.parent / "nodes"
+_FIXED_TIME = (2020, 1, 1, 0, 0, 0)  # zip entries carry no build time, so the hash is the content's
+
+
+@dataclass(frozen=True)
+class NodeCode:
+    data: bytes
+    digest: str  # sha256 of the zip, first 16 hex digits
+
+    def path_on(self, workdir: str) -> str:
+        return f"{workdir.rstrip('/')}/lib/hil-nodes-{self.digest}.zip"
+
+
+@cache
+def node_code() -> NodeCode:
+    """The zip of every ``nodes/**/*.py``, deterministic for a given content."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for path in sorted(NODES_PACKAGE.rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            info = zipfile.ZipInfo(str(path.relative_to(NODES_PACKAGE.parent)), _FIXED_TIME)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, path.read_bytes())
+    data = buffer.getvalue()
+    return NodeCode(data, hashlib.sha256(data).hexdigest()[:16])
+
+
+def ensure_node_code(transport: Transport, workdir: str) -> str:
+    """The node's absolute path of the current bundle, pushed first if the node lacks it."""
+    code = node_code()
+    path = transport.expand_path(code.path_on(workdir))
+    if not transport.run(["test", "-s", path], timeout_s=30.0).ok:
+        transport.store(path, code.data)
+    return path

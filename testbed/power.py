@@ -1,0 +1,140 @@
+"""Power modes of the inventory's nodes, set and read back through the node-side drivers
+(``python -m nodes.power`` on the node; phones through their USB host), with each node's journal
+at ``<workdir>/power/`` so that :func:`restore_power` puts back the state from before the first
+change, also after the controller was killed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from testbed.errors import NodeError, TestbedError
+from testbed.fanout import FanOutResult, fan_out
+from testbed.inventory import Inventory, NodeSpec
+from testbed.node_code import ensure_node_code
+from testbed.transport import open_transport, usb_host_transport
+from testbed.transport.base import Transport
+
+
+@dataclass(frozen=True)
+class PowerReading:
+    """A node's power state as its driver read it back."""
+
+    node: str
+    kind: str
+    mode_id: str | None
+    mode_name: str | None
+    clocks_locked: bool | None
+    warnings: tuple[str, ...] = ()
+    modes: tuple[tuple[str, str], ...] = ()  # (id, name) of the modes it offers
+    journal: bool = False  # a journal is on the node: it was changed and not yet restored
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def driver_kind(node: NodeSpec) -> str:
+    return {"jetson": "jetson", "server": "server", "android": "android"}[node.kind]
+
+
+def _journal_path(inventory: Inventory, node: NodeSpec) -> str:
+    base = inventory.spec.defaults.workdir.rstrip("/") + "/power"
+    if node.kind == "android":
+        assert node.adb is not None
+        return f"{base}/journal-{node.adb.serial}.json"
+    return f"{base}/journal.json"
+
+
+def _transport(inventory: Inventory, node: NodeSpec) -> Transport:
+    return usb_host_transport(inventory, node) if node.kind == "android" else open_transport(inventory, node)
+
+
+def run_driver(inventory: Inventory, node: NodeSpec, action: list[str], *, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Run ``python -m nodes.power ... ACTION`` for ``node`` and return its JSON answer."""
+    with _transport(inventory, node) as t:
+        code = ensure_node_code(t, inventory.spec.defaults.workdir)
+        argv = [inventory.spec.defaults.python, "-m", "nodes.power", "--kind", driver_kind(node)]
+        argv += ["--journal", t.expand_path(_journal_path(inventory, node))]
+        if inventory.spec.defaults.sudo:
+            argv.append("--sudo")
+        if node.kind == "android":
+            assert node.adb is not None
+            argv += ["--serial", node.adb.serial]
+        result = t.run([*argv, *action], env={"PYTHONPATH": code}, timeout_s=timeout_s)
+    try:
+        answer = json.loads(result.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        detail = (result.stderr.strip() or result.stdout.strip())[-400:]
+        raise NodeError(node.name, f"power driver failed (exit status {result.exit_code}): {detail}") from None
+    if "error" in answer:
+        raise NodeError(node.name, str(answer["error"]))
+    return dict(answer)
+
+
+def _reading(node: NodeSpec, answer: dict[str, Any], state_key: str = "state") -> PowerReading:
+    state = answer.get(state_key) or {}
+    return PowerReading(
+        node=node.name,
+        kind=str(answer.get("kind", "")),
+        mode_id=state.get("mode_id"),
+        mode_name=state.get("mode_name"),
+        clocks_locked=state.get("clocks_locked"),
+        warnings=tuple(state.get("warnings") or ()),
+        modes=tuple((m["id"], m["name"]) for m in answer.get("modes") or ()),
+        journal=bool(answer.get("journal")),
+        details=dict(state.get("details") or {}),
+    )
+
+
+def show_power(inventory: Inventory, nodes: list[str] | None = None) -> FanOutResult[PowerReading]:
+    selected = inventory.select(nodes)
+    by_name = {n.name: n for n in selected}
+    return fan_out(
+        list(by_name),
+        lambda name: _reading(by_name[name], run_driver(inventory, by_name[name], ["show"])),
+        description="reading power modes",
+    )
+
+
+def set_power(
+    inventory: Inventory, targets: list[str], mode: str, *, lock_clocks: bool = False
+) -> FanOutResult[PowerReading]:
+    """Set ``mode`` (an id or name) on every selected node and read it back; each node's journal
+    records its state before the first change. Nothing is changed anywhere when a node cannot be
+    read first, and a mode that a selected Jetson does not offer is a user error."""
+    selected = inventory.select(targets)
+    if not selected:
+        raise TestbedError("no node selected")
+    by_name = {n.name: n for n in selected}
+    shown = show_power(inventory, list(by_name))
+    if not shown.ok:
+        return FanOutResult(shown.failed, shown.wall_s)
+    lacking = {
+        name: reading
+        for name, reading in shown.values().items()
+        if reading.kind == "jetson" and not any(mode in (i, n) or mode.lower() == n.lower() for i, n in reading.modes)
+    }
+    if lacking:
+        listing = "; ".join(
+            f"{name} has {', '.join(f'{i} {n}' for i, n in r.modes)}" for name, r in lacking.items()
+        )
+        names = ", ".join(lacking)
+        raise TestbedError(f"power mode {mode!r} is not a mode of {names} ({listing}); nothing was changed")
+    action = ["set", mode, *(["--lock-clocks"] if lock_clocks else [])]
+    return fan_out(
+        list(by_name),
+        lambda name: _reading(by_name[name], run_driver(inventory, by_name[name], action)),
+        description=f"setting power mode {mode}",
+    )
+
+
+def restore_power(inventory: Inventory, nodes: list[str] | None = None) -> FanOutResult[PowerReading | None]:
+    """Put every selected node back as its journal recorded it (None where there was no journal)."""
+    selected = inventory.select(nodes)
+    by_name = {n.name: n for n in selected}
+
+    def restore(name: str) -> PowerReading | None:
+        answer = run_driver(inventory, by_name[name], ["restore"])
+        return _reading(by_name[name], answer, "restored") if answer.get("restored") else None
+
+    return fan_out(list(by_name), restore, description="restoring power modes")

@@ -1,0 +1,414 @@
+"""Telemetry of the inventory's nodes: probe the sensors, record with detached samplers on the
+nodes, pull their files and turn them into ``telemetry/<node>.parquet`` on aligned time.
+
+Each node's sampler (``python -m nodes.telemetry.sampler``) runs in its own session on the node
+(on a phone's USB host for a phone), appends rows to a file and flushes them as it samples, so a
+dropped SSH connection or a killed controller loses nothing: the file is pulled when the recording
+ends, and a sampler left behind stops by itself after its time limit.
+
+Clocks: each row keeps the node's own timestamp (``node_ts_s``); ``ts_s`` is that time on the
+controller's clock, corrected by the node's offset measured at the start and the end of the
+recording and interpolated linearly between them (so drift is corrected too).
+"""
+
+from __future__ import annotations
+
+import calendar
+import itertools
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from testbed.clock import ClockOffset, measure_clock_offset
+from testbed.errors import NodeError, TestbedError
+from testbed.fanout import FanOutResult, fan_out
+from testbed.inventory import Inventory, NodeSpec
+from testbed.node_code import ensure_node_code, node_code
+from testbed.transport import open_transport, usb_host_transport
+from testbed.transport.base import Transport
+
+Say = Callable[[str], None]
+ENERGY_METRICS = ("power_mw", "board_power_mw", "energy_mj", "energy_uj")
+STOP_MARGIN_S = 120.0  # a sampler outlives its recording by at most this, then stops itself
+COLUMNS = ["ts_s", "node_ts_s", "node", "metric", "value", "unit", "sensor", "kind", "period_s"]
+
+
+@dataclass(frozen=True)
+class SamplerPlan:
+    """Where a node's sampler runs and what it reads."""
+
+    node: str
+    host: str  # the node itself, or a phone's USB host ("controller" for the controller)
+    sources: tuple[str, ...]
+    serial: str | None = None
+
+    def argv(self, python: str) -> list[str]:
+        words = [python, "-m", "nodes.telemetry.sampler"]
+        for source in self.sources:
+            words += ["--source", source]
+        if self.serial:
+            words += ["--serial", self.serial]
+        return [*words, "--node", self.node]
+
+
+def sampler_plan(node: NodeSpec) -> SamplerPlan:
+    """Jetsons: tegrastats (the stand-in on emulated ones). Servers: NVML and the host's CPUs and
+    RAPL; an emulated server: its cgroup and power model. Phones: the battery, from the USB host."""
+    if node.kind == "jetson":
+        return SamplerPlan(node.name, node.name, ("jetson",))
+    if node.kind == "android":
+        assert node.adb is not None
+        return SamplerPlan(node.name, node.adb.usb_host, ("android",), node.adb.serial)
+    if node.emulated is not None:
+        return SamplerPlan(node.name, node.name, ("emulated",))
+    return SamplerPlan(node.name, node.name, ("nvml", "host") if node.gpus else ("host",))
+
+
+def _transport(inventory: Inventory, node: NodeSpec) -> Transport:
+    return usb_host_transport(inventory, node) if node.kind == "android" else open_transport(inventory, node)
+
+
+# -- probe ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SensorReading:
+    metric: str
+    sensor: str
+    unit: str
+    kind: str
+    value: float | None
+    problem: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.value is not None and not self.problem
+
+    @property
+    def energy(self) -> bool:
+        return self.metric in ENERGY_METRICS
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    node: str
+    source: str
+    sensors: tuple[SensorReading, ...]
+    header: dict[str, Any]
+
+    @property
+    def energy_sensors(self) -> tuple[SensorReading, ...]:
+        return tuple(s for s in self.sensors if s.energy and s.ok)
+
+    @property
+    def problems(self) -> tuple[SensorReading, ...]:
+        return tuple(s for s in self.sensors if not s.ok)
+
+
+def _sampler_command(inventory: Inventory, t: Transport, plan: SamplerPlan) -> tuple[list[str], dict[str, str]]:
+    code = ensure_node_code(t, inventory.spec.defaults.workdir)
+    return plan.argv(inventory.spec.defaults.python), {"PYTHONPATH": code}
+
+
+def probe_node(inventory: Inventory, node: NodeSpec) -> ProbeResult:
+    plan = sampler_plan(node)
+    with _transport(inventory, node) as t:
+        argv, env = _sampler_command(inventory, t, plan)
+        result = t.run([*argv, "--probe"], env=env, timeout_s=60.0)
+    try:
+        answer = json.loads(result.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        detail = (result.stderr.strip() or result.stdout.strip())[-400:]
+        raise NodeError(node.name, f"telemetry probe failed (exit status {result.exit_code}): {detail}") from None
+    if "error" in answer:
+        raise NodeError(node.name, f"telemetry source {'+'.join(plan.sources)} cannot start: {answer['error']}")
+    sensors = tuple(SensorReading(**s) for s in answer["sensors"])
+    return ProbeResult(node.name, str(answer["source"]), sensors, dict(answer.get("header") or {}))
+
+
+def probe_telemetry(
+    inventory: Inventory, nodes: list[str] | None = None, *, require_energy: bool = False
+) -> FanOutResult[ProbeResult]:
+    """Probe every selected node's sensors. With ``require_energy``, a node without a working power
+    or energy sensor becomes that node's error, naming the sensors and why they gave nothing."""
+    selected = {n.name: n for n in inventory.select(nodes)}
+
+    def probe(name: str) -> ProbeResult:
+        found = probe_node(inventory, selected[name])
+        if require_energy and not found.energy_sensors:
+            missing = [f"{s.sensor} {s.metric}: {s.problem or 'no reading'}" for s in found.sensors if s.energy]
+            raise NodeError(
+                name,
+                f"no working energy sensor in source {found.source}"
+                + (" (" + "; ".join(missing) + ")" if missing else " (it has no power or energy sensor at all)"),
+            )
+        return found
+
+    return fan_out(list(selected), probe, description="probing telemetry")
+
+
+# -- record --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeRecording:
+    node: str
+    host: str
+    pidfile: str
+    datafile: str
+    logfile: str
+
+
+@dataclass(frozen=True)
+class Recording:
+    """Samplers running on the nodes, started by :func:`start_recording`."""
+
+    session: str
+    interval_s: float
+    started_unix_s: float
+    nodes: tuple[NodeRecording, ...]
+    clock_start: dict[str, tuple[float, ClockOffset]]  # node -> (controller time, offset)
+    probes: dict[str, ProbeResult]
+    node_code: str
+
+
+def _clock(inventory: Inventory, node: NodeSpec) -> tuple[float, ClockOffset]:
+    with _transport(inventory, node) as t:
+        offset = measure_clock_offset(t, python=inventory.spec.defaults.python)
+        return time.time(), offset
+
+
+def _all_or_raise(result: FanOutResult[Any], what: str) -> dict[str, Any]:
+    if not result.ok:
+        raise TestbedError(f"{what} failed on " + "; ".join(f"{o.node}: {o.error}" for o in result.failed))
+    return {o.node: o.value for o in result.outcomes}
+
+
+def start_recording(
+    inventory: Inventory,
+    nodes: list[str] | None,
+    *,
+    interval_s: float = 0.1,
+    max_seconds: float,
+    require_energy: bool = False,
+    say: Say = lambda _: None,
+) -> Recording:
+    """Probe, measure clock offsets, and start a detached sampler for every selected node."""
+    selected = {n.name: n for n in inventory.select(nodes)}
+    say(f"probing telemetry on {len(selected)} nodes")
+    probes = _all_or_raise(probe_telemetry(inventory, list(selected), require_energy=require_energy), "probe")
+    for probe in probes.values():
+        for s in probe.problems:
+            say(f"  {probe.node}: {s.sensor} {s.metric}: {s.problem or 'no reading'}")
+    clock_start = _all_or_raise(fan_out(list(selected), lambda n: _clock(inventory, selected[n])), "clock offset")
+    session = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    workdir = inventory.spec.defaults.workdir.rstrip("/")
+
+    def start(name: str) -> NodeRecording:
+        node = selected[name]
+        plan = sampler_plan(node)
+        with _transport(inventory, node) as t:
+            argv, env = _sampler_command(inventory, t, plan)
+            base = t.expand_path(f"{workdir}/telemetry/{session}/{name}")
+            argv += ["--interval-ms", str(round(interval_s * 1000)), "--out", base + ".csv"]
+            argv += ["--max-seconds", f"{max_seconds + STOP_MARGIN_S:g}"]
+            t.start_background(argv, pidfile=base + ".pid", logfile=base + ".log", env=env)
+            return NodeRecording(name, plan.host, base + ".pid", base + ".csv", base + ".log")
+
+    started = fan_out(list(selected), start, description="starting samplers")
+    if not started.ok:
+        for o in started.outcomes:
+            if o.ok and o.value is not None:
+                _stop(inventory, selected[o.node], o.value)
+        _all_or_raise(started, "starting samplers")
+    say(f"recording telemetry (session {session})")
+    return Recording(
+        session, interval_s, time.time(), tuple(started.values().values()), clock_start, probes, node_code().digest
+    )
+
+
+def _stop(inventory: Inventory, node: NodeSpec, rec: NodeRecording) -> str:
+    with _transport(inventory, node) as t:
+        return t.stop_background(rec.pidfile)
+
+
+@dataclass(frozen=True)
+class NodeTelemetry:
+    node: str
+    rows: int
+    path: Path
+    stopped: str  # how the sampler ended: stopped, killed, absent (it had ended by itself)
+    max_gap_s: float | None  # the longest gap between consecutive samples
+    clock_start: ClockOffset
+    clock_end: ClockOffset
+    drift_ppm: float
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    directory: Path
+    session: str
+    nodes: tuple[NodeTelemetry, ...]
+    errors: dict[str, str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def read_sampler_file(path: Path) -> pd.DataFrame:
+    """A sampler's CSV file (comment lines and a torn last line skipped)."""
+    frame = pd.read_csv(path, comment="#", on_bad_lines="skip", dtype={"sensor": str, "unit": str})
+    frame = frame.dropna(subset=["ts_s", "metric", "value"])
+    frame["unit"] = frame["unit"].fillna("")
+    return frame
+
+
+def align(frame: pd.DataFrame, start: tuple[float, ClockOffset], end: tuple[float, ClockOffset]) -> pd.DataFrame:
+    """Add ``ts_s`` on the controller's clock: node time minus the offset, interpolated between the
+    offsets measured at the start and the end (a constant offset when both are at one instant)."""
+    (c0, o0), (c1, o1) = start, end
+    node_ts = frame["ts_s"].astype(float)
+    slope = (o1.offset_s - o0.offset_s) / (c1 - c0) if c1 > c0 else 0.0
+    offset = o0.offset_s + slope * (node_ts - o0.offset_s - c0)
+    out = frame.rename(columns={"ts_s": "node_ts_s"})
+    out["ts_s"] = node_ts - offset
+    return out
+
+
+def max_gap_s(frame: pd.DataFrame) -> float | None:
+    stamps = sorted(set(frame["node_ts_s"] if "node_ts_s" in frame else frame["ts_s"]))
+    if len(stamps) < 2:
+        return None
+    return max(b - a for a, b in itertools.pairwise(stamps))
+
+
+def finish_recording(
+    inventory: Inventory, recording: Recording, out_dir: Path, *, say: Say = lambda _: None
+) -> RecordResult:
+    """Measure clock offsets again, stop the samplers, pull their files and write
+    ``out_dir/<node>.parquet`` (plus the raw CSVs under ``raw/`` and ``recording.json``)."""
+    by_name = {n.node: n for n in recording.nodes}
+    specs = {name: inventory.node(name) for name in by_name}
+    clock_end = fan_out(list(by_name), lambda n: _clock(inventory, specs[n]), description="clock offsets")
+    stopped = fan_out(list(by_name), lambda n: _stop(inventory, specs[n], by_name[n]), description="stopping samplers")
+    raw = out_dir / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+
+    def pull(name: str) -> Path:
+        local = raw / f"{name}.csv"
+        with _transport(inventory, specs[name]) as t:
+            t.get(by_name[name].datafile, local)
+        return local
+
+    pulled = fan_out(list(by_name), pull, description="collecting telemetry")
+    errors = {o.node: o.error or "" for o in (*clock_end.failed, *stopped.failed, *pulled.failed)}
+    ends = clock_end.values()
+    results = []
+    for name, local in pulled.values().items():
+        start = recording.clock_start[name]
+        end = ends.get(name, start)
+        frame = align(read_sampler_file(local), start, end)
+        frame["node"] = name
+        frame = frame[COLUMNS].sort_values(["ts_s", "metric", "sensor"], kind="stable")
+        path = out_dir / f"{name}.parquet"
+        frame.to_parquet(path, index=False)
+        drift = (end[1].offset_s - start[1].offset_s) / (end[0] - start[0]) * 1e6 if end[0] > start[0] else 0.0
+        results.append(
+            NodeTelemetry(
+                name, len(frame), path, stopped.values().get(name, "?"), max_gap_s(frame), start[1], end[1], drift
+            )
+        )
+        say(f"  {name}: {len(frame)} rows -> {path}")
+    document = {
+        "session": recording.session,
+        "interval_s": recording.interval_s,
+        "started_unix_s": recording.started_unix_s,
+        "node_code": recording.node_code,
+        "nodes": {
+            t.node: {
+                "rows": t.rows,
+                "sampler": t.stopped,
+                "max_gap_s": t.max_gap_s,
+                "clock_start": asdict(t.clock_start),
+                "clock_end": asdict(t.clock_end),
+                "drift_ppm": t.drift_ppm,
+                "source": recording.probes[t.node].source,
+                "source_header": recording.probes[t.node].header,
+            }
+            for t in results
+        },
+        "errors": errors,
+    }
+    (out_dir / "recording.json").write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    return RecordResult(out_dir, recording.session, tuple(results), errors)
+
+
+def record_telemetry(
+    inventory: Inventory,
+    nodes: list[str] | None,
+    seconds: float,
+    out_dir: Path,
+    *,
+    interval_s: float = 0.1,
+    require_energy: bool = False,
+    during: Callable[[], None] | None = None,
+    say: Say = lambda _: None,
+) -> RecordResult:
+    """Record ``seconds`` of telemetry (``during`` runs meanwhile, e.g. a workload), then collect."""
+    recording = start_recording(
+        inventory, nodes, interval_s=interval_s, max_seconds=seconds, require_energy=require_energy, say=say
+    )
+    deadline = time.monotonic() + seconds
+    try:
+        if during is not None:
+            during()
+        time.sleep(max(0.0, deadline - time.monotonic()))
+    finally:
+        result = finish_recording(inventory, recording, out_dir, say=say)
+    return result
+
+
+# -- import --------------------------------------------------------------------------------------
+
+
+def import_tegrastats(log: Path, node: str, out_dir: Path, *, interval_s: float, utc_offset_h: float = 0.0) -> Path:
+    """Convert a tegrastats log into ``out_dir/<node>.parquet``. Lines with JetPack 5+ timestamps
+    (the board's local time, ``utc_offset_h`` from UTC) keep them; JetPack 4 lines, which have
+    none, are placed ``interval_s`` apart from 0. A stand-in's mark makes the power rows modeled."""
+    from nodes.jetson.tegrastats import STANDIN_PREFIX, parse_tegrastats, sample_rows
+
+    rows = []
+    kind = "measured"
+    untimed = 0
+    lines = log.read_text(errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
+        if line.startswith(STANDIN_PREFIX):
+            kind = "modeled"
+        if not line.strip() or line.startswith("#"):
+            continue
+        try:
+            sample = parse_tegrastats(line)
+        except ValueError:
+            raise TestbedError(f"{log}:{number}: not a tegrastats line: {line[:80]!r}") from None
+        if sample.timestamp is not None:
+            stamp = time.strptime(sample.timestamp, "%m-%d-%Y %H:%M:%S")
+            ts = float(calendar.timegm(stamp)) - utc_offset_h * 3600.0
+        else:
+            ts, untimed = untimed * interval_s, untimed + 1
+        rows.extend(sample_rows(sample, ts, interval_s, kind))
+    if not rows:
+        raise TestbedError(f"{log}: no tegrastats lines")
+    frame = pd.DataFrame([r._asdict() for r in rows])
+    frame["node_ts_s"] = frame["ts_s"]
+    frame["node"] = node
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{node}.parquet"
+    frame[COLUMNS].to_parquet(path, index=False)
+    return path
