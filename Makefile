@@ -9,6 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SYSTEM_PACKAGES := openssh-server iperf3 iproute2
 PYTEST_ARGS ?=
+DEMO_OUT ?= demo-output
 # Network namespaces need root; without it the demo runs the emulated nodes as local processes.
 EMULATE_MODE := $(if $(filter 0,$(shell id -u)),,--mode local)
 
@@ -40,6 +41,16 @@ demo: $(STAMP) system-packages
 	    $(BIN)/testbed link verify -i inventory.yaml --duration 2; status=$$?; \
 	    $(BIN)/testbed link clear -i inventory.yaml || status=1; \
 	  fi; \
+	  if [ $$status -eq 0 ]; then \
+	    echo "== power modes through the stand-in nvpmodel (read back), 3 s of telemetry at 10 Hz, restore"; \
+	    $(BIN)/testbed power set orin MODE_15W -i inventory.yaml && \
+	    $(BIN)/testbed telemetry record -i inventory.yaml --seconds 3 --out $(DEMO_OUT)/telemetry && \
+	    $(BIN)/python -c "import pandas as pd, sys; f = pd.read_parquet(sys.argv[1]); \
+	      p = f[f.metric == 'board_power_mw']; \
+	      print('orin board power: median %.0f mW over %d samples (%s, %s)' % (p.value.median(), len(p), \
+	        p.kind.iloc[0], p.sensor.iloc[0]))" $(DEMO_OUT)/telemetry/orin.parquet; status=$$?; \
+	    $(BIN)/testbed power restore -i inventory.yaml || status=1; \
+	  fi; \
 	  $(BIN)/testbed emulate down -i inventory.yaml; exit $$status
 
 lint: $(STAMP)
@@ -53,6 +64,7 @@ bench: $(STAMP) system-packages
 	$(BIN)/python bench/fanout.py
 	$(BIN)/python bench/emulate.py
 	$(BIN)/python bench/shaping.py
+	$(BIN)/python bench/telemetry.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(DEMO_OUT)
