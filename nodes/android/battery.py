@@ -17,12 +17,14 @@ import re
 import subprocess
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
-from nodes.telemetry.rows import MEASURED, TelemetryRow
+from nodes.telemetry.rows import MEASURED, MODELED, TelemetryRow
 from nodes.telemetry.source import Source
 
 BATTERY = "/sys/class/power_supply/battery"
 STATUS_CODES = {1: "Unknown", 2: "Charging", 3: "Discharging", 4: "Not charging", 5: "Full"}
 MICROAMP_THRESHOLD = 10000
+STANDIN_PROPERTY = "ro.hil_testbed.standin"
+POWER_SOURCES = ("AC powered", "USB powered", "Wireless powered", "Dock powered")
 _LINE = re.compile(r"^\s*([A-Za-z][A-Za-z ]*?):\s*(.*?)\s*$")
 
 
@@ -50,7 +52,7 @@ def parse_dumpsys_battery(text: str) -> Dict[str, Any]:
 
 
 def charging_from_dumpsys(fields: Dict[str, Any]) -> bool:
-    powered = any(fields.get(k) is True for k in ("AC powered", "USB powered", "Wireless powered", "Dock powered"))
+    powered = any(fields.get(k) is True for k in POWER_SOURCES)
     return powered or fields.get("status") == 2
 
 
@@ -107,6 +109,8 @@ class BatterySource(Source):
 
         self.serial, self.adb, self.interval_s = serial, adb, interval_s
         self.now = now or time.time
+        # A stand-in phone (the testbed's tests) answers this property; a real one has no such property.
+        self.kind = MODELED if self._adb_shell("getprop %s" % STANDIN_PROPERTY).strip() == "1" else MEASURED
         dumpsys = self._adb_shell("dumpsys battery")
         self.dumpsys = parse_dumpsys_battery(dumpsys)
         self.convention: Optional[CurrentConvention] = None
@@ -126,11 +130,11 @@ class BatterySource(Source):
                     "battery",
                     "the phone is charging (%s): the battery current includes "
                     "the charger; suspend charging (root) or use adb over Wi-Fi"
-                    % ", ".join(k for k in ("AC powered", "USB powered", "Wireless powered") if self.dumpsys.get(k))
-                    or "status charging",
+                    % (", ".join(k for k in POWER_SOURCES if self.dumpsys.get(k)) or "status charging"),
                 )
             )
         self.header = {
+            "kind": self.kind,
             "serial": serial,
             "dumpsys_battery": {k: v for k, v in self.dumpsys.items() if isinstance(v, (int, bool))},
         }
@@ -170,7 +174,7 @@ class BatterySource(Source):
         period = self.interval_s
 
         def row(metric: str, value: float, unit: str) -> TelemetryRow:
-            return TelemetryRow(ts_s, metric, float(value), unit, "battery", MEASURED, period)
+            return TelemetryRow(ts_s, metric, float(value), unit, "battery", self.kind, period)
 
         rows = [
             row("battery_voltage_mv", voltage_uv / 1000.0, "mV"),

@@ -86,7 +86,7 @@ class AndroidPower(PowerDriver):
         capped = [p for p in policies.values() if p["max_khz"] != p["hw_max_khz"]]
         mode = governors.pop() if len(governors) == 1 else "mixed"
         if mode != "mixed" and capped:
-            mode += "@" + max(p["max_khz"] for p in capped)
+            mode += "@" + str(max(int(p["max_khz"]) for p in capped))
         return PowerState(mode, mode, None, [], {"policies": policies, "thermal_c": self.thermal_c()})
 
     def _targets(self, mode: str, policies: Dict[str, Dict[str, str]]) -> List[Tuple[str, str, str]]:
@@ -116,6 +116,9 @@ class AndroidPower(PowerDriver):
                     "%s reads back governor %s, max %s kHz; asked for %s, %s kHz"
                     % (name, now[name]["governor"], now[name]["max_khz"], governor, khz)
                 )
+
+    def check_mode(self, mode: str) -> None:
+        self._targets(mode, self.policies())
 
     def set_mode(self, mode: str) -> PowerState:
         self._write(self._targets(mode, self.policies()))

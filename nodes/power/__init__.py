@@ -90,6 +90,10 @@ class PowerDriver(object):
     def set_mode(self, mode: str) -> PowerState:
         raise PowerError("this node has no power modes to set")
 
+    def check_mode(self, mode: str) -> None:
+        """Raise :class:`PowerError` if ``mode`` cannot be set here (before anything is journaled)."""
+        self.resolve(mode)
+
     def lock_clocks(self) -> PowerState:
         raise PowerError("this node has no clocks to lock")
 

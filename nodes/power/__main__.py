@@ -35,6 +35,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.action == "show":
             result.update(state=_state_json(driver.state()), modes=[m._asdict() for m in driver.modes()])
         elif args.action == "set":
+            driver.check_mode(args.mode)  # a mode that cannot be set leaves no journal behind
             journal.record_before_change(driver)
             state = driver.set_mode(args.mode)
             if args.lock_clocks:

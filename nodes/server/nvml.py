@@ -11,6 +11,7 @@ of being left out silently.
 """
 
 import contextlib
+import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from nodes.telemetry.rows import MEASURED, TelemetryRow
@@ -36,30 +37,23 @@ def nvml_error(nvml: Any, exc: Exception) -> str:
     return "%s (NVML error %s)" % (str(exc) or type(exc).__name__, getattr(exc, "value", "?"))
 
 
-def averaged_power(name: str) -> bool:
-    """Whether nvmlDeviceGetPowerUsage is a 1 s average: Ampere and newer, except the A100 (GA100)."""
-    older = (
-        "K80",
-        "K40",
-        "M40",
-        "M60",
-        "P100",
-        "P40",
-        "P4",
-        "V100",
-        "T4",
-        "TITAN V",
-        "TITAN RTX",
-        "A100",
-        "GTX 10",
-        "GTX 9",
-        "RTX 20",
-        "QUADRO RTX",
-        "QUADRO P",
-        "QUADRO GV",
-    )
+NVML_DEVICE_ARCH_AMPERE = 7  # nvmlDeviceGetArchitecture: 5 Volta, 6 Turing, 7 Ampere, 8 Ada, 9 Hopper, 10 Blackwell
+_GA100 = re.compile(r"\bA(100|30)\b")  # the Ampere parts whose power reading is still instantaneous
+_PRE_AMPERE = re.compile(
+    r"\b(K\d+|M\d+|P\d+|V100|T4|TITAN (V|RTX|XP?)|GTX (9|10|16)\d\d|RTX 20[5-9]0|QUADRO (RTX|P|GV|M|K))"
+)
+
+
+def averaged_power(name: str, architecture: Optional[int] = None) -> bool:
+    """Whether nvmlDeviceGetPowerUsage is a 1 s average: Ampere and newer, except GA100 (A100, A30),
+    which like every older GPU reports an instantaneous value. ``architecture`` is NVML's
+    (``nvmlDeviceGetArchitecture``); without it the product name decides."""
     upper = name.upper()
-    return not any(marker in upper for marker in older)
+    if _GA100.search(upper):
+        return False
+    if architecture is not None:
+        return architecture >= NVML_DEVICE_ARCH_AMPERE
+    return not _PRE_AMPERE.search(upper)
 
 
 class NvmlSource(PolledSource):
@@ -70,17 +64,30 @@ class NvmlSource(PolledSource):
         self.nvml = nvml or load_pynvml()
         self.interval_s = interval_s
         self.nvml.nvmlInit()
-        self.handles: List[Tuple[str, Any, str]] = []  # (sensor, handle, name)
+        self.handles: List[Tuple[str, Any, str, Optional[int]]] = []  # sensor, handle, name, architecture
         for i in range(self.nvml.nvmlDeviceGetCount()):
             handle = self.nvml.nvmlDeviceGetHandleByIndex(i)
-            self.handles.append(("gpu%d" % i, handle, text(self.nvml.nvmlDeviceGetName(handle))))
+            name = text(self.nvml.nvmlDeviceGetName(handle))
+            self.handles.append(("gpu%d" % i, handle, name, self._architecture(handle)))
         self.unsupported: set = set()  # (sensor, metric) that raised NotSupported once
         self.energy_base: Dict[str, int] = {}
         reasons = getattr(self.nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
         self.reasons = reasons or self.nvml.nvmlDeviceGetCurrentClocksThrottleReasons
-        self.header = {"gpus": [{"sensor": s, "name": n} for s, _, n in self.handles], "driver": self._driver_version()}
+        self.header = {
+            "gpus": [{"sensor": s, "name": n} for s, _, n, _ in self.handles],
+            "driver": self._driver_version(),
+        }
         if not self.handles:
             self.problems.append(("power_mw", "gpu", "NVML sees no GPU"))
+
+    def _architecture(self, handle: Any) -> Optional[int]:
+        call = getattr(self.nvml, "nvmlDeviceGetArchitecture", None)  # nvidia-ml-py 11.450 and later
+        if call is None:
+            return None
+        try:
+            return int(call(handle))
+        except Exception:
+            return None  # old driver (FunctionNotFound) or unknown: the product name decides
 
     def _driver_version(self) -> str:
         try:
@@ -100,11 +107,13 @@ class NvmlSource(PolledSource):
 
     def sample(self, now_s: float) -> List[TelemetryRow]:
         rows: List[TelemetryRow] = []
-        for sensor, handle, name in self.handles:
-            rows.extend(self._gpu_rows(now_s, sensor, handle, name))
+        for sensor, handle, name, architecture in self.handles:
+            rows.extend(self._gpu_rows(now_s, sensor, handle, name, architecture))
         return rows
 
-    def _gpu_rows(self, now_s: float, sensor: str, h: Any, name: str) -> List[TelemetryRow]:
+    def _gpu_rows(
+        self, now_s: float, sensor: str, h: Any, name: str, architecture: Optional[int]
+    ) -> List[TelemetryRow]:
         nvml, period = self.nvml, self.interval_s
         rows: List[TelemetryRow] = []
 
@@ -117,7 +126,7 @@ class NvmlSource(PolledSource):
             base = self.energy_base.setdefault(sensor, int(energy))
             add("energy_mj", int(energy) - base, "mJ")  # since the sampler started
         power = self._read(sensor, "power_mw", nvml.nvmlDeviceGetPowerUsage, h)
-        add("power_mw", power, "mW", 1.0 if averaged_power(name) else period)
+        add("power_mw", power, "mW", 1.0 if averaged_power(name, architecture) else period)
         util = self._read(sensor, "gpu_util_pct", nvml.nvmlDeviceGetUtilizationRates, h)
         if util is not None:
             add("gpu_util_pct", util.gpu, "%")

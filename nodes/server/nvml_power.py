@@ -1,14 +1,14 @@
 """GPU power control through NVML: a power limit (the server's "power mode") and locked SM
 clocks, both set on every GPU and read back. Both need root (NVML answers NoPermission
-otherwise) and neither survives a driver reload; the journal records each GPU's limit and
-whether clocks were locked before the first change.
+otherwise) and neither survives a driver reload. The journal records each GPU's power limit;
+NVML cannot read whether clocks were locked, so restore always resets locked clocks.
 
 Modes: ``default`` (each GPU's default limit), or a limit such as ``250W`` for every GPU; a
 limit outside a GPU's constraints is refused before anything is set.
 """
 
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from nodes.power import PowerDriver, PowerError, PowerModeInfo, PowerState, Runner
 from nodes.server.nvml import load_pynvml, nvml_error, text
@@ -79,7 +79,21 @@ class NvmlPower(PowerDriver):
         mode = limits.pop() if len(limits) == 1 else "mixed"
         return PowerState(mode, mode, None, [], {"gpus": gpus})
 
+    def check_mode(self, mode: str) -> None:
+        self._targets(mode)
+
     def set_mode(self, mode: str) -> PowerState:
+        for i, h, target in self._targets(mode):
+            self._call("setting the power limit of gpu%d" % i, self.nvml.nvmlDeviceSetPowerManagementLimit, h, target)
+            back = self._call("power limit of gpu%d" % i, self.nvml.nvmlDeviceGetPowerManagementLimit, h)
+            if back != target:
+                raise PowerError(
+                    "set gpu%d's power limit to %g W but it reads back %g W" % (i, target / 1000.0, back / 1000.0)
+                )
+        return self.state()
+
+    def _targets(self, mode: str) -> List[Tuple[int, Any, int]]:
+        """(index, handle, limit in mW) per GPU; raises before anything is set if one is out of range."""
         self._require()
         targets = []
         for i, h in enumerate(self.handles):
@@ -98,14 +112,7 @@ class NvmlPower(PowerDriver):
                         "gpu%d accepts power limits of %g-%g W, not %s" % (i, low / 1000.0, high / 1000.0, mode)
                     )
             targets.append((i, h, target))
-        for i, h, target in targets:
-            self._call("setting the power limit of gpu%d" % i, self.nvml.nvmlDeviceSetPowerManagementLimit, h, target)
-            back = self._call("power limit of gpu%d" % i, self.nvml.nvmlDeviceGetPowerManagementLimit, h)
-            if back != target:
-                raise PowerError(
-                    "set gpu%d's power limit to %g W but it reads back %g W" % (i, target / 1000.0, back / 1000.0)
-                )
-        return self.state()
+        return targets
 
     def lock_clocks(self) -> PowerState:
         """Lock every GPU's SM clock at its maximum (steadier timings; NVML's locked clocks)."""
