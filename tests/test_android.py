@@ -362,3 +362,13 @@ def test_require_energy_refuses_a_charging_phone(phones: Path, tmp_path: Path) -
     accepted = run_cli("telemetry", "probe", "-i", inventory, "--require-energy")
     assert accepted.returncode == 0, accepted.stderr
     assert "p1" in accepted.stdout
+
+
+def test_power_show_warns_when_the_phone_charges(phones: Path, tmp_path: Path) -> None:
+    phone = make_phone(phones, PIXEL, current_now=1200000, status="Charging", usb_powered=True)
+    inv = load_inventory(phone_inventory(tmp_path))
+    reading = show_power(inv).values()["p1"]
+    assert any("charging (USB powered)" in w for w in reading.warnings)
+    phone.plug("usb", powered=False)
+    phone.battery(status="Discharging", current_now=-412000)
+    assert show_power(inv).values()["p1"].warnings == ()

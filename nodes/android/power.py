@@ -10,6 +10,7 @@ import shlex
 import subprocess
 from typing import Any, Dict, List, Tuple
 
+from nodes.android.battery import POWER_SOURCES, charging_from_dumpsys, parse_dumpsys_battery
 from nodes.power import PowerDriver, PowerError, PowerModeInfo, PowerState
 
 CPUFREQ = "/sys/devices/system/cpu/cpufreq"
@@ -87,7 +88,20 @@ class AndroidPower(PowerDriver):
         mode = governors.pop() if len(governors) == 1 else "mixed"
         if mode != "mixed" and capped:
             mode += "@" + str(max(int(p["max_khz"]) for p in capped))
-        return PowerState(mode, mode, None, [], {"policies": policies, "thermal_c": self.thermal_c()})
+        return PowerState(
+            mode, mode, None, self._charging_warnings(), {"policies": policies, "thermal_c": self.thermal_c()}
+        )
+
+    def _charging_warnings(self) -> List[str]:
+        """A phone that charges skews every battery reading: say so wherever its state is shown."""
+        try:
+            fields = parse_dumpsys_battery(self.shell("dumpsys battery"))
+        except (PowerError, ValueError) as exc:
+            return ["dumpsys battery unreadable: %s" % exc]
+        if not charging_from_dumpsys(fields):
+            return []
+        sources = ", ".join(k for k in POWER_SOURCES if fields.get(k)) or "status charging"
+        return ["the phone is charging (%s): battery readings include the charger" % sources]
 
     def _targets(self, mode: str, policies: Dict[str, Dict[str, str]]) -> List[Tuple[str, str, str]]:
         match = _MODE.match(mode.strip())
