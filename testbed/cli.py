@@ -71,6 +71,11 @@ InventoryOption = Annotated[
     typer.Option("--inventory", "-i", help="Inventory file describing the lab.", show_default=True),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+JetsonSourceOption = Annotated[
+    str,
+    typer.Option("--jetson-source", help="Where Jetson power comes from: tegrastats, or the jtop service "
+                 "(jetson-stats) where the lab runs it."),
+]
 NodesOption = Annotated[
     list[str] | None,
     typer.Option("--nodes", "-n", help="Node or group to act on (repeatable); default: every node."),
@@ -710,6 +715,7 @@ def telemetry_probe(
     nodes: NodesOption = None,
     require_energy: Annotated[bool, typer.Option("--require-energy", help="Fail (exit 1) for every node "
                                                  "without a working power or energy sensor.")] = False,
+    jetson_source: JetsonSourceOption = "tegrastats",
     as_json: JsonOption = False,
 ) -> None:
     """Take two samples from every node's telemetry source and list each sensor with its reading,
@@ -717,7 +723,7 @@ def telemetry_probe(
     from testbed.telemetry import probe_telemetry
 
     inv = load_lab(inventory)
-    result = probe_telemetry(inv, nodes, require_energy=require_energy)
+    result = probe_telemetry(inv, nodes, require_energy=require_energy, jetson_source=jetson_source)
     probes = list(result.values().values())
     if as_json:
         out.print_json(data=_to_json(probes))
@@ -750,6 +756,7 @@ def telemetry_record(
     nodes: NodesOption = None,
     require_energy: Annotated[bool, typer.Option("--require-energy", help="Refuse to start unless every "
                                                  "node has a working energy sensor.")] = False,
+    jetson_source: JetsonSourceOption = "tegrastats",
 ) -> None:
     """Record telemetry outside a campaign: start a detached sampler on every node, wait, measure
     clock offsets at both ends, then collect telemetry/<node>.parquet in long format (ts_s on the
@@ -758,7 +765,7 @@ def telemetry_record(
 
     inv = load_lab(inventory)
     result = record_telemetry(inv, nodes, seconds, out_dir, interval_s=interval_ms / 1000.0,
-                              require_energy=require_energy, say=_say)
+                              require_energy=require_energy, jetson_source=jetson_source, say=_say)
     table = Table(title=f"telemetry recorded in {out_dir}")
     for column in ("node", "rows", "longest gap", "clock offset", "drift", "sampler"):
         table.add_column(column)

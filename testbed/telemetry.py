@@ -57,11 +57,17 @@ class SamplerPlan:
         return [*words, "--node", self.node]
 
 
-def sampler_plan(node: NodeSpec) -> SamplerPlan:
-    """Jetsons: tegrastats (the stand-in on emulated ones). Servers: NVML and the host's CPUs and
-    RAPL; an emulated server: its cgroup and power model. Phones: the battery, from the USB host."""
+JETSON_SOURCES = {"tegrastats": "jetson", "jtop": "jtop"}
+
+
+def sampler_plan(node: NodeSpec, jetson_source: str = "tegrastats") -> SamplerPlan:
+    """Jetsons: tegrastats (the stand-in on emulated ones), or the jtop service. Servers: NVML and
+    the host's CPUs and RAPL; an emulated server: its cgroup and power model. Phones: the battery,
+    from the USB host."""
     if node.kind == "jetson":
-        return SamplerPlan(node.name, node.name, ("jetson",))
+        if jetson_source not in JETSON_SOURCES:
+            raise TestbedError(f"unknown Jetson telemetry source {jetson_source!r}; use tegrastats or jtop")
+        return SamplerPlan(node.name, node.name, (JETSON_SOURCES[jetson_source],))
     if node.kind == "android":
         assert node.adb is not None
         return SamplerPlan(node.name, node.adb.usb_host, ("android",), node.adb.serial)
@@ -116,8 +122,8 @@ def _sampler_command(inventory: Inventory, t: Transport, plan: SamplerPlan) -> t
     return plan.argv(inventory.spec.defaults.python), {"PYTHONPATH": code}
 
 
-def probe_node(inventory: Inventory, node: NodeSpec) -> ProbeResult:
-    plan = sampler_plan(node)
+def probe_node(inventory: Inventory, node: NodeSpec, jetson_source: str = "tegrastats") -> ProbeResult:
+    plan = sampler_plan(node, jetson_source)
     with _transport(inventory, node) as t:
         argv, env = _sampler_command(inventory, t, plan)
         result = t.run([*argv, "--probe"], env=env, timeout_s=60.0)
@@ -133,14 +139,18 @@ def probe_node(inventory: Inventory, node: NodeSpec) -> ProbeResult:
 
 
 def probe_telemetry(
-    inventory: Inventory, nodes: list[str] | None = None, *, require_energy: bool = False
+    inventory: Inventory,
+    nodes: list[str] | None = None,
+    *,
+    require_energy: bool = False,
+    jetson_source: str = "tegrastats",
 ) -> FanOutResult[ProbeResult]:
     """Probe every selected node's sensors. With ``require_energy``, a node without a working power
     or energy sensor becomes that node's error, naming the sensors and why they gave nothing."""
     selected = {n.name: n for n in inventory.select(nodes)}
 
     def probe(name: str) -> ProbeResult:
-        found = probe_node(inventory, selected[name])
+        found = probe_node(inventory, selected[name], jetson_source)
         if require_energy and not found.energy_sensors:
             missing = [f"{s.sensor} {s.metric}: {s.problem or 'no reading'}" for s in found.sensors if s.energy]
             raise NodeError(
@@ -197,12 +207,14 @@ def start_recording(
     interval_s: float = 0.1,
     max_seconds: float,
     require_energy: bool = False,
+    jetson_source: str = "tegrastats",
     say: Say = lambda _: None,
 ) -> Recording:
     """Probe, measure clock offsets, and start a detached sampler for every selected node."""
     selected = {n.name: n for n in inventory.select(nodes)}
     say(f"probing telemetry on {len(selected)} nodes")
-    probes = _all_or_raise(probe_telemetry(inventory, list(selected), require_energy=require_energy), "probe")
+    probed = probe_telemetry(inventory, list(selected), require_energy=require_energy, jetson_source=jetson_source)
+    probes = _all_or_raise(probed, "probe")
     for probe in probes.values():
         for s in probe.problems:
             say(f"  {probe.node}: {s.sensor} {s.metric}: {s.problem or 'no reading'}")
@@ -212,7 +224,7 @@ def start_recording(
 
     def start(name: str) -> NodeRecording:
         node = selected[name]
-        plan = sampler_plan(node)
+        plan = sampler_plan(node, jetson_source)
         with _transport(inventory, node) as t:
             argv, env = _sampler_command(inventory, t, plan)
             base = t.expand_path(f"{workdir}/telemetry/{session}/{name}")
@@ -358,12 +370,19 @@ def record_telemetry(
     *,
     interval_s: float = 0.1,
     require_energy: bool = False,
+    jetson_source: str = "tegrastats",
     during: Callable[[], None] | None = None,
     say: Say = lambda _: None,
 ) -> RecordResult:
     """Record ``seconds`` of telemetry (``during`` runs meanwhile, e.g. a workload), then collect."""
     recording = start_recording(
-        inventory, nodes, interval_s=interval_s, max_seconds=seconds, require_energy=require_energy, say=say
+        inventory,
+        nodes,
+        interval_s=interval_s,
+        max_seconds=seconds,
+        require_energy=require_energy,
+        jetson_source=jetson_source,
+        say=say,
     )
     deadline = time.monotonic() + seconds
     try:

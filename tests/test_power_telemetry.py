@@ -115,6 +115,8 @@ def test_probe_requires_energy_and_labels_modeled_power(lab: Path) -> None:
     for name, probe in probes.values().items():
         power = [s for s in probe.energy_sensors if s.metric in ("power_mw", "board_power_mw")]
         assert power and all(s.kind == "modeled" and s.value > 0 for s in power), name
+    without_jtop = probe_telemetry(inv, ["orin"], jetson_source="jtop")  # no jetson-stats here: say so
+    assert not without_jtop.ok and "jetson-stats is not installed" in (without_jtop.failed[0].error or "")
     orin = probes.values()["orin"]
     assert {s.sensor for s in orin.sensors if s.metric == "power_mw"} == {
         "VDD_GPU_SOC", "VDD_CPU_CV", "VIN_SYS_5V0", "VDDQ_VDD2_1V8AO"

@@ -1079,3 +1079,79 @@ def test_read_header_without_header(tmp_path):
     assert read_header(str(path)) == {}
     assert Path(path).read_text().splitlines()[0] == ",".join(COLUMNS)
     assert read_rows(str(path)) == ROWS[:1]
+
+
+# -- jtop (jetson-stats) --------------------------------------------------------------------------
+
+# The shape of jtop 4.x's ``jetson.power`` on an Orin NX (rails keyed by their sysfs labels; ``tot``
+# is the VDD_IN rail plus its name); values chosen so that ``avg`` differs from ``power``.
+JTOP_POWER = [
+    {
+        "rail": {
+            "VDD_CPU_GPU_CV": {"volt": 5000, "curr": 120, "warn": 32760, "crit": 32760, "power": 600, "avg": 580, "online": True},
+            "VDD_SOC": {"volt": 5000, "curr": 300, "warn": 32760, "crit": 32760, "power": 1500, "avg": 1400, "online": True},
+        },
+        "tot": {"volt": 5000, "curr": 900, "warn": 32760, "crit": 32760, "power": 4500, "avg": 4000, "online": True, "name": "VDD_IN"},
+    },
+    {
+        "rail": {
+            "VDD_CPU_GPU_CV": {"volt": 5000, "curr": 400, "power": 2000, "avg": 1290, "online": True},
+            "VDD_SOC": {"volt": 5000, "curr": 300, "power": 1500, "avg": 1450, "online": True},
+        },
+        "tot": {"power": 6100, "avg": 5050, "online": True, "name": "VDD_IN"},
+    },
+]
+
+
+class FakeJtop:
+    """jtop's client interface as the source uses it: jtop(interval=...), start(), ok() (True
+    once per new reading, False when the service goes away), power, close()."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval, self.readings, self.power, self.closed = interval, list(JTOP_POWER), None, False
+
+    def start(self) -> None:
+        pass
+
+    def ok(self) -> bool:
+        if not self.readings:
+            return False
+        self.power = self.readings.pop(0)
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_jtop_rows_use_instantaneous_power_never_jtops_avg() -> None:
+    from nodes.jetson.jtop_source import JtopSource, power_rows
+
+    rows = power_rows(JTOP_POWER[0], 10.0, 0.5)
+    values = {(r.metric, r.sensor): r.value for r in rows}
+    assert values == {("power_mw", "VDD_CPU_GPU_CV"): 600.0, ("power_mw", "VDD_SOC"): 1500.0,
+                      ("board_power_mw", "VDD_IN"): 4500.0}  # fmt: skip
+    no_total_name = power_rows({"rail": JTOP_POWER[0]["rail"], "tot": {"power": 2100, "avg": 1980}}, 0.0, 0.5)
+    assert [r.sensor for r in no_total_name if r.metric == "board_power_mw"] == ["sum(VDD_CPU_GPU_CV+VDD_SOC)"]
+
+    source = JtopSource(0.5, jtop_class=FakeJtop, now=iter([1.0, 1.5]).__next__)
+    batches = list(source.batches(0.5, lambda: False))  # ends when the service stops answering
+    source.close()
+    assert [[(r.ts_s, r.value) for r in b if r.metric == "board_power_mw"] for b in batches] == [[(1.0, 4500.0)], [(1.5, 6100.0)]]
+    assert source.client.closed and source.client.interval == 0.5
+
+
+def test_a_missing_jtop_says_what_to_install(monkeypatch) -> None:
+    import builtins
+
+    from nodes.jetson.jtop_source import JtopSource
+
+    real_import = builtins.__import__
+
+    def no_jtop(name, *args, **kwargs):
+        if name == "jtop":
+            raise ImportError("No module named 'jtop'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_jtop)
+    with pytest.raises(RuntimeError, match="jetson-stats"):
+        JtopSource(0.5)

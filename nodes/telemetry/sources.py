@@ -1,6 +1,7 @@
 """Telemetry sources by name, as the controller asks for them on the sampler's command line.
 
 - ``jetson``: tegrastats (JetPack 4-7 formats; the stand-in on an emulated Jetson)
+- ``jtop``: a Jetson's rails from the jtop service (jetson-stats), where a lab runs it
 - ``nvml``: every NVIDIA GPU through nvidia-ml-py
 - ``host``: the host's CPU utilisation, RAM, and RAPL energy where readable
 - ``emulated``: an emulated node's cgroup utilisation and modeled power
@@ -11,7 +12,8 @@ from typing import List, Optional, Sequence
 
 from nodes.telemetry.source import CompositeSource, PolledSource, Source
 
-NAMES = ("jetson", "nvml", "host", "emulated", "android")
+NAMES = ("jetson", "jtop", "nvml", "host", "emulated", "android")
+STREAMS = ("jetson", "jtop", "android")  # sources that pace themselves
 
 
 class UnknownSource(ValueError):
@@ -25,13 +27,17 @@ def build_source(names: Sequence[str], interval_s: float, serial: Optional[str] 
         raise UnknownSource(
             "unknown telemetry source %s; known: %s" % (", ".join(unknown) or "(none)", ", ".join(NAMES))
         )
-    for stream in ("jetson", "android"):
+    for stream in STREAMS:
         if stream in names and len(names) > 1:
             raise UnknownSource("the %s source paces itself and cannot be combined with others" % stream)
     if names[0] == "jetson":
         from nodes.jetson.tegrastats import TegrastatsSource
 
         return TegrastatsSource(interval_s)
+    if names[0] == "jtop":
+        from nodes.jetson.jtop_source import JtopSource
+
+        return JtopSource(interval_s)
     if names[0] == "android":
         if not serial:
             raise UnknownSource("the android source needs --serial")
