@@ -25,6 +25,7 @@ from typing import Any
 
 import pandas as pd
 
+from nodes.telemetry.source import ENERGY_METRICS
 from testbed.clock import ClockOffset, measure_clock_offset
 from testbed.errors import NodeError, TestbedError
 from testbed.fanout import FanOutResult, fan_out
@@ -34,7 +35,6 @@ from testbed.transport import open_transport, usb_host_transport
 from testbed.transport.base import Transport
 
 Say = Callable[[str], None]
-ENERGY_METRICS = ("power_mw", "board_power_mw", "energy_mj", "energy_uj")
 STOP_MARGIN_S = 120.0  # a sampler outlives its recording by at most this, then stops itself
 COLUMNS = ["ts_s", "node_ts_s", "node", "metric", "value", "unit", "sensor", "kind", "period_s"]
 

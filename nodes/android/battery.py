@@ -14,11 +14,12 @@ Rows: ``battery_current_ma`` (positive = drawn from the battery), ``battery_volt
 """
 
 import re
-import subprocess
+import time
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
+from nodes.android.adb import adb_shell
 from nodes.telemetry.rows import MEASURED, MODELED, TelemetryRow
-from nodes.telemetry.source import Source
+from nodes.telemetry.source import ProcessStream
 
 BATTERY = "/sys/class/power_supply/battery"
 STATUS_CODES = {1: "Unknown", 2: "Charging", 3: "Discharging", 4: "Not charging", 5: "Full"}
@@ -90,11 +91,12 @@ def loop_script(interval_s: float, count: int) -> str:
     )
 
 
-class BatterySource(Source):
+class BatterySource(ProcessStream):
     """Streams the battery files from one ``adb shell`` loop (one process, not one adb call per
     sample) and stamps each line on arrival at the USB host."""
 
     name = "android"
+    tool = "the adb shell loop"
 
     def __init__(
         self,
@@ -105,8 +107,6 @@ class BatterySource(Source):
         now: Optional[Callable[[], float]] = None,
     ) -> None:
         super(BatterySource, self).__init__()
-        import time
-
         self.serial, self.adb, self.interval_s = serial, adb, interval_s
         self.now = now or time.time
         # A stand-in phone (the testbed's tests) answers this property; a real one has no such property.
@@ -138,28 +138,10 @@ class BatterySource(Source):
             "serial": serial,
             "dumpsys_battery": {k: v for k, v in self.dumpsys.items() if isinstance(v, (int, bool))},
         }
-        self.process = subprocess.Popen(
-            [adb, "-s", serial, "shell", loop_script(interval_s, max_samples)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            universal_newlines=True,
-            bufsize=1,
-        )
+        self.start([adb, "-s", serial, "shell", loop_script(interval_s, max_samples)])
 
     def _adb_shell(self, command: str) -> str:
-        done = subprocess.run(
-            [self.adb, "-s", self.serial, "shell", command],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            universal_newlines=True,
-            timeout=30,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(
-                "adb -s %s shell %s failed: %s" % (self.serial, command, (done.stderr or done.stdout).strip()[-300:])
-            )
-        return done.stdout
+        return adb_shell(self.adb, self.serial, command)
 
     def rows_of(self, line: str, ts_s: float) -> List[TelemetryRow]:
         parts = line.split(None, 5)
@@ -189,23 +171,9 @@ class BatterySource(Source):
         return rows
 
     def batches(self, interval_s: float, stopping: Callable[[], bool]) -> Iterator[List[TelemetryRow]]:
-        assert self.process.stdout is not None
-        while not stopping():
-            line = self.process.stdout.readline()
-            if not line:
-                if stopping():
-                    return
-                error = self.process.stderr.read().strip() if self.process.stderr else ""
-                raise RuntimeError(
-                    "adb shell loop ended (exit status %s)%s"
-                    % (self.process.wait(), ": " + error[-300:] if error else "")
-                )
+        for line in self.lines(stopping):
             rows = self.rows_of(line, self.now())
-            if (
-                self.convention is None
-                and rows
-                and not any(p[1] == "battery" and "unit" in p[2] for p in self.problems)
-            ):
+            if self.convention is None and rows and not any("unit and sign" in p[2] for p in self.problems):
                 self.problems.append(
                     (
                         "power_mw",
@@ -215,12 +183,3 @@ class BatterySource(Source):
                     )
                 )
             yield rows
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()

@@ -7,9 +7,9 @@ zones (``/sys/class/thermal/thermal_zoneN``, millidegrees).
 
 import re
 import shlex
-import subprocess
 from typing import Any, Dict, List, Tuple
 
+from nodes.android.adb import AdbError, adb_shell
 from nodes.android.battery import POWER_SOURCES, charging_from_dumpsys, parse_dumpsys_battery
 from nodes.power import PowerDriver, PowerError, PowerModeInfo, PowerState
 
@@ -25,24 +25,10 @@ class AndroidPower(PowerDriver):
         self.serial, self.adb = serial, adb
 
     def shell(self, command: str, root: bool = False) -> str:
-        line = "su -c %s" % shlex.quote(command) if root else command
         try:
-            done = subprocess.run(
-                [self.adb, "-s", self.serial, "shell", line],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                universal_newlines=True,
-                timeout=30,
-                check=False,
-            )
-        except FileNotFoundError:
-            raise PowerError("adb is not installed on this host") from None
-        if done.returncode != 0:
-            raise PowerError(
-                "adb -s %s shell failed (%d): %s"
-                % (self.serial, done.returncode, (done.stderr or done.stdout).strip()[-300:])
-            )
-        return done.stdout
+            return adb_shell(self.adb, self.serial, "su -c %s" % shlex.quote(command) if root else command)
+        except AdbError as exc:
+            raise PowerError(str(exc)) from None
 
     def policies(self) -> Dict[str, Dict[str, str]]:
         """policyN -> governor, max, hw_max (kHz), available governors, related cpus."""

@@ -7,6 +7,7 @@ value of its own (each new reading averaged with the previous average), not a me
 window, so energy is integrated from the instantaneous samples instead.
 """
 
+import time
 from typing import Any, Callable, Iterator, List, Optional
 
 from nodes.telemetry.rows import MEASURED, TelemetryRow
@@ -34,8 +35,6 @@ class JtopSource(Source):
 
     def __init__(self, interval_s: float, jtop_class: Any = None, now: Optional[Callable[[], float]] = None) -> None:
         super(JtopSource, self).__init__()
-        import time
-
         if jtop_class is None:
             try:
                 from jtop import jtop as jtop_class

@@ -32,11 +32,11 @@ The row's ``sensor`` says which: ``VDD_IN`` or ``sum(VDD_GPU_SOC+VDD_CPU_CV+...)
 """
 
 import re
-import subprocess
+import time
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from nodes.telemetry.rows import MEASURED, MODELED, TelemetryRow
-from nodes.telemetry.source import Source
+from nodes.telemetry.source import ProcessStream
 
 # Printed by the testbed's stand-in tegrastats as its first line (see nodes.emulated.tegrastats).
 STANDIN_PREFIX = "# hil-testbed stand-in tegrastats"
@@ -172,7 +172,7 @@ def sample_rows(sample: TegrastatsSample, ts_s: float, period_s: float, kind: st
     return rows
 
 
-class TegrastatsSource(Source):
+class TegrastatsSource(ProcessStream):
     """Runs ``tegrastats --interval MS`` and turns each line into rows stamped on arrival (the
     tool's own timestamp has a resolution of one second)."""
 
@@ -182,31 +182,15 @@ class TegrastatsSource(Source):
         self, interval_s: float, command: str = "tegrastats", now: Optional[Callable[[], float]] = None
     ) -> None:
         super(TegrastatsSource, self).__init__()
-        import time
-
         self.interval_s = interval_s
         self.now = now or time.time
-        self.process = subprocess.Popen(
-            [command, "--interval", str(max(1, round(interval_s * 1000)))],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            universal_newlines=True,
-            bufsize=1,
-        )
+        self.tool = command
+        self.start([command, "--interval", str(max(1, round(interval_s * 1000)))])
         self.kind = MEASURED
         self.header = {"tool": command, "power_kind": MEASURED}
 
     def batches(self, interval_s: float, stopping: Callable[[], bool]) -> Iterator[List[TelemetryRow]]:
-        assert self.process.stdout is not None
-        while not stopping():
-            line = self.process.stdout.readline()
-            if not line:
-                if stopping():
-                    return  # stopped with our process group: tegrastats got the signal too
-                error = self.process.stderr.read().strip() if self.process.stderr else ""
-                raise RuntimeError(
-                    "tegrastats ended (exit status %s)%s" % (self.process.wait(), ": " + error[-300:] if error else "")
-                )
+        for line in self.lines(stopping):
             ts_s = self.now()
             if line.startswith("#"):
                 if line.startswith(STANDIN_PREFIX):
@@ -218,12 +202,3 @@ class TegrastatsSource(Source):
             except ValueError:
                 continue
             yield sample_rows(sample, ts_s, self.interval_s, self.kind)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()

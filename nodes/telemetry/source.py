@@ -5,6 +5,7 @@ A source yields batches of :class:`~nodes.telemetry.rows.TelemetryRow`. Polled s
 and are timed here on a deadline schedule; stream sources (tegrastats) pace themselves.
 """
 
+import subprocess
 import time
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -118,3 +119,38 @@ class CompositeSource(PolledSource):
     def close(self) -> None:
         for source in self.sources:
             source.close()
+
+
+class ProcessStream(Source):
+    """A source that reads the lines a tool prints at its own pace (tegrastats, an adb shell loop)."""
+
+    tool = "the tool"
+
+    def start(self, argv: Sequence[str]) -> None:
+        self.process = subprocess.Popen(
+            list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, bufsize=1
+        )
+
+    def lines(self, stopping: Callable[[], bool]) -> Iterator[str]:
+        """The tool's lines until ``stopping()``; an unexpected end is an error with its stderr."""
+        assert self.process.stdout is not None
+        while not stopping():
+            line = self.process.stdout.readline()
+            if not line:
+                if stopping():
+                    return  # stopped with our process group: the tool got the signal too
+                error = self.process.stderr.read().strip() if self.process.stderr else ""
+                raise RuntimeError(
+                    "%s ended (exit status %s)%s"
+                    % (self.tool, self.process.wait(), ": " + error[-300:] if error else "")
+                )
+            yield line
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
