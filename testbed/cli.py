@@ -85,6 +85,8 @@ NodesOption = Annotated[
 def _to_json(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):  # a NamedTuple from nodes/
+        return _to_json(value._asdict())
     if isinstance(value, (list, tuple)):
         return [_to_json(v) for v in value]
     if isinstance(value, dict):

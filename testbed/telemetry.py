@@ -25,7 +25,7 @@ from typing import Any
 
 import pandas as pd
 
-from nodes.telemetry.source import ENERGY_METRICS
+from nodes.telemetry.source import SensorStatus
 from testbed.clock import ClockOffset, measure_clock_offset
 from testbed.errors import NodeError, TestbedError
 from testbed.fanout import FanOutResult, fan_out
@@ -84,36 +84,18 @@ def _transport(inventory: Inventory, node: NodeSpec) -> Transport:
 
 
 @dataclass(frozen=True)
-class SensorReading:
-    metric: str
-    sensor: str
-    unit: str
-    kind: str
-    value: float | None
-    problem: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.value is not None and not self.problem
-
-    @property
-    def energy(self) -> bool:
-        return self.metric in ENERGY_METRICS
-
-
-@dataclass(frozen=True)
 class ProbeResult:
     node: str
     source: str
-    sensors: tuple[SensorReading, ...]
+    sensors: tuple[SensorStatus, ...]
     header: dict[str, Any]
 
     @property
-    def energy_sensors(self) -> tuple[SensorReading, ...]:
+    def energy_sensors(self) -> tuple[SensorStatus, ...]:
         return tuple(s for s in self.sensors if s.energy and s.ok)
 
     @property
-    def problems(self) -> tuple[SensorReading, ...]:
+    def problems(self) -> tuple[SensorStatus, ...]:
         return tuple(s for s in self.sensors if not s.ok)
 
 
@@ -134,7 +116,7 @@ def probe_node(inventory: Inventory, node: NodeSpec, jetson_source: str = "tegra
         raise NodeError(node.name, f"telemetry probe failed (exit status {result.exit_code}): {detail}") from None
     if "error" in answer:
         raise NodeError(node.name, f"telemetry source {'+'.join(plan.sources)} cannot start: {answer['error']}")
-    sensors = tuple(SensorReading(**s) for s in answer["sensors"])
+    sensors = tuple(SensorStatus(**s) for s in answer["sensors"])
     return ProbeResult(node.name, str(answer["source"]), sensors, dict(answer.get("header") or {}))
 
 
