@@ -138,7 +138,7 @@ class NvmlPower(PowerDriver):
             raise PowerError(
                 "the journal has power limits of %d GPUs; this node has %d" % (len(limits), len(self.handles))
             )
-        for i, (h, limit) in enumerate(zip(self.handles, limits)):  # noqa: B905 - lengths checked (3.8 has no strict)
+        for i, (h, limit) in enumerate(zip(self.handles, limits)):
             self._call("resetting gpu%d's clocks" % i, self.nvml.nvmlDeviceResetGpuLockedClocks, h)
             self._call("restoring gpu%d's power limit" % i, self.nvml.nvmlDeviceSetPowerManagementLimit, h, int(limit))
             back = self._call("power limit", self.nvml.nvmlDeviceGetPowerManagementLimit, h)

@@ -1,0 +1,73 @@
+"""One sequence's keys and values for the layers a model part holds.
+
+Every layer writes a chunk at the same offset (the committed ``length``); ``advance`` commits the
+chunk once all layers have run, and ``truncate`` rolls back (rejected draft tokens). Storage grows
+by doubling, so appends are amortised O(1) and views never copy.
+"""
+
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        layers: Iterable[int],
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+        capacity: int = 256,
+    ) -> None:
+        self.layers = tuple(layers)
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device if device is not None else torch.device("cpu")
+        self.capacity = max(1, capacity)
+        self.length = 0
+        self._keys: Dict[int, torch.Tensor] = {}
+        self._values: Dict[int, torch.Tensor] = {}
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.num_kv_heads, self.capacity, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def _grow(self, needed: int) -> None:
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        if capacity == self.capacity:
+            return
+        self.capacity = capacity
+        for store in (self._keys, self._values):
+            for layer, old in store.items():
+                new = self._buffer()
+                new[:, : old.shape[1]] = old
+                store[layer] = new
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write ``keys``/``values`` [kv_heads, n, head_dim] after the committed length of ``layer``.
+
+        Returns views of this layer's keys and values up to and including the new chunk.
+        """
+        n = keys.shape[1]
+        end = self.length + n
+        if end > self.capacity:
+            self._grow(end)
+        if layer not in self._keys:
+            self._keys[layer], self._values[layer] = self._buffer(), self._buffer()
+        self._keys[layer][:, self.length : end] = keys
+        self._values[layer][:, self.length : end] = values
+        return self._keys[layer][:, :end], self._values[layer][:, :end]
+
+    def advance(self, n: int) -> None:
+        """Commit a chunk of ``n`` tokens that every layer of the part has appended."""
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        """Forget everything from position ``length`` on (rollback); keeps the memory."""
+        if length < 0 or length > self.length:
+            raise ValueError("cannot truncate a cache of %d tokens to %d" % (self.length, length))
+        self.length = length
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for store in (self._keys, self._values) for t in store.values())

@@ -1,0 +1,162 @@
+"""The run config every rank reads: method, model, partition, and one entry per MPI rank.
+
+JSON written by the controller (or a test). Ranks are ordered: the P server stages first (rank
+0 = stage 0), then the devices. Paths are as seen on the node that runs the rank.
+
+    {"run_id": "r1", "method": "ushape", "model": "/path/to/checkpoint", "dtype": "float32",
+     "partition": {"device_layers": 2, "stages": 2}, "chunk_tokens": 128, "out_dir": "/path/out",
+     "ranks": [{"role": "stage", "node": "server"}, {"role": "stage", "node": "server"},
+               {"role": "device", "node": "orin", "schedule": "/path/orin.jsonl"}]}
+
+Schedules are JSON lines: ``{"request_id": 3, "arrival_s": 0.5, "prompt": "...",
+"max_new_tokens": 32}`` (or ``prompt_ids`` instead of ``prompt``); ``arrival_s`` counts from the
+run's start barrier.
+"""
+
+import json
+import os
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+METHODS = ("centralized", "ushape", "usarathi")
+
+
+class RunConfigError(ValueError):
+    pass
+
+
+class RankSpec(NamedTuple):
+    role: str  # stage | device
+    node: str
+    index: int  # stage index or device index
+    torch_device: str = "cpu"
+    threads: Optional[int] = None
+    schedule: Optional[str] = None
+
+
+class RunConfig(NamedTuple):
+    run_id: str
+    method: str
+    model: str
+    dtype: str
+    device_layers: int
+    stages: int
+    chunk_tokens: int
+    out_dir: str
+    ranks: Tuple[RankSpec, ...]
+    seed: int = 0
+
+    @property
+    def device_ranks(self) -> List[int]:
+        return [r for r, spec in enumerate(self.ranks) if spec.role == "device"]
+
+    @property
+    def server_device_layers(self) -> int:
+        """m as the server sees it: 0 for ``centralized`` (the server runs every layer)."""
+        return 0 if self.method == "centralized" else self.device_layers
+
+    def rank_dir(self, rank: int) -> str:
+        spec = self.ranks[rank]
+        return os.path.join(self.out_dir, "%s-%d-%s" % (spec.role, spec.index, spec.node))
+
+
+def load(path: str) -> RunConfig:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise RunConfigError("%s: cannot read the run config (%s)" % (path, error)) from None
+    return parse(raw, path)
+
+
+def parse(raw: Dict[str, Any], source: str = "run config") -> RunConfig:
+    def need(name: str, kind: type) -> Any:
+        if name not in raw:
+            raise RunConfigError("%s: field %r is missing" % (source, name))
+        if not isinstance(raw[name], kind):
+            raise RunConfigError("%s: field %r must be %s" % (source, name, kind.__name__))
+        return raw[name]
+
+    method = need("method", str)
+    if method not in METHODS:
+        raise RunConfigError("%s: field 'method' is %r; choose one of %s" % (source, method, ", ".join(METHODS)))
+    partition = need("partition", dict)
+    stages = int(partition.get("stages", 1))
+    device_layers = int(partition.get("device_layers", 0))
+    ranks: List[RankSpec] = []
+    counters = {"stage": 0, "device": 0}
+    for position, entry in enumerate(need("ranks", list)):
+        role = entry.get("role")
+        if role not in counters:
+            raise RunConfigError("%s: ranks[%d].role must be 'stage' or 'device'" % (source, position))
+        if role == "stage" and counters["device"]:
+            raise RunConfigError("%s: ranks[%d]: server stages come before devices" % (source, position))
+        if role == "device" and not entry.get("schedule"):
+            raise RunConfigError("%s: ranks[%d].schedule is missing (a device replays a schedule)" % (source, position))
+        ranks.append(
+            RankSpec(
+                role=role,
+                node=str(entry.get("node", "%s%d" % (role, counters[role]))),
+                index=counters[role],
+                torch_device=str(entry.get("torch_device", "cpu")),
+                threads=entry.get("threads"),
+                schedule=entry.get("schedule"),
+            )
+        )
+        counters[role] += 1
+    if counters["stage"] != stages:
+        raise RunConfigError(
+            "%s: partition.stages is %d but %d stage ranks are listed" % (source, stages, counters["stage"])
+        )
+    if not counters["device"]:
+        raise RunConfigError("%s: no device ranks" % source)
+    if method != "centralized" and device_layers < 0:
+        raise RunConfigError("%s: partition.device_layers must be >= 0" % source)
+    chunk = int(raw.get("chunk_tokens", 128))
+    if chunk < 1:
+        raise RunConfigError("%s: field 'chunk_tokens' must be >= 1" % source)
+    return RunConfig(
+        run_id=str(raw.get("run_id", "run")),
+        method=method,
+        model=os.path.expanduser(need("model", str)),
+        dtype=str(raw.get("dtype", "float32")),
+        device_layers=device_layers,
+        stages=stages,
+        chunk_tokens=chunk,
+        out_dir=os.path.expanduser(need("out_dir", str)),
+        ranks=tuple(ranks),
+        seed=int(raw.get("seed", 0)),
+    )
+
+
+class ScheduledRequest(NamedTuple):
+    request_id: int
+    arrival_s: float
+    prompt: Optional[str]
+    prompt_ids: Optional[List[int]]
+    max_new_tokens: int
+
+
+def load_schedule(path: str) -> List[ScheduledRequest]:
+    """A device's requests in arrival order; errors name the file and line."""
+    out: List[ScheduledRequest] = []
+    with open(os.path.expanduser(path), encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                request = ScheduledRequest(
+                    request_id=int(row["request_id"]),
+                    arrival_s=float(row.get("arrival_s", 0.0)),
+                    prompt=row.get("prompt"),
+                    prompt_ids=row.get("prompt_ids"),
+                    max_new_tokens=int(row.get("max_new_tokens", 32)),
+                )
+            except (ValueError, KeyError, TypeError) as error:
+                raise RunConfigError("%s:%d: bad request (%s)" % (path, number, error)) from None
+            if request.prompt is None and not request.prompt_ids:
+                raise RunConfigError("%s:%d: field 'prompt' or 'prompt_ids' is needed" % (path, number))
+            if request.max_new_tokens < 1:
+                raise RunConfigError("%s:%d: field 'max_new_tokens' must be >= 1" % (path, number))
+            out.append(request)
+    return sorted(out, key=lambda r: (r.arrival_s, r.request_id))
