@@ -51,6 +51,11 @@ demo: $(STAMP) system-packages
 	        p.kind.iloc[0], p.sensor.iloc[0]))" $(DEMO_OUT)/telemetry/orin.parquet; status=$$?; \
 	    $(BIN)/testbed power restore -i inventory.yaml || status=1; \
 	  fi; \
+	  if [ $$status -eq 0 ] && [ -z "$(EMULATE_MODE)" ]; then \
+	    echo "== split inference over MPI: 2 server stages, 3 devices, the tiny model (U-shape, m=2)"; \
+	    $(BIN)/testbed workers run examples/schedules/tiny-python.jsonl -i inventory.yaml --method ushape \
+	      -P 2 -m 2 --out $(DEMO_OUT)/split || status=1; \
+	  fi; \
 	  $(BIN)/testbed emulate down -i inventory.yaml; exit $$status
 
 lint: $(STAMP)
@@ -65,6 +70,7 @@ bench: $(STAMP) system-packages
 	$(BIN)/python bench/emulate.py
 	$(BIN)/python bench/shaping.py
 	$(BIN)/python bench/telemetry.py
+	$(BIN)/python bench/split.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(DEMO_OUT)

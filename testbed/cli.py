@@ -62,6 +62,13 @@ telemetry_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(telemetry_app, name="telemetry")
+workers_app = typer.Typer(
+    help="Run split-inference workers over MPI: the server's pipeline stages and one rank per device, "
+    "launched with mpiexec from the server node, MPI pinned to the data plane; devices replay a request "
+    "schedule and stamp every token on their own clock.",
+    no_args_is_help=True,
+)
+app.add_typer(workers_app, name="workers")
 
 out = Console()
 err = Console(stderr=True)
@@ -799,6 +806,73 @@ def telemetry_import_tegrastats(
         raise TestbedError(f"{log}: no such file")
     path = import_tegrastats(log, node, out_dir, interval_s=interval_ms / 1000.0, utc_offset_h=utc_offset_h)
     out.print(f"wrote {path}")
+
+
+TINY_MODEL = Path(__file__).resolve().parent.parent / "examples" / "models" / "tiny"
+
+
+@workers_app.command("run")
+def workers_run(
+    schedule: Annotated[Path, typer.Argument(help="JSON lines of requests: request_id, arrival_s (from the "
+                                             "start), prompt or prompt_ids, max_new_tokens. Every device "
+                                             "replays it.")],
+    inventory: InventoryOption = Path("inventory.yaml"),
+    method: Annotated[str, typer.Option(help="centralized (device sends token ids, the server runs the whole "
+                                        "model), ushape (HAT's U-shape: prompt hidden states sent whole), or "
+                                        "usarathi (U-shape, the server chunks prompts beside decodes).")] = "ushape",
+    model: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory, as seen on the nodes.")] = TINY_MODEL,
+    server: Annotated[str, typer.Option(help="Node that runs the pipeline stages and mpiexec.")] = "server",
+    devices: Annotated[str, typer.Option(help="Comma-separated device nodes or groups.")] = "devices",
+    stages: Annotated[int, typer.Option("--stages", "-P", help="Server pipeline stages (MPI ranks).")] = 1,
+    device_layers: Annotated[int, typer.Option("--device-layers", "-m", help="Layers the device runs after "
+                                               "the embedding (U-shape's m).")] = 1,
+    chunk_tokens: Annotated[int, typer.Option(help="usarathi's prompt chunk (token budget per iteration).")] = 128,
+    dtype: Annotated[str, typer.Option(help="float32, float16, bfloat16 or auto (the checkpoint's).")] = "float32",
+    out_dir: Annotated[Path, typer.Option("--out", help="Where rank files and mpiexec.log are collected.")] = Path(
+        "split-run"
+    ),
+    run_id: Annotated[str, typer.Option(help="Name of the run's directory on the nodes.")] = "split",
+    timeout: Annotated[float, typer.Option(help="Seconds before mpiexec and every rank are ended.")] = 600.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Run one split-inference run and print each request's TTFT and TBT. Files per rank land in
+    OUT/ranks/: requests.jsonl and tokens.csv from devices, iterations.csv from server stages."""
+    from nodes.workers.run_config import RunConfigError, load_schedule
+    from testbed.split_run import SplitRunSpec, run_split
+
+    inv = load_lab(inventory)
+    try:
+        rows = [r._asdict() for r in load_schedule(str(schedule))]
+    except (OSError, RunConfigError) as exc:
+        raise TestbedError(str(exc)) from None
+    schedule_rows = tuple({k: v for k, v in r.items() if v is not None} for r in rows)
+    device_names = tuple(n.name for n in inv.select([d.strip() for d in devices.split(",") if d.strip()]))
+    spec = SplitRunSpec(
+        method=method, model=str(model.resolve()) if model.exists() else str(model), server=server,
+        devices=device_names, stages=stages, device_layers=device_layers, chunk_tokens=chunk_tokens, dtype=dtype,
+        schedule=schedule_rows, run_id=run_id, timeout_s=timeout,
+    )  # fmt: skip
+    try:
+        result = run_split(inv, spec, out_dir, say=_say)
+    except NodeError as exc:
+        err.print("[red]error:[/] " + escape(str(exc)), highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    requests = sorted(result.requests(), key=lambda r: (r["node"], r["request_id"]))
+    if as_json:
+        out.print_json(data={"out": str(out_dir), "seconds": result.seconds, "requests": requests})
+        return
+    table = Table(title=f"{method}: {len(requests)} requests in {result.seconds:.1f} s (files in {out_dir})")
+    for column in ("node", "request", "prompt tok", "out tok", "TTFT ms", "mean TBT ms", "network ms", "text"):
+        table.add_column(column, overflow="fold")
+    for r in requests:
+        gaps = r["decode"]["steps"]
+        tbt = (r["last_token_s"] - r["first_token_s"]) / gaps * 1e3 if gaps else float("nan")
+        table.add_row(
+            r["node"], str(r["request_id"]), str(r["prompt_tokens"]), str(r["output_tokens"]),
+            f"{r['ttft_s'] * 1e3:.0f}", f"{tbt:.1f}", f"{r['prefill']['network_s'] * 1e3:.0f}",
+            r["text"][:40].replace("\n", "\\n"),
+        )  # fmt: skip
+    out.print(table)
 
 
 def main() -> None:

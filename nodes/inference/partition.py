@@ -45,4 +45,5 @@ class UShapePartition(NamedTuple):
 
     def describe(self) -> str:
         stages = ", ".join("%d-%d" % (s[0], s[-1]) for s in self.stage_layer_ids())
-        return "device: embedding, layers 0-%d, norm, head; server stages: %s" % (self.device_layers - 1, stages)
+        layers = "layers 0-%d, " % (self.device_layers - 1) if self.device_layers else ""
+        return "device: embedding, %snorm, head; server stages: %s" % (layers, stages)

@@ -182,6 +182,7 @@ class DeviceWorker:
                 "upload_start_s": round(trip["send_start_s"], 6),
                 "upload_end_s": round(trip["send_end_s"], 6),
                 "first_token_s": round(first_token_s, 6),
+                "last_token_s": round(stamps[-1], 6),
                 "done_s": round(done, 6),
                 "ttft_s": round(first_token_s - request.arrival_s, 6),
                 "prefill": {

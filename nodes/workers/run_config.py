@@ -69,6 +69,16 @@ def load(path: str) -> RunConfig:
 
 
 def parse(raw: Dict[str, Any], source: str = "run config") -> RunConfig:
+    """Validate a run config; every problem is a RunConfigError naming ``source`` and the field."""
+    try:
+        return _parse(raw, source)
+    except RunConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as error:
+        raise RunConfigError("%s: malformed run config (%s)" % (source, error)) from None
+
+
+def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
     def need(name: str, kind: type) -> Any:
         if name not in raw:
             raise RunConfigError("%s: field %r is missing" % (source, name))

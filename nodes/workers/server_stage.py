@@ -49,6 +49,13 @@ ITERATION_COLUMNS = (
 )
 
 
+def stage_device(requested: str, stage: int) -> str:
+    """``cuda`` means one GPU per stage: stage i takes GPU i modulo the GPUs the server has."""
+    if requested == "cuda" and torch.cuda.is_available():
+        return "cuda:%d" % (stage % torch.cuda.device_count())
+    return requested
+
+
 class _Progress:
     """Stage 0's bookkeeping for one device segment that may be split over iterations."""
 
@@ -77,7 +84,7 @@ class ServerStage:
             embedding=centralized and self.stage == 0,
             head=centralized and self.last,
             dtype=config.dtype,
-            device=config.ranks[rank].torch_device,
+            device=stage_device(config.ranks[rank].torch_device, self.stage),
         )
         self.caches: Dict[Tuple[int, int], object] = {}
         self.monitor = StateMonitor()

@@ -89,8 +89,8 @@ def encode(kind: int, iteration: int, segments: Sequence[Segment]) -> bytearray:
             raise WireError(
                 "segment of request %d says %d tokens, payload has %d" % (s.request_id, s.tokens, s.payload.shape[0])
             )
-        headers.append(
-            SEGMENT.pack(
+        try:
+            packed = SEGMENT.pack(
                 s.request_id,
                 s.device,
                 s.phase,
@@ -106,7 +106,9 @@ def encode(kind: int, iteration: int, segments: Sequence[Segment]) -> bytearray:
                 s.server_arrival_s,
                 s.server_depart_s,
             )
-        )
+        except struct.error as error:
+            raise WireError("segment of request %r does not fit its header: %s" % (s.request_id, error)) from None
+        headers.append(packed)
         payloads.append(raw)
     out = bytearray(FRAME.pack(MAGIC, VERSION, kind, len(segments), iteration))
     for part in headers + payloads:
@@ -122,6 +124,8 @@ def decode(buffer: bytearray) -> Frame:
     if magic != MAGIC or version != VERSION:
         raise WireError("not a version-%d frame (magic %r, version %d)" % (VERSION, magic, version))
     offset = FRAME.size
+    if len(buffer) < offset + count * SEGMENT.size:
+        raise WireError("frame of %d bytes is too short for %d segment headers" % (len(buffer), count))
     headers = []
     for _ in range(count):
         headers.append(SEGMENT.unpack_from(buffer, offset))
@@ -146,7 +150,15 @@ def decode(buffer: bytearray) -> Frame:
     ) in headers:
         payload = None
         if nbytes:
+            if dtype_code not in CODE_DTYPES:
+                raise WireError("request %d: unknown dtype code %d" % (request_id, dtype_code))
             dtype = CODE_DTYPES[dtype_code]
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if nbytes != tokens * width * itemsize or offset + nbytes > len(buffer):
+                raise WireError(
+                    "request %d: %d payload bytes for %d x %d %s (frame of %d bytes)"
+                    % (request_id, nbytes, tokens, width, dtype, len(buffer))
+                )
             carrier = _CARRIER.get(dtype, dtype)
             flat = torch.frombuffer(view[offset : offset + nbytes], dtype=carrier)
             payload = (flat.view(dtype) if carrier is not dtype else flat).view(tokens, width)

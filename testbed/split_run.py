@@ -1,0 +1,295 @@
+"""One split-inference run: place ranks, launch them with ``mpiexec``, collect what they wrote.
+
+The server node runs the P pipeline stages (ranks 0..P-1) and each device node one device rank.
+``mpiexec`` (MPICH's hydra, from the node's Python environment) is started on the server node and
+reaches the devices over SSH at their management addresses, so that launching never waits on a
+shaped link. What the ranks exchange is pinned to the data plane by the environment every rank
+gets: ``MPIR_CVAR_NOLOCAL=1`` (no shared-memory shortcut, which ranks on one kernel would take),
+``UCX_TLS=tcp,self`` with ``UCX_NET_DEVICES`` naming the node's data interface, and
+``FI_PROVIDER=tcp`` with ``FI_TCP_IFACE`` for MPICH builds on libfabric. On the emulated testbed a
+test checks the data veths' byte counters against the hidden states sent.
+
+Every node gets its own copy of the run config (paths as seen on that node) under
+``<workdir>/runs/<run_id>/``; results come back to ``<out>/ranks/<role>-<i>-<node>/``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from testbed.errors import NodeError, TestbedError
+from testbed.fanout import fan_out
+from testbed.inventory import Inventory, NodeSpec
+from testbed.node_code import ensure_node_code
+from testbed.transport import open_transport
+from testbed.transport.base import Transport
+
+Say = Callable[[str], None]
+METHODS = ("centralized", "ushape", "usarathi")
+LAUNCH_MARGIN_S = 60.0
+
+
+def data_plane_env(interface: str) -> dict[str, str]:
+    """Environment that keeps a rank's MPI traffic on TCP over ``interface``."""
+    return {
+        "MPIR_CVAR_NOLOCAL": "1",
+        "UCX_TLS": "tcp,self",
+        "UCX_NET_DEVICES": interface,
+        "FI_PROVIDER": "tcp",
+        "FI_TCP_IFACE": interface,
+    }
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """Consecutive ranks on one node: the server's stages, or one device."""
+
+    node: str
+    host: str  # the address mpiexec reaches the node at (management plane)
+    ranks: int
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class MpiLaunchPlan:
+    """The ``mpiexec`` command for a run, started on ``launch_node``."""
+
+    launch_node: str
+    mpiexec: str
+    groups: tuple[RankGroup, ...]
+    timeout_s: float
+
+    def hosts_argument(self) -> str:
+        return ",".join(f"{g.host}:{g.ranks}" for g in self.groups)
+
+    def argv(self) -> list[str]:
+        words = [self.mpiexec, "-launcher", "ssh", "-hosts", self.hosts_argument()]
+        for index, group in enumerate(self.groups):
+            if index:
+                words.append(":")
+            words += ["-n", str(group.ranks)]
+            for name, value in group.env:
+                words += ["-env", name, value]
+            words += list(group.argv)
+        return words
+
+    def apply_commands(self) -> list[str]:
+        return [shlex.join(self.argv())]
+
+    def undo_commands(self) -> list[str]:
+        """Nothing persists: hydra ends every rank when mpiexec ends (MPIEXEC_TIMEOUT bounds it)."""
+        return []
+
+
+@dataclass(frozen=True)
+class SplitRunSpec:
+    method: str
+    model: str  # checkpoint directory as seen on the nodes
+    server: str
+    devices: tuple[str, ...]
+    stages: int = 1
+    device_layers: int = 1
+    chunk_tokens: int = 128
+    dtype: str = "float32"
+    schedule: tuple[dict[str, Any], ...] = ()  # one schedule, replayed by every device
+    run_id: str = "split"
+    timeout_s: float = 600.0
+    threads_per_rank: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SplitRunResult:
+    out_dir: Path
+    plan: MpiLaunchPlan
+    seconds: float
+    rank_dirs: tuple[Path, ...]
+
+    def requests(self) -> list[dict[str, Any]]:
+        rows = []
+        for directory in self.rank_dirs:
+            path = directory / "requests.jsonl"
+            if path.exists():
+                rows += [
+                    json.loads(line) for line in path.read_text().splitlines() if line and not line.startswith("#")
+                ]
+        return rows
+
+
+def check_spec(inventory: Inventory, spec: SplitRunSpec) -> tuple[NodeSpec, list[NodeSpec]]:
+    if spec.method not in METHODS:
+        raise TestbedError(f"method {spec.method!r}: choose one of {', '.join(METHODS)}")
+    known = {n.name: n for n in inventory.nodes}
+    unknown = [name for name in (spec.server, *spec.devices) if name not in known]
+    if unknown:
+        raise TestbedError(f"{inventory.path}: no node named {unknown[0]!r}; known: {', '.join(known)}")
+    server = known[spec.server]
+    devices = [known[name] for name in spec.devices]
+    if not devices:
+        raise TestbedError("a split run needs at least one device")
+    for node in [server, *devices]:
+        if node.kind == "android":
+            raise TestbedError(f"{node.name}: phones run no MPI ranks; choose a Jetson or server node")
+        if node.data is None:
+            raise TestbedError(f"{inventory.path}: node {node.name!r} has no 'data:' interface for MPI traffic")
+        if node.address is None:
+            raise TestbedError(f"{inventory.path}: node {node.name!r} has no address for mpiexec to reach it at")
+    if spec.stages < 1 or spec.device_layers < 0:
+        raise TestbedError("stages must be >= 1 and device_layers >= 0")
+    if not spec.schedule:
+        raise TestbedError("the schedule is empty: give at least one request")
+    return server, devices
+
+
+def _rank_entries(spec: SplitRunSpec, server: NodeSpec, devices: Sequence[NodeSpec], schedules: dict[str, str]):
+    ranks = [
+        {"role": "stage", "node": server.name, "threads": spec.threads_per_rank, "torch_device": _torch_device(server)}
+        for _ in range(spec.stages)
+    ]
+    for node in devices:
+        ranks.append(
+            {"role": "device", "node": node.name, "schedule": schedules[node.name], "threads": spec.threads_per_rank}
+        )
+    return ranks
+
+
+def _torch_device(node: NodeSpec) -> str:
+    return "cuda" if node.gpus and node.emulated is None else "cpu"
+
+
+def device_schedule(spec: SplitRunSpec, device_index: int) -> list[dict[str, Any]]:
+    """The run's schedule as one device replays it: request ids made unique per device."""
+    out = []
+    for position, request in enumerate(spec.schedule):
+        row = dict(request)
+        row["request_id"] = device_index * 1_000_000 + int(row.get("request_id", position))
+        out.append(row)
+    return out
+
+
+def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: Say = lambda _: None) -> SplitRunResult:
+    """Stage the run on every node, launch it, wait (bounded), and collect every rank's files."""
+    server, devices = check_spec(inventory, spec)
+    nodes = [server, *devices]
+    workdir = inventory.spec.defaults.workdir
+    python = inventory.spec.defaults.python
+
+    def stage(name: str) -> dict[str, str]:
+        node = inventory.node(name)
+        with open_transport(inventory, node) as t:
+            code = ensure_node_code(t, workdir)
+            run_dir = t.expand_path(f"{workdir.rstrip('/')}/runs/{spec.run_id}")
+            t.run(["rm", "-rf", f"{run_dir}/out"], timeout_s=60.0).check()
+            info = {"code": code, "run_dir": run_dir}
+            if name in spec.devices:
+                index = spec.devices.index(name)
+                rows = device_schedule(spec, index)
+                path = f"{run_dir}/schedule-{name}.jsonl"
+                t.store(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+                info["schedule"] = path
+            return info
+
+    staged = fan_out([n.name for n in nodes], stage)
+    failures = [o for o in staged.outcomes if not o.ok]
+    if failures:
+        raise NodeError(failures[0].node, f"staging the run failed: {failures[0].error}")
+    info = {o.node: o.value for o in staged.outcomes}
+    schedules = {d.name: info[d.name]["schedule"] for d in devices}
+    ranks = _rank_entries(spec, server, devices, schedules)
+
+    def write_config(name: str) -> str:
+        node = inventory.node(name)
+        config = {
+            "run_id": spec.run_id,
+            "method": spec.method,
+            "model": spec.model,
+            "dtype": spec.dtype,
+            "partition": {"device_layers": spec.device_layers, "stages": spec.stages},
+            "chunk_tokens": spec.chunk_tokens,
+            "out_dir": f"{info[name]['run_dir']}/out",
+            "ranks": ranks,
+            **spec.extra,
+        }
+        path = f"{info[name]['run_dir']}/run.json"
+        with open_transport(inventory, node) as t:
+            t.store(path, (json.dumps(config, indent=1) + "\n").encode())
+        return path
+
+    configs = {o.node: o.value for o in fan_out([n.name for n in nodes], write_config).outcomes if o.ok}
+    groups = []
+    for node, count in [(server, spec.stages), *[(d, 1) for d in devices]]:
+        assert node.data is not None and node.address is not None
+        env = {**data_plane_env(node.data.interface), "PYTHONPATH": info[node.name]["code"]}
+        argv = (python, "-m", "nodes.workers", configs[node.name])
+        groups.append(RankGroup(node.name, node.address, count, argv, tuple(sorted(env.items()))))
+    with open_transport(inventory, server) as t:
+        mpiexec = _mpiexec_on(t, python)
+        plan = MpiLaunchPlan(server.name, mpiexec, tuple(groups), spec.timeout_s)
+        say(f"launching {sum(g.ranks for g in groups)} ranks from {server.name}: {plan.hosts_argument()}")
+        started = time.monotonic()
+        result = t.run(
+            plan.argv(),
+            env={"MPIEXEC_TIMEOUT": str(int(spec.timeout_s))},
+            timeout_s=spec.timeout_s + LAUNCH_MARGIN_S,
+        )
+        seconds = time.monotonic() - started
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "mpiexec.log").write_text(
+        f"$ {plan.apply_commands()[0]}\n# exit status {result.exit_code}\n{result.stdout}{result.stderr}"
+    )
+    rank_dirs = _collect(inventory, nodes, info, out_dir / "ranks")
+    if not result.ok:
+        tail = (result.stderr.strip() or result.stdout.strip())[-1500:]
+        raise NodeError(
+            server.name, f"mpiexec failed (exit status {result.exit_code}); see {out_dir}/mpiexec.log:\n{tail}"
+        )
+    return SplitRunResult(out_dir, plan, seconds, tuple(rank_dirs))
+
+
+def _mpiexec_on(t: Transport, python: str) -> str:
+    """The mpiexec beside the node's Python (the mpich wheel's), else the one on PATH."""
+    script = (
+        f"p=$({shlex.quote(python)} -c 'import os,sys; print(os.path.dirname(sys.executable))')/mpiexec; "
+        '[ -x "$p" ] && echo "$p" || command -v mpiexec'
+    )
+    found = t.run_script(script, timeout_s=30.0).stdout.strip()
+    if not found:
+        raise NodeError(t.node, "no mpiexec beside its Python or on PATH (pip install mpich mpi4py)")
+    return found.splitlines()[-1]
+
+
+def _collect(
+    inventory: Inventory, nodes: Sequence[NodeSpec], info: dict[str, dict[str, str]], into: Path
+) -> list[Path]:
+    """Copy every rank directory of the run from its node (what exists, also after a failure)."""
+    into.mkdir(parents=True, exist_ok=True)
+
+    def collect(name: str) -> list[Path]:
+        node = inventory.node(name)
+        got: list[Path] = []
+        with open_transport(inventory, node) as t:
+            out = f"{info[name]['run_dir']}/out"
+            listing = t.run_script(f"cd {shlex.quote(out)} 2>/dev/null && find . -type f", timeout_s=30.0).stdout
+            for relative in sorted(line[2:] for line in listing.split() if line.startswith("./")):
+                rank_dir = relative.split("/")[0]
+                if not rank_dir.endswith("-" + name):
+                    continue  # a shared file system shows other nodes' ranks too
+                local = into / relative
+                local.parent.mkdir(parents=True, exist_ok=True)
+                t.get(f"{out}/{relative}", local)
+                if local.parent not in got:
+                    got.append(local.parent)
+        return got
+
+    dirs: list[Path] = []
+    for outcome in fan_out([n.name for n in nodes], collect).outcomes:
+        if outcome.ok:
+            dirs += outcome.value
+    return sorted(set(dirs))

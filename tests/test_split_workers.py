@@ -1,0 +1,149 @@
+"""Split-inference workers on the emulated testbed: real MPI ranks launched with mpiexec over SSH,
+hidden states on the shaped data veths, and every method emitting exactly the tokens of
+single-process greedy generation with the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+
+from testbed.emulation.resolved import load_lab
+from testbed.split_run import SplitRunSpec, run_split
+from testbed.transport import open_transport
+from tests.conftest import emulated_inventory, run_cli
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
+    pytest.mark.slow,
+    pytest.mark.root,
+]
+
+PREFIX = "tm"
+TINY = Path(__file__).resolve().parent.parent / "examples" / "models" / "tiny"
+DEVICES = ("orin", "xavier", "orin-nx")
+PROMPTS = [
+    "def read_config(path):\n    with open(path) as handle:\n        return",
+    "import os\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self.items.",
+]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("split")
+    path = emulated_inventory(directory, PREFIX, 218)
+    path.write_text(path.read_text().replace("link_profiles:\n", "link_profiles:\n  narrow: {rate: 1MBps}\n  mid: {rate: 4MBps}\n"))
+    up = run_cli("emulate", "up", "-i", str(path))
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        yield path
+    finally:
+        run_cli("link", "clear", "-i", str(path))
+        down = run_cli("emulate", "down", "-i", str(path))
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy tokens of single-process generation with the whole model, per prompt."""
+    from nodes.inference.checkpoint import load_whole
+    from nodes.inference.generate import greedy_generate
+    from nodes.inference.tokenizer import Tokenizer
+
+    model, tokenizer = load_whole(str(TINY), dtype="float32"), Tokenizer(str(TINY))
+    return {p: greedy_generate(model, tokenizer.encode(p), 6, tokenizer.eos_id) for p in PROMPTS}
+
+
+def schedule(prompts, max_new_tokens, spacing_s=0.0):
+    return tuple(
+        {"request_id": i, "arrival_s": i * spacing_s, "prompt": p, "max_new_tokens": max_new_tokens}
+        for i, p in enumerate(prompts)
+    )
+
+
+def stage_iterations(result, stage: int) -> list[dict[str, str]]:
+    path = next(d for d in result.rank_dirs if d.name.startswith(f"stage-{stage}-")) / "iterations.csv"
+    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+    header = lines[0].split(",")
+    return [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
+
+
+@pytest.mark.parametrize("method", ["centralized", "ushape", "usarathi"])
+def test_every_method_emits_the_tokens_of_single_process_generation(lab, reference, tmp_path, method):
+    inv = load_lab(lab)
+    spec = SplitRunSpec(
+        method=method, model=str(TINY), server="server", devices=DEVICES, stages=2, device_layers=2,
+        chunk_tokens=16, schedule=schedule(PROMPTS, 6), run_id=f"same-{method}", timeout_s=240,
+    )  # fmt: skip
+    result = run_split(inv, spec, tmp_path / method)
+    requests = result.requests()
+    assert len(requests) == len(DEVICES) * len(PROMPTS)
+    for r in requests:
+        prompt = PROMPTS[r["request_id"] % 1_000_000]
+        assert r["token_ids"] == reference[prompt], (r["node"], prompt)
+        assert r["method"] == method
+    first = stage_iterations(result, 0)
+    prefill = [int(row["prefill_tokens"]) for row in first]
+    longest = max(r["prompt_tokens"] for r in requests)
+    if method == "usarathi":
+        assert max(prefill) <= 16 < longest  # long prompts were spread over iterations
+    else:
+        assert max(prefill) >= longest  # prompts taken whole
+    assert sum(int(row["segments"]) for row in stage_iterations(result, 1)) > 0  # stage 1 ran too
+    assert any(int(row["segments"]) > 1 for row in first)  # devices batched together at least once
+
+
+def data_and_mgmt_bytes(inv, node: str) -> dict[str, int]:
+    with open_transport(inv, inv.node(node)) as t:
+        text = t.run(["cat", "/proc/net/dev"]).check().stdout
+    out = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() in ("data0", "mgmt0"):
+            fields = rest.split()
+            out[name.strip()] = int(fields[0]) + int(fields[8])
+    return out
+
+
+def test_ttft_grows_with_the_upload_time_as_the_link_narrows(lab, tmp_path):
+    """Three devices, P=2, prompts of a few hundred tokens: TTFT follows the hidden-state upload."""
+    inv = load_lab(lab)
+    text = (TINY.parent.parent.parent / "nodes" / "inference" / "model.py").read_text()
+    prompts = [text[i * 900 : i * 900 + 1200] for i in range(2)]
+    table = {}
+    counters = {}
+    for profile in (None, "mid", "narrow"):
+        if profile:
+            applied = run_cli("link", "apply", "-i", str(lab), "--profile", profile)
+            assert applied.returncode == 0, applied.stdout + applied.stderr
+        before = {n: data_and_mgmt_bytes(inv, n) for n in DEVICES}
+        spec = SplitRunSpec(
+            method="ushape", model=str(TINY), server="server", devices=DEVICES, stages=2, device_layers=2,
+            schedule=schedule(prompts, 2, spacing_s=0.5), run_id=f"rate-{profile}", timeout_s=240,
+        )  # fmt: skip
+        requests = run_split(inv, spec, tmp_path / str(profile)).requests()
+        after = {n: data_and_mgmt_bytes(inv, n) for n in DEVICES}
+        counters[profile] = {
+            n: {k: after[n][k] - before[n][k] for k in ("data0", "mgmt0")} for n in DEVICES
+        }
+        uploads = {n: sum(r["upload_bytes"] for r in requests if r["node"] == n) for n in DEVICES}
+        for n in DEVICES:  # every byte of hidden state crossed the data veth, not the management one
+            assert counters[profile][n]["data0"] >= uploads[n]
+            assert counters[profile][n]["mgmt0"] < uploads[n] / 4
+        table[profile] = {
+            "ttft_median_s": statistics.median(r["ttft_s"] for r in requests),
+            "network_median_s": statistics.median(r["prefill"]["network_s"] for r in requests),
+            "upload_bytes_median": statistics.median(r["prefill"]["upload_bytes"] for r in requests),
+            "prompt_tokens": sorted({r["prompt_tokens"] for r in requests}),
+        }
+    (tmp_path / "ttft_by_rate.json").write_text(json.dumps(table, indent=1))
+    print(json.dumps(table, indent=1))
+    narrow_s = table["narrow"]["upload_bytes_median"] / 1e6  # seconds at 1 MB/s
+    assert table[None]["ttft_median_s"] < table["mid"]["ttft_median_s"] < table["narrow"]["ttft_median_s"]
+    assert table["narrow"]["ttft_median_s"] - table[None]["ttft_median_s"] >= 0.6 * narrow_s
+    assert table["narrow"]["network_median_s"] >= 0.6 * narrow_s
