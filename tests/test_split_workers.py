@@ -144,6 +144,9 @@ def test_ttft_grows_with_the_upload_time_as_the_link_narrows(lab, tmp_path):
     (tmp_path / "ttft_by_rate.json").write_text(json.dumps(table, indent=1))
     print(json.dumps(table, indent=1))
     narrow_s = table["narrow"]["upload_bytes_median"] / 1e6  # seconds at 1 MB/s
-    assert table[None]["ttft_median_s"] < table["mid"]["ttft_median_s"] < table["narrow"]["ttft_median_s"]
-    assert table["narrow"]["ttft_median_s"] - table[None]["ttft_median_s"] >= 0.6 * narrow_s
+    # The network share (round trip minus server residence, one clock) grows with 1/rate; TTFT grows
+    # by at least the upload time. TTFT at 'mid' is not compared: its 0.1 s upload is within the
+    # run-to-run spread of compute on these CPU quotas.
+    assert table[None]["network_median_s"] < table["mid"]["network_median_s"] < table["narrow"]["network_median_s"]
     assert table["narrow"]["network_median_s"] >= 0.6 * narrow_s
+    assert table["narrow"]["ttft_median_s"] - table[None]["ttft_median_s"] >= 0.6 * narrow_s

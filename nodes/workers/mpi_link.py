@@ -4,6 +4,7 @@ Sizes vary per message, so a receiver probes first, then receives into a buffer 
 size. Tags separate the three directions so that a rank can wait on the one it needs.
 """
 
+import time
 from typing import List, Optional, Tuple
 
 from mpi4py import MPI
@@ -13,6 +14,7 @@ from . import wire
 TAG_UP = 11  # device -> stage 0
 TAG_PIPE = 12  # stage k -> stage k + 1
 TAG_DOWN = 13  # last stage -> device
+POLL_INTERVAL_S = 0.0005  # added latency per wait: at most this
 
 
 def send(comm: "MPI.Comm", frame: bytearray, dest: int, tag: int) -> None:
@@ -24,10 +26,22 @@ def isend(comm: "MPI.Comm", frame: bytearray, dest: int, tag: int) -> "MPI.Reque
     return comm.Isend([frame, MPI.BYTE], dest=dest, tag=tag)
 
 
-def recv(comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> Tuple[wire.Frame, int, int]:
-    """Block until a frame arrives; returns (frame, source rank, bytes)."""
+def recv(
+    comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, poll_interval_s: float = POLL_INTERVAL_S
+) -> Tuple[wire.Frame, int, int]:
+    """Wait for a frame; returns (frame, source rank, bytes).
+
+    MPICH's blocking Probe spins on a core. A rank waiting for its peer (a device waiting for the
+    server, a stage waiting for the previous one) would then burn the CPU quota it shares with the
+    rank doing the work, and inflate the energy measured on a board that should be idle. So waiting
+    polls with Iprobe and sleeps ``poll_interval_s`` in between (0 spins as MPI would).
+    """
     status = MPI.Status()
-    comm.Probe(source=source, tag=tag, status=status)
+    if poll_interval_s > 0:
+        while not comm.Iprobe(source=source, tag=tag, status=status):
+            time.sleep(poll_interval_s)
+    else:
+        comm.Probe(source=source, tag=tag, status=status)
     size = status.Get_count(MPI.BYTE)
     buffer = bytearray(size)
     comm.Recv([buffer, MPI.BYTE], source=status.Get_source(), tag=status.Get_tag())
@@ -38,9 +52,10 @@ def poll(
     comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG
 ) -> Optional[Tuple[wire.Frame, int, int]]:
     """A frame if one is waiting, else None (never blocks)."""
-    if not comm.Iprobe(source=source, tag=tag):
+    status = MPI.Status()
+    if not comm.Iprobe(source=source, tag=tag, status=status):
         return None
-    return recv(comm, source, tag)
+    return recv(comm, status.Get_source(), status.Get_tag())
 
 
 class Outbox:
