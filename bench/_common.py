@@ -7,6 +7,10 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -42,3 +46,23 @@ def write(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     return path
+
+
+@contextmanager
+def emulated_lab(inventory_text: Callable[[Path], str]) -> Iterator[Any]:
+    """A throwaway emulated testbed: ``inventory_text(state_dir)`` brought up, yielded resolved, taken down."""
+    from testbed.emulation.lifecycle import down, up
+    from testbed.emulation.resolved import load_lab
+    from testbed.inventory import load_inventory
+
+    if os.geteuid() != 0:
+        raise SystemExit("needs root: the emulated testbed builds network namespaces")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "inventory.yaml"
+        path.write_text(inventory_text(Path(tmp) / "state"))
+        up(load_inventory(path), say=lambda _: None)
+        try:
+            yield load_lab(path)
+        finally:
+            if down(load_inventory(path), say=lambda _: None):
+                print("warning: emulate down left something behind", file=sys.stderr)

@@ -9,21 +9,17 @@ measured/target, and the ratio expected from header overhead alone (TCP payload 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import write
+from bench._common import emulated_lab, write
 from netem.apply import apply_plans, clear_nodes
 from netem.plan import compile_plan
 from netem.verify import verify_links
-from testbed.emulation.lifecycle import down, up
-from testbed.emulation.resolved import load_lab
-from testbed.inventory import DirectedLink, LinkProfile, load_inventory
+from testbed.inventory import DirectedLink, LinkProfile
 
 RATES_MBIT = (1, 5, 10, 40, 100)
 HEADER_RATIO = 1448 / 1514  # TCP payload with timestamps / Ethernet frame that HTB counts
@@ -49,46 +45,36 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=RATES_MBIT, help="target rates in mbit")
     parser.add_argument("--output", default="shaping", help="name of the JSON file in bench/results")
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        raise SystemExit("needs root: the emulated testbed builds network namespaces")
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "inventory.yaml"
-        path.write_text(inventory_text(Path(tmp) / "state"))
-        up(load_inventory(path), say=lambda _: None)
-        try:
-            lab = load_lab(path)
-            for mbit in args.rates:
-                profile = LinkProfile.model_validate({"rate": f"{mbit:g}mbit"})
-                links = (
-                    DirectedLink("device", "server", f"{mbit:g}mbit", profile),
-                    DirectedLink("server", "device", f"{mbit:g}mbit", profile),
+    with emulated_lab(inventory_text) as lab:
+        for mbit in args.rates:
+            profile = LinkProfile.model_validate({"rate": f"{mbit:g}mbit"})
+            links = (
+                DirectedLink("device", "server", f"{mbit:g}mbit", profile),
+                DirectedLink("server", "device", f"{mbit:g}mbit", profile),
+            )
+            if not apply_plans(lab, compile_plan(lab, links)).ok:
+                raise SystemExit(f"applying {mbit} mbit failed")
+            samples: dict[str, list[float]] = {"up": [], "down": []}
+            for _ in range(args.repeats):
+                for row in verify_links(lab, links, duration_s=args.duration):
+                    if row.measured_rate_bit_s is None:
+                        raise SystemExit(f"measurement failed: {row.note}")
+                    samples["up" if row.source == "device" else "down"].append(row.measured_rate_bit_s)
+            for direction, values in samples.items():
+                median = statistics.median(values)
+                results.append(
+                    {
+                        "target_rate_mbit": mbit,
+                        "direction": direction,
+                        "measured_goodput_mbit_median": round(median / 1e6, 3),
+                        "measured_goodput_mbit_all": [round(v / 1e6, 3) for v in values],
+                        "ratio_measured_over_target": round(median / (mbit * 1e6), 4),
+                        "within_10pct": abs(median / (mbit * 1e6) - 1) <= 0.10,
+                    }
                 )
-                if not apply_plans(lab, compile_plan(lab, links)).ok:
-                    raise SystemExit(f"applying {mbit} mbit failed")
-                samples: dict[str, list[float]] = {"up": [], "down": []}
-                for _ in range(args.repeats):
-                    for row in verify_links(lab, links, duration_s=args.duration):
-                        if row.measured_rate_bit_s is None:
-                            raise SystemExit(f"measurement failed: {row.note}")
-                        samples["up" if row.source == "device" else "down"].append(row.measured_rate_bit_s)
-                for direction, values in samples.items():
-                    median = statistics.median(values)
-                    results.append(
-                        {
-                            "target_rate_mbit": mbit,
-                            "direction": direction,
-                            "measured_goodput_mbit_median": round(median / 1e6, 3),
-                            "measured_goodput_mbit_all": [round(v / 1e6, 3) for v in values],
-                            "ratio_measured_over_target": round(median / (mbit * 1e6), 4),
-                            "within_10pct": abs(median / (mbit * 1e6) - 1) <= 0.10,
-                        }
-                    )
-                    print(f"{mbit:>5g} mbit {direction:<4} {median / 1e6:8.3f} mbit  ratio {median / (mbit * 1e6):.3f}")
-            clear_nodes(lab)
-        finally:
-            if down(load_inventory(path), say=lambda _: None):
-                print("warning: emulate down left something behind", file=sys.stderr)
+                print(f"{mbit:>5g} mbit {direction:<4} {median / 1e6:8.3f} mbit  ratio {median / (mbit * 1e6):.3f}")
+        clear_nodes(lab)
     payload = {
         "method": f"iperf3 TCP, {args.duration:g} s per run (first second omitted), {args.repeats} repeats, "
         "one direction at a time",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -21,12 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import write
+from bench._common import emulated_lab, write
 from netem.apply import apply_plans, clear_nodes
 from netem.plan import compile_plan
-from testbed.emulation.lifecycle import down, up
-from testbed.emulation.resolved import load_lab
-from testbed.inventory import DirectedLink, LinkProfile, load_inventory
+from testbed.inventory import DirectedLink, LinkProfile
 from testbed.split_run import SplitRunSpec, run_split
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,44 +88,32 @@ def main() -> None:
     parser.add_argument("--rate", default="5MBps", help="data link rate, both directions")
     parser.add_argument("--output", default="split", help="name of the JSON file in bench/results")
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        raise SystemExit("needs root: the emulated testbed builds network namespaces")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "inventory.yaml"
-        path.write_text(inventory_text(Path(tmp) / "state"))
-        up(load_inventory(path), say=lambda _: None)
-        try:
-            lab = load_lab(path)
-            profile = LinkProfile.model_validate({"rate": args.rate})
-            links = (
-                DirectedLink("device", "server", "bench", profile),
-                DirectedLink("server", "device", "bench", profile),
+    with emulated_lab(inventory_text) as lab, tempfile.TemporaryDirectory() as tmp:
+        profile = LinkProfile.model_validate({"rate": args.rate})
+        links = (
+            DirectedLink("device", "server", "bench", profile),
+            DirectedLink("server", "device", "bench", profile),
+        )
+        if not apply_plans(lab, compile_plan(lab, links)).ok:
+            raise SystemExit(f"shaping the link at {args.rate} failed")
+        schedule = []
+        for size in PROMPT_TOKENS:
+            ids = prompt_ids(size)
+            for _ in range(args.repeats):
+                schedule.append({"request_id": len(schedule), "arrival_s": 0.0, "prompt_ids": ids, "max_new_tokens": 1})
+        spec = SplitRunSpec(
+            method="ushape", model=str(TINY), server="server", devices=("device",), stages=2, device_layers=2,
+            schedule=tuple(schedule), run_id="bench-split", timeout_s=600,
+        )  # fmt: skip
+        result = run_split(lab, spec, Path(tmp) / "out")
+        device_dir = next(d for d in result.rank_dirs if d.name.startswith("device-"))
+        header = json.loads((device_dir / "requests.jsonl").read_text().splitlines()[0][2:])
+        for request in result.requests():
+            rows.append(
+                {"prompt_tokens": request["prompt_tokens"], **phases(request, header["clock_origin_monotonic_s"])}
             )
-            if not apply_plans(lab, compile_plan(lab, links)).ok:
-                raise SystemExit(f"shaping the link at {args.rate} failed")
-            schedule = []
-            for size in PROMPT_TOKENS:
-                ids = prompt_ids(size)
-                for _ in range(args.repeats):
-                    schedule.append(
-                        {"request_id": len(schedule), "arrival_s": 0.0, "prompt_ids": ids, "max_new_tokens": 1}
-                    )
-            spec = SplitRunSpec(
-                method="ushape", model=str(TINY), server="server", devices=("device",), stages=2, device_layers=2,
-                schedule=tuple(schedule), run_id="bench-split", timeout_s=600,
-            )  # fmt: skip
-            result = run_split(lab, spec, Path(tmp) / "out")
-            device_dir = next(d for d in result.rank_dirs if d.name.startswith("device-"))
-            header = json.loads((device_dir / "requests.jsonl").read_text().splitlines()[0][2:])
-            for request in result.requests():
-                rows.append(
-                    {"prompt_tokens": request["prompt_tokens"], **phases(request, header["clock_origin_monotonic_s"])}
-                )
-            clear_nodes(lab)
-        finally:
-            if down(load_inventory(path), say=lambda _: None):
-                print("warning: emulate down left something behind", file=sys.stderr)
+        clear_nodes(lab)
     table = []
     for size in PROMPT_TOKENS:
         mine = [r for r in rows if r["prompt_tokens"] == size]

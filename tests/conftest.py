@@ -73,3 +73,14 @@ def emulated_inventory(directory: Path, prefix: str, subnet_octet: int, nodes_ya
     path = directory / "inventory.yaml"
     path.write_text(text)
     return path
+
+
+def veth_bytes(proc_net_dev: str) -> dict[str, int]:
+    """rx+tx bytes of an emulated node's data0 and mgmt0, from its /proc/net/dev."""
+    out = {}
+    for line in proc_net_dev.splitlines():
+        name, _, rest = line.partition(":")
+        fields = rest.split()
+        if name.strip() in ("data0", "mgmt0"):
+            out[name.strip()] = int(fields[0]) + int(fields[8])
+    return out

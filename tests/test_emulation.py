@@ -24,7 +24,7 @@ from nodes.emulated.cgroup import CpuCgroup
 from testbed.emulation.journal import Journal
 from testbed.emulation.resolved import load_lab
 from testbed.transport import open_transport
-from tests.conftest import REPO, emulated_inventory, run_cli
+from tests.conftest import REPO, emulated_inventory, run_cli, veth_bytes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
 
@@ -191,23 +191,12 @@ if comm.rank == 0:
 COUNTERS = "cat /proc/net/dev"
 
 
-def data_and_mgmt_bytes(text: str) -> dict[str, int]:
-    """rx+tx bytes of data0 and mgmt0 from /proc/net/dev."""
-    out = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition(":")
-        fields = rest.split()
-        if name.strip() in ("data0", "mgmt0"):
-            out[name.strip()] = int(fields[0]) + int(fields[8])
-    return out
-
-
 def test_mpi_ping_pong_between_two_nodes_crosses_the_data_veths(testbed, tmp_path):
     script = tmp_path / "ping_pong.py"
     script.write_text(PING_PONG)  # nodes share the controller's file system
     inv = load_lab(testbed)
     orin, xavier = inv.node("orin"), inv.node("xavier")
-    before = {n: data_and_mgmt_bytes(run_on(testbed, n, COUNTERS).stdout) for n in ("orin", "xavier")}
+    before = {n: veth_bytes(run_on(testbed, n, COUNTERS).stdout) for n in ("orin", "xavier")}
     launched = run_on(
         testbed,
         "orin",
@@ -216,7 +205,7 @@ def test_mpi_ping_pong_between_two_nodes_crosses_the_data_veths(testbed, tmp_pat
     )
     assert launched.exit_code == 0, launched.stdout + launched.stderr
     assert launched.stdout.split() == ["orin", "xavier"]
-    after = {n: data_and_mgmt_bytes(run_on(testbed, n, COUNTERS).stdout) for n in ("orin", "xavier")}
+    after = {n: veth_bytes(run_on(testbed, n, COUNTERS).stdout) for n in ("orin", "xavier")}
     payload = 2 * 8 * (1 << 20)  # both directions, eight round trips of 1 MiB
     for n in ("orin", "xavier"):
         assert after[n]["data0"] - before[n]["data0"] >= payload

@@ -15,7 +15,7 @@ import pytest
 from testbed.emulation.resolved import load_lab
 from testbed.split_run import SplitRunSpec, run_split
 from testbed.transport import open_transport
-from tests.conftest import emulated_inventory, run_cli
+from tests.conftest import emulated_inventory, run_cli, veth_bytes
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
@@ -100,14 +100,7 @@ def test_every_method_emits_the_tokens_of_single_process_generation(lab, referen
 
 def data_and_mgmt_bytes(inv, node: str) -> dict[str, int]:
     with open_transport(inv, inv.node(node)) as t:
-        text = t.run(["cat", "/proc/net/dev"]).check().stdout
-    out = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition(":")
-        if name.strip() in ("data0", "mgmt0"):
-            fields = rest.split()
-            out[name.strip()] = int(fields[0]) + int(fields[8])
-    return out
+        return veth_bytes(t.run(["cat", "/proc/net/dev"]).check().stdout)
 
 
 def test_ttft_grows_with_the_upload_time_as_the_link_narrows(lab, tmp_path):
