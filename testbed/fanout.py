@@ -57,6 +57,13 @@ class FanOutResult(Generic[T]):
     def values(self) -> dict[str, T]:
         return {o.node: o.value for o in self.outcomes if o.ok and o.value is not None}
 
+    def require(self, what: str) -> dict[str, T]:
+        """Every node's value; if any node failed, a NodeError naming the first and listing all."""
+        if self.failed:
+            detail = "; ".join(f"{o.node}: {o.error}" for o in self.failed)
+            raise NodeError(self.failed[0].node, f"{what} failed ({detail})")
+        return {o.node: o.value for o in self.outcomes}  # type: ignore[misc]
+
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, NodeError):

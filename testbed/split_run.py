@@ -196,11 +196,7 @@ def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: S
                 info["schedule"] = path
             return info
 
-    staged = fan_out([n.name for n in nodes], stage)
-    failures = [o for o in staged.outcomes if not o.ok]
-    if failures:
-        raise NodeError(failures[0].node, f"staging the run failed: {failures[0].error}")
-    info = {o.node: o.value for o in staged.outcomes}
+    info = fan_out([n.name for n in nodes], stage).require("staging the run")
     schedules = {d.name: info[d.name]["schedule"] for d in devices}
     ranks = _rank_entries(spec, server, devices, schedules)
 
@@ -222,7 +218,7 @@ def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: S
             t.store(path, (json.dumps(config, indent=1) + "\n").encode())
         return path
 
-    configs = {o.node: o.value for o in fan_out([n.name for n in nodes], write_config).outcomes if o.ok}
+    configs = fan_out([n.name for n in nodes], write_config).require("writing the run config")
     groups = []
     for node, count in [(server, spec.stages), *[(d, 1) for d in devices]]:
         assert node.data is not None and node.address is not None

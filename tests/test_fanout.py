@@ -73,3 +73,17 @@ def test_progress_is_shown_on_a_terminal_only_for_slow_operations():
     quiet = io.StringIO()
     fan_out(["a"], lambda n: time.sleep(1.3), description="probing", console=Console(file=quiet))
     assert quiet.getvalue() == "", "no progress display when output is not a terminal"
+
+
+def test_require_returns_every_value_or_names_every_failure():
+    assert fan_out(["a", "b"], lambda n: n.upper()).require("greeting") == {"a": "A", "b": "B"}
+
+    def flaky(name: str) -> str:
+        if name != "a":
+            raise NodeError(name, f"{name} is down")
+        return name
+
+    with pytest.raises(NodeError) as raised:
+        fan_out(["a", "b", "c"], flaky).require("staging")
+    assert raised.value.node == "b"
+    assert "staging failed" in str(raised.value) and "b is down" in str(raised.value) and "c is down" in str(raised.value)

@@ -100,15 +100,7 @@ def load_part(
     with torch.device("meta"):
         part = ModelPart(config, layers, embedding=embedding, head=head)
     tensors = read_tensors(directory, part.expected_tensor_names())
-    state: Dict[str, torch.Tensor] = {}
-    for name in part.state_dict():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            source = "model.embed_tokens.weight"
-        elif name.startswith("lm_head"):
-            source = name
-        else:
-            source = "model." + name
-        state[name] = tensors[source].to(dtype=torch_dtype)
+    state = {name: tensors[part.checkpoint_name(name)].to(dtype=torch_dtype) for name in part.state_dict()}
     part.load_state_dict(state, assign=True)
     if head and embedding and config.tie_word_embeddings:
         part.lm_head.weight = part.embed_tokens.weight

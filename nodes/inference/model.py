@@ -179,18 +179,15 @@ class ModelPart(nn.Module):
             self.layer_ids, self.config.num_key_value_heads, self.config.head_dim, self.dtype, self.device, capacity
         )
 
+    def checkpoint_name(self, name: str) -> str:
+        """The Hugging Face tensor that holds this part's parameter ``name`` (a tied head reads the embedding)."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return "model.embed_tokens.weight"
+        return name if name.startswith("lm_head") else "model." + name
+
     def expected_tensor_names(self) -> List[str]:
         """The checkpoint tensors (Hugging Face names) this part loads."""
-        names = [name for name, _ in self.state_dict().items()]
-        out = []
-        for name in names:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                out.append("model.embed_tokens.weight")
-            elif name == "lm_head.weight":
-                out.append(name)
-            else:
-                out.append("model." + name)
-        return sorted(set(out))
+        return sorted({self.checkpoint_name(name) for name in self.state_dict()})
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [tokens] -> hidden states [tokens, hidden]."""
@@ -237,21 +234,12 @@ class ModelPart(nn.Module):
         return self.logits(x)
 
     def state_dict_hf(self) -> Dict[str, torch.Tensor]:
-        """This part's tensors under their Hugging Face names (tied LM head written once)."""
-        out: Dict[str, torch.Tensor] = {}
-        for name, tensor in self.state_dict().items():
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            out[name if name.startswith("lm_head") else "model." + name] = tensor
-        return out
+        """This part's tensors under their Hugging Face names (a tied LM head written once)."""
+        return {self.checkpoint_name(name): tensor for name, tensor in self.state_dict().items()}
 
 
 def count_parameters(part: ModelPart) -> int:
     return sum(p.numel() for p in {id(p): p for p in part.parameters()}.values())
 
 
-def greedy_token(logits: torch.Tensor) -> int:
-    return int(torch.argmax(logits[-1]).item())
-
-
-__all__ = ["Attention", "DecoderLayer", "ModelPart", "RMSNorm", "Segment", "count_parameters", "greedy_token"]
+__all__ = ["Attention", "DecoderLayer", "ModelPart", "RMSNorm", "Segment", "count_parameters"]

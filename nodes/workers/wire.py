@@ -27,7 +27,6 @@ SEGMENT = struct.Struct("<QIBBBBIIIIdddd")
 
 DATA, STOP = 1, 2
 PREFILL, DECODE, RELEASE = 1, 2, 3
-PHASE_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release"}
 LAST_CHUNK = 1
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3}
