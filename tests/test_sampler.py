@@ -130,7 +130,13 @@ def test_record_through_the_local_transport(tmp_path: Path) -> None:
     assert list(frame.columns) == ["ts_s", "node_ts_s", "node", "metric", "value", "unit", "sensor", "kind",
                                    "period_s"]  # fmt: skip
     assert set(frame["node"]) == {"here"} and set(frame["kind"]) == {"measured"}
-    assert 12 <= frame["node_ts_s"].nunique() <= 17
+    # The sampler runs from before the 1.5 s start until it is stopped after it, so how long it ran
+    # depends on the machine's load; what must hold is that it covered the request and sampled
+    # every 0.1 s of what it covered (no dropped or doubled ticks).
+    stamps = frame["node_ts_s"].drop_duplicates()
+    span_s = stamps.max() - stamps.min()
+    assert 1.5 - 0.15 <= span_s < 1.5 + 30.0
+    assert abs(len(stamps) - (span_s / 0.1 + 1)) <= 2
     assert node.stopped == "stopped" and node.max_gap_s is not None and node.max_gap_s < 0.2
     pushed = list((tmp_path / "node" / "lib").glob("hil-nodes-*.zip"))
     assert [p.name for p in pushed] == [f"hil-nodes-{node_code().digest}.zip"]
