@@ -52,7 +52,9 @@ demo: $(STAMP) system-packages
 	    $(BIN)/testbed power restore -i inventory.yaml || status=1; \
 	  fi; \
 	  if [ $$status -eq 0 ] && [ -z "$(EMULATE_MODE)" ]; then \
-	    echo "== split inference over MPI: 2 server stages, 3 devices, the tiny model (U-shape, m=2)"; \
+	    echo "== provisioning: a venv per node with the node wheel, the tiny model cut per role (m=2)"; \
+	    $(BIN)/testbed provision -i inventory.yaml --model examples/models/tiny --partition m=2,P=2 && \
+	    echo "== split inference over MPI: 2 server stages, 3 devices, the tiny model (U-shape, m=2)" && \
 	    $(BIN)/testbed workers run examples/schedules/tiny-python.jsonl -i inventory.yaml --method ushape \
 	      -P 2 -m 2 --out $(DEMO_OUT)/split || status=1; \
 	  fi; \

@@ -110,9 +110,15 @@ class SshSettings(_Strict):
 
 class Defaults(_Strict):
     ssh: SshSettings = SshSettings()
-    python: SafePath = "python3"
+    python: SafePath = "python3"  # the node's Python that runs our code (and that provisioning makes the venv from)
     sudo: StrictBool = True
     workdir: SafePath = "~/hil-testbed"
+    venv: SafePath | None = None  # the per-node virtual environment of `testbed provision`; <workdir>/venv
+    registry_access: StrictBool = True  # False: nodes get a wheelhouse from the controller instead of PyPI
+
+    @property
+    def venv_path(self) -> str:
+        return self.venv or f"{self.workdir.rstrip('/')}/venv"
 
 
 class DataPlane(_Strict):
@@ -159,6 +165,7 @@ class NodeSpec(_Strict):
     gpu_model: Name | None = None
     adb: AdbAttachment | None = None
     tags: tuple[Name, ...] = ()
+    registry_access: StrictBool | None = None  # overrides defaults.registry_access for this node
     emulated: EmulatedSpec | None = None
 
 
@@ -285,6 +292,14 @@ class Inventory:
                 known = ", ".join([n.name for n in self.spec.nodes] + list(self.groups))
                 raise TestbedError(f"{self.path}: no node or group named {name!r}; known: {known}")
         return tuple(n for n in self.spec.nodes if n.name in wanted)
+
+    @property
+    def state_dir(self) -> Path:
+        """Where the controller keeps what it learned about this inventory's nodes (provisioning
+        records): the emulated testbed's state directory, else ``.testbed/<stem>/`` beside the file."""
+        if self.spec.emulation.instance is not None:
+            return self.path.parent
+        return self.path.parent / ".testbed" / self.path.stem
 
     def ssh_target(self, node: NodeSpec) -> SshTarget:
         if node.address is None:

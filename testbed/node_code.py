@@ -31,19 +31,31 @@ class NodeCode:
         return f"{workdir.rstrip('/')}/lib/hil-nodes-{self.digest}.zip"
 
 
+def node_sources() -> list[tuple[str, bytes]]:
+    """Every ``nodes/**/*.py`` as (path inside an archive, content), in a fixed order."""
+    return [
+        (str(path.relative_to(NODES_PACKAGE.parent)), path.read_bytes())
+        for path in sorted(NODES_PACKAGE.rglob("*.py"))
+        if "__pycache__" not in path.parts
+    ]
+
+
+def deterministic_zip(entries: list[tuple[str, bytes]]) -> bytes:
+    """A zip of ``entries`` whose bytes depend on their names and contents only."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in entries:
+            info = zipfile.ZipInfo(name, _FIXED_TIME)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, data)
+    return buffer.getvalue()
+
+
 @cache
 def node_code() -> NodeCode:
     """The zip of every ``nodes/**/*.py``, deterministic for a given content."""
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        for path in sorted(NODES_PACKAGE.rglob("*.py")):
-            if "__pycache__" in path.parts:
-                continue
-            info = zipfile.ZipInfo(str(path.relative_to(NODES_PACKAGE.parent)), _FIXED_TIME)
-            info.compress_type = zipfile.ZIP_DEFLATED
-            info.external_attr = 0o644 << 16
-            archive.writestr(info, path.read_bytes())
-    data = buffer.getvalue()
+    data = deterministic_zip(node_sources())
     return NodeCode(data, hashlib.sha256(data).hexdigest()[:16])
 
 

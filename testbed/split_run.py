@@ -16,6 +16,7 @@ Every node gets its own copy of the run config (paths as seen on that node) unde
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from testbed.errors import NodeError, TestbedError
 from testbed.fanout import fan_out
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import ensure_node_code
+from testbed.provision import load_record, provisioned_python
 from testbed.transport import open_transport
 from testbed.transport.base import Transport
 
@@ -179,7 +181,8 @@ def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: S
     server, devices = check_spec(inventory, spec)
     nodes = [server, *devices]
     workdir = inventory.spec.defaults.workdir
-    python = inventory.spec.defaults.python
+    python = {n.name: provisioned_python(inventory, n) for n in nodes}
+    model_dirs = {n.name: _model_dir_on(inventory, n.name, "server" if n is server else "device", spec) for n in nodes}
 
     def stage(name: str) -> dict[str, str]:
         node = inventory.node(name)
@@ -205,7 +208,7 @@ def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: S
         config = {
             "run_id": spec.run_id,
             "method": spec.method,
-            "model": spec.model,
+            "model": model_dirs[name],
             "dtype": spec.dtype,
             "partition": {"device_layers": spec.device_layers, "stages": spec.stages},
             "chunk_tokens": spec.chunk_tokens,
@@ -223,10 +226,10 @@ def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: S
     for node, count in [(server, spec.stages), *[(d, 1) for d in devices]]:
         assert node.data is not None and node.address is not None
         env = {**data_plane_env(node.data.interface), "PYTHONPATH": info[node.name]["code"]}
-        argv = (python, "-m", "nodes.workers", configs[node.name])
+        argv = (python[node.name], "-m", "nodes.workers", configs[node.name])
         groups.append(RankGroup(node.name, node.address, count, argv, tuple(sorted(env.items()))))
     with open_transport(inventory, server) as t:
-        mpiexec = _mpiexec_on(t, python)
+        mpiexec = _mpiexec_on(t, python[server.name])
         plan = MpiLaunchPlan(server.name, mpiexec, tuple(groups), spec.timeout_s)
         say(f"launching {sum(g.ranks for g in groups)} ranks from {server.name}: {plan.hosts_argument()}")
         started = time.monotonic()
@@ -247,6 +250,23 @@ def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: S
             server.name, f"mpiexec failed (exit status {result.exit_code}); see {out_dir}/mpiexec.log:\n{tail}"
         )
     return SplitRunResult(out_dir, plan, seconds, tuple(rank_dirs))
+
+
+def _model_dir_on(inventory: Inventory, node: str, role: str, spec: SplitRunSpec) -> str:
+    """The directory of the part ``testbed provision`` placed on ``node`` for this model and m, else
+    ``spec.model`` (the checkpoint at the same path on every node). ``centralized`` needs the whole
+    model on the server, which no part holds."""
+    if spec.method == "centralized":
+        return spec.model
+    wanted = os.path.realpath(spec.model)
+    for placed in load_record(inventory, node).get("weights", []):
+        if (
+            placed["role"] == role
+            and placed["device_layers"] == spec.device_layers
+            and os.path.realpath(placed["model"]) == wanted
+        ):
+            return str(placed["directory"])
+    return spec.model
 
 
 def _mpiexec_on(t: Transport, python: str) -> str:

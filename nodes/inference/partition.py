@@ -5,7 +5,8 @@ pipeline stages of consecutive layers as even as possible (earlier stages take t
 MPI rank per stage. m = 0 gives the ``centralized`` layout's server share (all layers).
 """
 
-from typing import List, NamedTuple, Tuple
+import re
+from typing import Iterable, List, NamedTuple, Tuple
 
 
 class PartitionError(ValueError):
@@ -47,3 +48,26 @@ class UShapePartition(NamedTuple):
         stages = ", ".join("%d-%d" % (s[0], s[-1]) for s in self.stage_layer_ids())
         layers = "layers 0-%d, " % (self.device_layers - 1) if self.device_layers else ""
         return "device: embedding, %snorm, head; server stages: %s" % (layers, stages)
+
+
+def checkpoint_tensor_names(
+    names: Iterable[str], layers: Iterable[int], embedding: bool, head: bool, tied: bool
+) -> List[str]:
+    """The Hugging Face tensors among ``names`` that a part with these layers, embedding and head loads.
+
+    Torch-free, so that the controller can cut a checkpoint into parts by name. A tied head reads
+    the embedding matrix; buffers (``rotary_emb.inv_freq`` of old checkpoints) are never loaded.
+    """
+    wanted_layers = set(layers)
+    chosen = []
+    for name in names:
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        if match:
+            keep = int(match.group(1)) in wanted_layers and "rotary_emb" not in name
+        elif name.startswith("model.embed_tokens."):
+            keep = embedding or (head and tied)
+        else:
+            keep = head and (name.startswith("model.norm.") or name.startswith("lm_head."))
+        if keep:
+            chosen.append(name)
+    return sorted(chosen)

@@ -11,10 +11,11 @@ import re
 import shlex
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any, BinaryIO
 
 from testbed.errors import NodeError
 
@@ -183,6 +184,19 @@ echo $state
 """
 
 
+def copy_from(source: BinaryIO, sink: Any, offset: int, progress: Callable[[int], None] | None) -> None:
+    """Copy ``source`` from byte ``offset`` on to the same place in ``sink``, 1 MiB at a time,
+    telling ``progress`` the bytes written so far after each chunk."""
+    source.seek(offset)
+    sink.seek(offset)
+    written = offset
+    while chunk := source.read(1 << 20):
+        sink.write(chunk)
+        written += len(chunk)
+        if progress is not None:
+            progress(written)
+
+
 class LineSession(ABC):
     """A long-running command spoken to line by line (used for clock-offset exchanges).
 
@@ -238,7 +252,18 @@ class Transport(ABC):
         """Run one shell line; on timeout kill its process group and report ``timed_out``."""
 
     @abstractmethod
-    def put(self, local: str | Path, remote: str, *, mode: int | None = None) -> None: ...
+    def put(
+        self,
+        local: str | Path,
+        remote: str,
+        *,
+        mode: int | None = None,
+        offset: int = 0,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Copy ``local`` to ``remote``. With ``offset`` > 0 the node's file keeps its first ``offset``
+        bytes and the rest is written after them (resuming a transfer); ``progress`` is called with
+        the bytes written so far after every chunk (it may raise to abort the transfer)."""
 
     @abstractmethod
     def get(self, remote: str, local: str | Path) -> None: ...

@@ -10,7 +10,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from testbed.errors import NodeError
@@ -21,6 +21,7 @@ from testbed.transport.base import (
     CommandResult,
     LineSession,
     Transport,
+    copy_from,
 )
 
 
@@ -117,15 +118,23 @@ class LocalTransport(Transport):
             except subprocess.TimeoutExpired:
                 continue
 
-    def put(self, local: str | Path, remote: str, *, mode: int | None = None) -> None:
+    def put(
+        self,
+        local: str | Path,
+        remote: str,
+        *,
+        mode: int | None = None,
+        offset: int = 0,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
         target = _expand(remote)
         try:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | (0 if offset else os.O_TRUNC), 0o600)
             with open(local, "rb") as source, os.fdopen(fd, "wb") as sink:
                 if mode is not None:
                     os.fchmod(sink.fileno(), mode)  # before the content, as over SSH
-                shutil.copyfileobj(source, sink)
+                copy_from(source, sink, offset, progress)
         except OSError as exc:
             raise NodeError(self.node, f"cannot copy {local} to {remote}: {exc}") from None
 

@@ -28,6 +28,7 @@ from testbed.transport.base import (
     CommandResult,
     LineSession,
     Transport,
+    copy_from,
 )
 
 CONNECT_ATTEMPTS = 3
@@ -264,17 +265,24 @@ class SshTransport(Transport):
 
     # -- files
 
-    def put(self, local: str | Path, remote: str, *, mode: int | None = None) -> None:
+    def put(
+        self,
+        local: str | Path,
+        remote: str,
+        *,
+        mode: int | None = None,
+        offset: int = 0,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
         path = _sftp_path(remote)
         try:
             sftp = self.connection().sftp()
             _sftp_makedirs(sftp, os.path.dirname(path))
-            with open(local, "rb") as source, sftp.open(path, "wb") as target:
+            with open(local, "rb") as source, sftp.open(path, "r+b" if offset else "wb") as target:
                 if mode is not None:
                     target.chmod(mode)  # before the content: never readable with default permissions
                 target.set_pipelined(True)
-                while chunk := source.read(1 << 20):
-                    target.write(chunk)
+                copy_from(source, target, offset, progress)
         except OSError as exc:
             raise NodeError(self.node, f"cannot copy {local} to {remote}: {exc}") from None
 
