@@ -137,13 +137,17 @@ class ProvisionOptions:
 # -- plans: the exact commands -----------------------------------------------------------------------
 
 
-def venv_create_command(python: str, venv: str, *, see_base: bool, base_is_venv: bool, base_pip: bool) -> str:
+def venv_create_command(
+    python: str, venv: str, *, see_base: bool, base_is_venv: bool, base_pip: bool, base_ensurepip: bool = True
+) -> str:
     """Make ``venv`` from ``python``. A node that keeps system packages (a Jetson's torch, or an
     emulated node's controller environment) sees its base's packages; where the base Python is
     itself a venv, ``--system-site-packages`` would skip it, and ``nodes.venv_overlay`` follows."""
     flags = ["--system-site-packages"] if see_base else []
-    if see_base and base_is_venv and base_pip:
-        flags.append("--without-pip")  # the base's pip is on the path, and ensurepip costs seconds
+    if see_base and base_pip and (base_is_venv or not base_ensurepip):
+        # The base's pip is on the path: ensurepip would cost seconds (or is missing, as on Ubuntu
+        # without python3-venv, where the system's pip is what a Jetson's venv can use).
+        flags.append("--without-pip")
     words = [python, "-m", "venv", *flags, venv]
     return shlex.join(words)
 
@@ -360,7 +364,7 @@ class _NodeProvisioner:
             base_is_venv = readiness.first("base_is_venv") == "1"
             command = venv_create_command(
                 self.python, self.venv, see_base=see_base, base_is_venv=base_is_venv,
-                base_pip=bool(readiness.first("base_pip")),
+                base_pip=bool(readiness.first("base_pip")), base_ensurepip=bool(readiness.first("base_venv")),
             )  # fmt: skip
             env = None
             if see_base and base_is_venv:

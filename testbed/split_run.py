@@ -28,7 +28,7 @@ from testbed.errors import NodeError, TestbedError
 from testbed.fanout import fan_out
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import ensure_node_code
-from testbed.provision import load_record, provisioned_python
+from testbed.provision import compare_records, load_record, provisioned_python
 from testbed.transport import open_transport
 from testbed.transport.base import Transport
 
@@ -180,6 +180,9 @@ def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: S
     """Stage the run on every node, launch it, wait (bounded), and collect every rank's files."""
     server, devices = check_spec(inventory, spec)
     nodes = [server, *devices]
+    differences = compare_records({n.name: r for n in nodes if (r := load_record(inventory, n.name))})
+    if differences:
+        raise TestbedError("the run's nodes cannot run together:\n" + "\n".join(differences))
     workdir = inventory.spec.defaults.workdir
     python = {n.name: provisioned_python(inventory, n) for n in nodes}
     model_dirs = {n.name: _model_dir_on(inventory, n.name, "server" if n is server else "device", spec) for n in nodes}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import struct
 from collections.abc import Callable, Iterable
@@ -120,7 +121,7 @@ def parse_partition(text: str) -> tuple[int, int]:
     values: dict[str, int] = {}
     for item in text.split(","):
         key, sep, value = item.strip().partition("=")
-        if not sep or key not in ("m", "P") or not value.strip().isdigit():
+        if not sep or key not in ("m", "P") or not re.fullmatch(r"[0-9]+", value.strip()) or key in values:
             raise TestbedError(f"--partition: {text!r} is not of the form m=2,P=4 (m device layers, P server stages)")
         values[key] = int(value)
     if set(values) != {"m", "P"}:
@@ -246,7 +247,7 @@ def ensure_file(t: Transport, local: Path, remote: str, sha256: str, *, say: Say
     partial = remote + ".part"
     q, qp = shlex.quote(remote), shlex.quote(partial)
     probe = t.run_script(
-        f"if [ -f {q} ]; then sha256sum {q} | cut -d' ' -f1; else echo none; fi; "
+        f"if [ -f {q} ]; then sha256sum < {q} | cut -d' ' -f1; else echo none; fi; "
         f"if [ -f {qp} ]; then wc -c < {qp}; else echo 0; fi",
         timeout_s=max(60.0, size / 50e6),
     ).check()
@@ -265,7 +266,7 @@ def ensure_file(t: Transport, local: Path, remote: str, sha256: str, *, say: Say
         offset = 0
     t.run_script(f"mkdir -p {shlex.quote(os.path.dirname(remote))}", timeout_s=30.0).check()
     t.put(local, partial, mode=0o644, offset=offset, progress=_progress(t.node, remote, offset, size, say))
-    check = t.run_script(f"sha256sum {qp} | cut -d' ' -f1", timeout_s=max(60.0, size / 50e6)).check()
+    check = t.run_script(f"sha256sum < {qp} | cut -d' ' -f1", timeout_s=max(60.0, size / 50e6)).check()
     if check.stdout.strip() != sha256:
         t.run_script(f"rm -f {qp}", timeout_s=30.0)
         raise NodeError(t.node, f"{remote}: the copy does not match its sha256 after transfer; run provision again")

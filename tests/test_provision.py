@@ -215,3 +215,19 @@ def test_split_inference_runs_from_the_provisioned_venvs_and_parts(lab: Path) ->
         row = rows[r["request_id"] % 1_000_000]
         expected = greedy_generate(model, tokenizer.encode(row["prompt"]), row["max_new_tokens"], tokenizer.eos_id)
         assert r["token_ids"] == expected, r["node"]
+
+
+def test_a_run_refuses_nodes_whose_mpi_abis_differ(lab: Path) -> None:
+    path = lab.parent / "state" / "provisioned" / "xavier.json"
+    original = path.read_text()
+    record = json.loads(original)
+    record["installed"]["mpi"]["abi"] = "openmpi/libmpi.so.40"  # as if xavier had Open MPI's mpi4py
+    path.write_text(json.dumps(record))
+    try:
+        result = run_cli("workers", "run", str(SCHEDULE), "-i", str(lab), "-P", "2", "-m", "2",
+                         "--out", str(lab.parent / "refused"))  # fmt: skip
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "xavier: MPI ABI openmpi/libmpi.so.40 differs from mpich/libmpi.so.12" in result.stderr
+        assert not (lab.parent / "refused").exists()
+    finally:
+        path.write_text(original)
