@@ -73,6 +73,7 @@ bench: $(STAMP) system-packages
 	$(BIN)/python bench/shaping.py
 	$(BIN)/python bench/telemetry.py
 	$(BIN)/python bench/split.py
+	$(BIN)/python bench/provision.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(DEMO_OUT)

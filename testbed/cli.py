@@ -902,20 +902,17 @@ def provision_command(
     as_json: JsonOption = False,
 ) -> None:
     """Bring the nodes to a known, recorded software state, in parallel and idempotently (a second
-    run changes nothing and says so).
-
-    On each Linux node: check what runs need (tc, ip, iperf3, passwordless sudo, time sync, jtop on
-    Jetsons, adb and phones on USB hosts, nvidia-smi on GPU servers, free disk) and install missing
-    tools where apt and sudo allow, else print the command to run; make the virtual environment
-    (defaults.venv, default <workdir>/venv); install the node wheel with the extras of the node's
-    kind (a Jetson keeps NVIDIA's system torch; other nodes get the pinned torch), from PyPI or, for
-    nodes without registry access, from a wheelhouse pushed by this machine. With --model and
-    --partition, devices get the embedding, first m layers, final norm and LM head; the server gets
-    the middle layers; as content-hashed safetensors files that are sent only when missing or damaged.
-
-    What each node has is recorded in the state directory (provisioned/<node>.json): package, torch,
-    CUDA and MPI versions, the MPI ABI and the wheel's hash. Exits 1 when a node failed, has a problem,
-    or differs from the others in MPI ABI or node code version."""
+    run changes nothing and says so). On each Linux node: check what runs need (tc, ip, iperf3,
+    passwordless sudo, time sync, jtop on Jetsons, phones on USB hosts, nvidia-smi on GPU servers,
+    free disk), installing missing tools where apt and sudo allow, else printing the command to run;
+    make the venv (defaults.venv, default <workdir>/venv) and install the node wheel with the extras
+    of the node's kind (a Jetson keeps NVIDIA's torch; others get the pinned torch), from PyPI or,
+    without registry access, from a wheelhouse this machine pushes. With --model and --partition,
+    devices get the embedding, the first m layers, the final norm and the LM head, the server the
+    middle layers, as content-hashed safetensors sent only when missing or damaged. Each node's
+    versions (packages, torch, CUDA, MPI and its ABI, the wheel's hash) go to the state directory's
+    provisioned/<node>.json. Exits 1 when a node failed or has a problem, or when nodes differ in MPI
+    ABI or node code version."""
     from testbed.provision import ProvisionOptions, provision
     from testbed.weights import parse_partition
 
