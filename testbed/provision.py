@@ -32,7 +32,7 @@ from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import ensure_node_code
 from testbed.node_wheel import KIND_EXTRAS, NodeWheel, node_wheel
 from testbed.transport import open_transport
-from testbed.transport.base import Transport
+from testbed.transport.base import CommandResult, Transport
 from testbed.weights import (
     ModelSource,
     PartFile,
@@ -269,7 +269,7 @@ class _NodeProvisioner:
         self.changes.append(text)
         self.say(f"{self.node.name}: {text}")
 
-    def sh(self, script: str, *, timeout_s: float = 120.0, sudo: bool = False):
+    def sh(self, script: str, *, timeout_s: float = 120.0, sudo: bool = False) -> CommandResult:
         return self.t.run_script(script, timeout_s=timeout_s, sudo=sudo)
 
     def run(self) -> NodeProvision:
@@ -532,11 +532,19 @@ def provision(
     records_dir = inventory.state_dir / "provisioned"
     records_dir.mkdir(parents=True, exist_ok=True)
     for name, outcome in result.values().items():
+        # A node keeps the cuts placed by earlier runs (another model, another m) unless replaced.
+        placed = {_placement_key(w) for w in outcome.record["weights"]}
+        earlier = [w for w in load_record(inventory, name).get("weights", []) if _placement_key(w) not in placed]
+        outcome.record["weights"] = earlier + outcome.record["weights"]
         path = records_dir / f"{name}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(outcome.record, indent=1, sort_keys=True) + "\n")
         tmp.replace(path)
     return result, compare_records(load_records(inventory))
+
+
+def _placement_key(placed: dict) -> tuple[str, str, int]:
+    return (placed["model"], placed["role"], placed["device_layers"])
 
 
 def load_record(inventory: Inventory, node: str) -> dict:

@@ -123,6 +123,11 @@ def test_a_second_run_changes_nothing_and_says_so(lab: Path) -> None:
     assert all(nodes[n]["changes"] == [] for n in NODES), {n: nodes[n]["changes"] for n in NODES}
     text = run_cli("provision", "-i", str(lab), "--model", str(TINY), "--partition", "m=2,P=2")
     assert text.returncode == 0 and "nothing to do" in text.stdout
+    # Without --model the software is checked again and the placed weights stay on record.
+    bare = run_cli("provision", "-i", str(lab), "--nodes", "orin")
+    assert bare.returncode == 0 and "nothing to do" in bare.stdout, bare.stdout + bare.stderr
+    record = json.loads((lab.parent / "state" / "provisioned" / "orin.json").read_text())
+    assert [(w["role"], w["device_layers"]) for w in record["weights"]] == [("device", 2)]
 
 
 def test_a_damaged_weight_file_is_the_only_thing_sent_again(lab: Path) -> None:
