@@ -240,6 +240,15 @@ def test_link_clear_restores_everything_after_the_controller_is_killed_mid_apply
     os.killpg(apply.pid, signal.SIGKILL)  # the first node has journaled: tc commands are under way
     apply.wait()
     assert journals(lab), "the apply finished before it could be killed"
+    # A command the killed controller had already sent may still land on a node (sshd runs what it
+    # received). A person runs clear after the crash, not in the same millisecond: wait until the
+    # nodes' journals have stopped changing.
+    seen, stable_since = journals(lab), time.monotonic()
+    while time.monotonic() - stable_since < 1.0:
+        assert time.monotonic() < deadline + 30
+        time.sleep(0.05)
+        if (now := journals(lab)) != seen:
+            seen, stable_since = now, time.monotonic()
     proc = run_cli("link", "clear", "-i", str(lab))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert {n: qdiscs(n) for n in NODES} == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -289,3 +290,14 @@ def test_concurrent_starts_on_one_pidfile_start_one_process(transport, tmp_path)
 def test_background_paths_must_be_absolute(transport):
     with pytest.raises(ValueError, match="absolute"):
         transport.start_background(["true"], pidfile="run/x.pid", logfile="/tmp/x.log")
+
+
+def test_store_keeps_nothing_under_the_name_when_the_bytes_did_not_all_arrive(tmp_path: Path) -> None:
+    from testbed.transport.base import store_script
+
+    target = tmp_path / "deep" / "journal.json"
+    cut = subprocess.run(["sh", "-c", store_script(str(target), 10)], input=b"12345", capture_output=True, check=False)
+    assert cut.returncode == 1 and b"incomplete: 5 of 10 bytes" in cut.stderr
+    assert not target.exists() and list(target.parent.iterdir()) == []
+    whole = subprocess.run(["sh", "-c", store_script(str(target), 5)], input=b"12345", capture_output=True, check=False)
+    assert whole.returncode == 0 and target.read_bytes() == b"12345"

@@ -125,13 +125,15 @@ def _node_path(path: str, what: str) -> str:
     return quote_path(path)
 
 
-def store_script(path: str) -> str:
-    """sh that stores stdin at ``path`` (absolute or ``~/``), atomically and synced."""
+def store_script(path: str, size: int) -> str:
+    """sh that stores stdin at ``path`` (absolute or ``~/``), atomically and synced, and only if all
+    ``size`` bytes arrived: a controller killed mid-transfer leaves no truncated file under ``path``."""
     d = _node_path(path.rsplit("/", 1)[0] or "/", "directory")
     f = _node_path(path, "path")
     return (
-        f"mkdir -p {d} && cat > {f}.tmp && (sync {f}.tmp 2>/dev/null || sync) && mv {f}.tmp {f} && "
-        f"(sync {d} 2>/dev/null || true)"
+        f"mkdir -p {d} && cat > {f}.tmp && n=$(wc -c < {f}.tmp) && "
+        f'{{ [ "$n" -eq {size:d} ] || {{ rm -f {f}.tmp; echo "incomplete: $n of {size:d} bytes" >&2; exit 1; }}; }} && '
+        f"(sync {f}.tmp 2>/dev/null || sync) && mv {f}.tmp {f} && (sync {d} 2>/dev/null || true)"
     )
 
 
@@ -297,7 +299,7 @@ class Transport(ABC):
 
     def store(self, path: str, data: bytes, *, timeout_s: float = 60.0) -> None:
         """Write ``data`` to ``path`` (absolute or ``~/``) on the node, atomically and synced."""
-        self.run(["sh", "-c", store_script(path)], stdin=data, timeout_s=timeout_s).check()
+        self.run(["sh", "-c", store_script(path, len(data))], stdin=data, timeout_s=timeout_s).check()
 
     def expand_path(self, path: str) -> str:
         """``path`` with a leading ``~`` expanded by the node (argv words are not expanded)."""
