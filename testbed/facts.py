@@ -152,7 +152,8 @@ def _int(values: dict[str, list[str]], key: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _first(values: dict[str, list[str]], key: str) -> str:
+def first_value(values: dict[str, list[str]], key: str) -> str:
+    """The first value of ``key`` in :func:`parse_key_values` output, or ``""``."""
     return (values.get(key) or [""])[0]
 
 
@@ -174,25 +175,25 @@ def gather_facts(inventory: Inventory, node: NodeSpec, transport: Transport, *, 
     values = parse_key_values("\n".join(lines))
     values["python"] = [headers["python"]]
     mem_kb, disk_kb = _int(values, "mem_total_kb"), _int(values, "disk_free_kb")
-    release_line = _first(values, "nv_tegra_release")
+    release_line = first_value(values, "nv_tegra_release")
     facts = NodeFacts(
         node=node.name,
         kind=node.kind,
-        hostname=_first(values, "hostname"),
-        arch=_first(values, "arch"),
-        kernel=_first(values, "kernel"),
-        os=_first(values, "os"),
-        python=_first(values, "python"),
+        hostname=first_value(values, "hostname"),
+        arch=first_value(values, "arch"),
+        kernel=first_value(values, "kernel"),
+        os=first_value(values, "os"),
+        python=first_value(values, "python"),
         cpus=_int(values, "cpus"),
         mem_total_mib=mem_kb // 1024 if mem_kb is not None else None,
         disk_free_gib=disk_kb / 1024**2 if disk_kb is not None else None,
-        user=_first(values, "user"),
-        sudo=_first(values, "sudo"),
+        user=first_value(values, "user"),
+        sudo=first_value(values, "sudo"),
         gpus=tuple(g for g in map(_parse_gpu, values.get("gpu", [])) if g is not None),
         l4t_release=parse_l4t_release(release_line) if release_line else None,
-        board_model=_first(values, "board_model") or None,
+        board_model=first_value(values, "board_model") or None,
         adb_devices=parse_adb_devices(values.get("adb", [])),
-        emulated=bool(_first(values, "emulated")),
+        emulated=bool(first_value(values, "emulated")),
         clock=clock,
         raw=values,
     )
@@ -227,14 +228,14 @@ def gather_phone_facts(inventory: Inventory, phone: NodeSpec, host: Transport, *
         node=phone.name,
         kind=phone.kind,
         hostname=serial,
-        arch=_first(values, "arch"),
-        kernel=_first(values, "kernel"),
-        os=f"Android {_first(values, 'android')} ({_first(values, 'model')})",
+        arch=first_value(values, "arch"),
+        kernel=first_value(values, "kernel"),
+        os=f"Android {first_value(values, 'android')} ({first_value(values, 'model')})",
         cpus=_int(values, "cpus"),
         mem_total_mib=mem_kb // 1024 if mem_kb is not None else None,
         disk_free_gib=disk_kb / 1024**2 if disk_kb is not None else None,
         sudo="n/a",
-        board_model=_first(values, "model") or None,
+        board_model=first_value(values, "model") or None,
         clock=clock,
         raw=values,
     )

@@ -16,23 +16,25 @@ and whatever that does not cover comes from the wheelhouse.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from testbed.errors import NodeError, TestbedError
-from testbed.facts import NodeFacts, gather_facts, parse_key_values
+from testbed.facts import NodeFacts, first_value, gather_facts, parse_key_values
 from testbed.fanout import DEFAULT_PARALLEL, FanOutResult, fan_out
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import ensure_node_code
 from testbed.node_wheel import KIND_EXTRAS, NodeWheel, node_wheel
 from testbed.transport import open_transport
-from testbed.transport.base import CommandResult, Transport
+from testbed.transport.base import Transport
 from testbed.weights import (
     ModelSource,
     PartFile,
@@ -54,6 +56,7 @@ INSTALL_ROUNDS = 3  # wheelhouse rounds: pip names what it lacks, the controller
 PIP_TIMEOUT_S = 1800.0
 CLOCK_SYNC_WARN_S = 0.05
 # Tools a run uses on every Linux node, and the Debian package that brings each.
+_WHEELHOUSE_LOCK = threading.Lock()
 TOOL_PACKAGES = {"tc": "iproute2", "ip": "iproute2", "iperf3": "iperf3"}
 
 # key=value lines; what `facts` does not already gather. $1: base Python, $2: venv, $3: workdir.
@@ -76,10 +79,11 @@ command -v chronyc >/dev/null 2>&1 && k chrony "$(chronyc tracking 2>/dev/null |
 command -v systemctl >/dev/null 2>&1 && k jtop_service "$(systemctl is-active jtop 2>/dev/null)"
 "$PY" -c '
 import sys
+from importlib.util import find_spec
 print("base_is_venv=%d" % (sys.prefix != getattr(sys, "base_prefix", sys.prefix)))
-print("base_version=%d.%d" % sys.version_info[:2])' 2>/dev/null
-"$PY" -c 'import pip' 2>/dev/null && k base_pip yes
-"$PY" -c 'import venv, ensurepip' 2>/dev/null && k base_venv yes
+print("base_version=%d.%d" % sys.version_info[:2])
+print("base_pip=%s" % ("yes" if find_spec("pip") else ""))
+print("base_venv=%s" % ("yes" if find_spec("venv") and find_spec("ensurepip") else ""))' 2>/dev/null
 if [ -x "$V/bin/python" ]; then
   "$V/bin/python" -c '
 import sys
@@ -108,7 +112,7 @@ class Readiness:
     values: dict[str, list[str]]
 
     def first(self, key: str) -> str:
-        return (self.values.get(key) or [""])[0]
+        return first_value(self.values, key)
 
 
 @dataclass(frozen=True)
@@ -210,18 +214,15 @@ def judge_readiness(
                      f"echo '{facts.user} ALL=(root) NOPASSWD: /usr/sbin/tc, /usr/sbin/ip, /usr/sbin/nvpmodel, "
                      "/usr/bin/jetson_clocks' | sudo tee /etc/sudoers.d/hil-testbed")
                 )  # fmt: skip
-    free_kb = (values.get("workdir_free_kb") or [""])[0]
+    free_kb = first_value(values, "workdir_free_kb")
     if free_kb.isdigit() and int(free_kb) / 2**20 < need_gib:
         missing.append(
             (f"disk space ({int(free_kb) / 2**20:.1f} GiB free where the workdir is, {need_gib:.1f} GiB needed)",
              "free space there, or point defaults.workdir (and venv) at a larger disk")
         )  # fmt: skip
-    if facts.emulated:
-        pass  # the controller's clock: nothing to synchronise
-    elif (values.get("ntp_synchronized") or [""])[0] == "yes":
-        pass
-    else:
-        chrony = (values.get("chrony") or [""])[0]
+    # An emulated node keeps the controller's clock: nothing to synchronise.
+    if not facts.emulated and first_value(values, "ntp_synchronized") != "yes":
+        chrony = first_value(values, "chrony")
         match = re.search(r"([\d.]+) seconds (fast|slow)", chrony)
         if match is None or float(match[1]) > CLOCK_SYNC_WARN_S:
             state = f"chrony: {chrony.strip()}" if chrony else "no NTP synchronisation reported"
@@ -229,7 +230,7 @@ def judge_readiness(
                 f"time is not synchronised ({state}); enable it with `sudo timedatectl set-ntp true` or chrony "
                 "(telemetry is aligned per run, but logs read better on synchronised clocks)"
             )
-    if node.kind == "jetson" and not facts.emulated and (values.get("jtop_service") or [""])[0] != "active":
+    if node.kind == "jetson" and not facts.emulated and first_value(values, "jtop_service") != "active":
         warnings.append(
             "the jtop service is not active (needed only for --jetson-source jtop): sudo systemctl enable --now jtop"
         )
@@ -256,6 +257,7 @@ class _NodeProvisioner:
         say: Say,
     ) -> None:
         self.inventory, self.node, self.t, self.wheel = inventory, node, t, wheel
+        self.wheel_file = options.wheelhouse_cache / "ours" / wheel.filename  # written by provision()
         self.parts, self.source, self.options, self.say = parts, source, options, say
         defaults = inventory.spec.defaults
         self.python = defaults.python
@@ -268,9 +270,6 @@ class _NodeProvisioner:
     def change(self, text: str) -> None:
         self.changes.append(text)
         self.say(f"{self.node.name}: {text}")
-
-    def sh(self, script: str, *, timeout_s: float = 120.0, sudo: bool = False) -> CommandResult:
-        return self.t.run_script(script, timeout_s=timeout_s, sudo=sudo)
 
     def run(self) -> NodeProvision:
         facts = gather_facts(self.inventory, self.node, self.t)
@@ -322,7 +321,7 @@ class _NodeProvisioner:
         packages = sorted({TOOL_PACKAGES[w] for w, _ in missing if w in TOOL_PACKAGES})
         can_install = "apt-get" in values.get("tool", []) and facts.sudo in ("root", "yes") and not facts.emulated
         if packages and can_install:
-            result = self.sh(
+            result = self.t.run_script(
                 "DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends " + " ".join(packages),
                 timeout_s=600.0,
                 sudo=facts.sudo == "yes",
@@ -376,13 +375,7 @@ class _NodeProvisioner:
                 self.problems.append(f"making the venv {self.venv} failed: {result.stderr.strip()[-300:]}")
                 return None
             self.change(f"made the venv {self.venv}" + (" (sees the system's packages)" if see_base else ""))
-            readiness.values["venv_wheel"] = [""]
-            readiness.values["venv_torch"] = [
-                self.sh(
-                    f"{shlex.quote(self.venv + '/bin/python')} -c "
-                    "'from importlib.metadata import version; print(version(\"torch\"))' 2>/dev/null"
-                ).stdout.strip()
-            ]
+            readiness = replace(readiness, values=self.probe())  # what the new venv holds
         system_torch = readiness.first("venv_torch")
         if jetson and not system_torch:
             self.problems.append(
@@ -397,17 +390,12 @@ class _NodeProvisioner:
     def install_wheel(self, facts: NodeFacts, readiness: Readiness, keep_torch: str | None) -> str | None:
         wheels_dir = f"{self.workdir}/wheels"
         wheel_remote = f"{wheels_dir}/{self.wheel.filename}"
-        local_wheel = self.options.wheelhouse_cache / "ours" / self.wheel.filename
-        if not local_wheel.is_file():
-            local_wheel.parent.mkdir(parents=True, exist_ok=True)
-            local_wheel.write_bytes(self.wheel.data)
-        ensure_file(self.t, local_wheel, wheel_remote, self.wheel.sha256, say=self.say)
+        ensure_file(self.t, self.wheel_file, wheel_remote, self.wheel.sha256, say=self.say)
         jetson = self.node.kind == "jetson"
         torch_pin = None if jetson else self.wheel.torch_requirement
         pins = [f"torch=={keep_torch}"] if keep_torch else ([torch_pin] if torch_pin else [])
         constraints = f"{wheels_dir}/constraints.txt"
-        words = " ".join(shlex.quote(p) for p in pins) or "''"
-        self.sh(f"printf '%s\\n' {words} > {shlex.quote(constraints)}").check()
+        self.t.store(constraints, "".join(f"{pin}\n" for pin in pins).encode())
         offline = facts.emulated or not (
             self.node.registry_access
             if self.node.registry_access is not None
@@ -440,7 +428,8 @@ class _NodeProvisioner:
         dest = self.options.wheelhouse_cache / f"cp{version.replace('.', '')}-{machine}"
         dest.mkdir(parents=True, exist_ok=True)
         argv = pip_download_argv(requirements, dest, version, machine, readiness.first("glibc"))
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+        with _WHEELHOUSE_LOCK:  # nodes of one platform share the directory: fetch once, then find it there
+            result = subprocess.run(argv, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
         if result.returncode != 0:
             raise NodeError(
                 self.node.name,
@@ -512,6 +501,12 @@ def provision(
                 f"{inventory.path}: the emulated testbed is not running; start it with `testbed emulate up`"
             )
     wheel = node_wheel()
+    wheel_file = options.wheelhouse_cache / "ours" / wheel.filename
+    if not wheel_file.is_file():  # once, before the nodes' threads read it
+        wheel_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = wheel_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(wheel.data)
+        tmp.replace(wheel_file)
     source, parts = None, {}
     if options.model is not None:
         if options.partition is None:
@@ -583,9 +578,9 @@ def compare_records(records: dict[str, dict]) -> list[str]:
     return problems
 
 
-def provisioned_python(inventory: Inventory, node: NodeSpec) -> str:
-    """The Python the workers run with on ``node``: its provisioned venv's, else ``defaults.python``."""
-    record = load_record(inventory, node.name)
+def provisioned_python(inventory: Inventory, record: dict) -> str:
+    """The Python the workers run with on a node: its provisioned venv's (``record`` from
+    :func:`load_record`), else ``defaults.python``."""
     if record.get("installed_wheel"):
         return str(record["venv_python"])
     return inventory.spec.defaults.python

@@ -180,12 +180,13 @@ def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: S
     """Stage the run on every node, launch it, wait (bounded), and collect every rank's files."""
     server, devices = check_spec(inventory, spec)
     nodes = [server, *devices]
-    differences = compare_records({n.name: r for n in nodes if (r := load_record(inventory, n.name))})
+    records = {n.name: load_record(inventory, n.name) for n in nodes}
+    differences = compare_records({name: r for name, r in records.items() if r})
     if differences:
         raise TestbedError("the run's nodes cannot run together:\n" + "\n".join(differences))
     workdir = inventory.spec.defaults.workdir
-    python = {n.name: provisioned_python(inventory, n) for n in nodes}
-    model_dirs = {n.name: _model_dir_on(inventory, n.name, "server" if n is server else "device", spec) for n in nodes}
+    python = {n.name: provisioned_python(inventory, records[n.name]) for n in nodes}
+    model_dirs = {n.name: _model_dir_on(records[n.name], "server" if n is server else "device", spec) for n in nodes}
 
     def stage(name: str) -> dict[str, str]:
         node = inventory.node(name)
@@ -255,14 +256,14 @@ def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: S
     return SplitRunResult(out_dir, plan, seconds, tuple(rank_dirs))
 
 
-def _model_dir_on(inventory: Inventory, node: str, role: str, spec: SplitRunSpec) -> str:
-    """The directory of the part ``testbed provision`` placed on ``node`` for this model and m, else
+def _model_dir_on(record: dict, role: str, spec: SplitRunSpec) -> str:
+    """The directory of the part ``testbed provision`` placed on the node (``record``) for this model and m, else
     ``spec.model`` (the checkpoint at the same path on every node). ``centralized`` needs the whole
     model on the server, which no part holds."""
     if spec.method == "centralized":
         return spec.model
     wanted = os.path.realpath(spec.model)
-    for placed in load_record(inventory, node).get("weights", []):
+    for placed in record.get("weights", []):
         if (
             placed["role"] == role
             and placed["device_layers"] == spec.device_layers

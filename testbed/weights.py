@@ -264,13 +264,14 @@ def ensure_file(t: Transport, local: Path, remote: str, sha256: str, *, say: Say
             offset = 0
     else:
         offset = 0
-    t.run_script(f"mkdir -p {shlex.quote(os.path.dirname(remote))}", timeout_s=30.0).check()
     t.put(local, partial, mode=0o644, offset=offset, progress=_progress(t.node, remote, offset, size, say))
-    check = t.run_script(f"sha256sum < {qp} | cut -d' ' -f1", timeout_s=max(60.0, size / 50e6)).check()
-    if check.stdout.strip() != sha256:
-        t.run_script(f"rm -f {qp}", timeout_s=30.0)
+    settle = t.run_script(  # verify, then rename; a bad copy is not kept
+        f"if [ \"$(sha256sum < {qp} | cut -d' ' -f1)\" = {sha256} ]; then mv -f {qp} {q}; "
+        f"else rm -f {qp}; echo mismatch; fi",
+        timeout_s=max(60.0, size / 50e6),
+    ).check()
+    if "mismatch" in settle.stdout:
         raise NodeError(t.node, f"{remote}: the copy does not match its sha256 after transfer; run provision again")
-    t.run_script(f"mv -f {qp} {q}", timeout_s=30.0).check()
     return FileTransfer(remote, size, action)
 
 
