@@ -23,6 +23,7 @@ from testbed import __version__
 from testbed.emulation.resolved import load_lab
 from testbed.errors import NodeError, TestbedError
 from testbed.inventory import Inventory, NodeSpec, load_inventory
+from testbed.jsonable import jsonable
 from testbed.units import format_duration, format_rate
 
 app = typer.Typer(
@@ -89,20 +90,6 @@ NodesOption = Annotated[
 ]
 
 
-def _to_json(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple) and hasattr(value, "_asdict"):  # a NamedTuple from nodes/
-        return _to_json(value._asdict())
-    if isinstance(value, (list, tuple)):
-        return [_to_json(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _to_json(v) for k, v in value.items()}
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
-
 @app.callback(invoke_without_command=True)
 def _root(
     version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
@@ -127,7 +114,7 @@ def doctor(
         load_inventory(inventory)  # a broken inventory is worth knowing about here too
     caps = check_host()
     if as_json:
-        out.print_json(data=_to_json(caps))
+        out.print_json(data=jsonable(caps))
     else:
         table = Table(title="What this host can do for an emulated testbed")
         for column in ("capability", "status", "detail", "needed for"):
@@ -249,7 +236,7 @@ def inventory_check(
                 "node": o.node,
                 "ok": o.ok and o.value is not None and o.value.ok,
                 "error": o.error,
-                "facts": _to_json(o.value),
+                "facts": jsonable(o.value),
             }
             for o in result.outcomes
         ]
@@ -366,7 +353,7 @@ def emulate_status(inventory: InventoryOption = Path("inventory.yaml"), as_json:
 
     result = status(load_inventory(inventory))
     if as_json:
-        out.print_json(data=_to_json(result))
+        out.print_json(data=jsonable(result))
     else:
         _print_emulation(result)
     if not result.ok:
@@ -487,7 +474,7 @@ def link_apply(
         err.print("[red]error:[/] " + escape(str(exc)), highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     if as_json:
-        out.print_json(data=_to_json({"applied": result.applied, "trace": started}))
+        out.print_json(data=jsonable({"applied": result.applied, "trace": started}))
     else:
         table = Table(title="links shaped (read back and matching the plan)" if result.ok else "shaping failed")
         for column in ("node", "device", "direction", "peer", "profile", "rate", "queue"):
@@ -528,7 +515,7 @@ def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: Json
             payload.append(
                 {
                     "node": o.node, "error": o.error, "journal": v is not None and v.journal is not None,
-                    "classes": {d: _to_json(s.classes) for d, s in v.states.items()} if v else {},
+                    "classes": {d: jsonable(s.classes) for d, s in v.states.items()} if v else {},
                     "qdiscs": {d: list(s.qdiscs) for d, s in v.states.items()} if v else {},
                 }
             )  # fmt: skip
@@ -584,7 +571,7 @@ def link_verify(
         raise TestbedError(f"{inventory} has no links to verify")
     rows = verify_links(inv, duration_s=duration, say=_say)
     if as_json:
-        out.print_json(data=_to_json(rows))
+        out.print_json(data=jsonable(rows))
     else:
         table = Table(title=f"link verification (rate within {RATE_TOLERANCE:.0%})")
         for column in ("from", "to", "profile", "target", "measured", "error", "RTT ms", "ok", "note"):
@@ -670,7 +657,7 @@ def power_show(inventory: InventoryOption = Path("inventory.yaml"), nodes: Nodes
     result = show_power(inv, nodes)
     readings = list(result.values().values())
     if as_json:
-        out.print_json(data=_to_json(readings))
+        out.print_json(data=jsonable(readings))
     else:
         out.print(_power_table("power modes", readings))
     if not result.ok:
@@ -735,7 +722,7 @@ def telemetry_probe(
     result = probe_telemetry(inv, nodes, require_energy=require_energy, jetson_source=jetson_source)
     probes = list(result.values().values())
     if as_json:
-        out.print_json(data=_to_json(probes))
+        out.print_json(data=jsonable(probes))
     else:
         table = Table(title="telemetry sensors")
         for column in ("node", "source", "metric", "sensor", "value", "unit", "kind", "problem"):
@@ -924,7 +911,7 @@ def provision_command(
     if as_json:
         payload = {
             "nodes": [
-                {"node": o.node, "error": o.error, **(_to_json(o.value) if o.value is not None else {})}
+                {"node": o.node, "error": o.error, **(jsonable(o.value) if o.value is not None else {})}
                 for o in result.outcomes
             ],
             "problems_across_nodes": across,
@@ -964,6 +951,179 @@ def provision_command(
         if result.ok and not any(o.changes for o in result.values().values()):
             out.print("nothing to do: every node was already provisioned")
     if not result.ok or across or any(not v.ok for v in result.values().values()):
+        raise typer.Exit(1)
+
+
+# --------------------------------------------------------------------------------------------
+# testbed run / status / demo
+
+CampaignOutOption = Annotated[
+    Path | None,
+    typer.Option("--out", "-o", help="Campaign directory (ledger, runs, report). Default: results/<campaign name>."),
+]
+
+
+@app.command("run")
+def run_command(
+    campaign_file: Annotated[Path, typer.Argument(help="Campaign YAML: inventory, base settings, matrix, "
+                                                  "repetitions, seed, order, timeout, failure policy.")],
+    inventory: Annotated[Path | None, typer.Option("--inventory", "-i", help="Use this inventory instead of "
+                                                   "the one the campaign names.")] = None,
+    out_dir: CampaignOutOption = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Go on with a campaign started before (also after "
+                                         "the controller was killed): done runs are kept, interrupted ones "
+                                         "rerun.")] = False,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="With --resume: run failed and skipped runs "
+                                               "again and lift quarantines.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the expanded runs and each node's commands; "
+                                          "touch nothing.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Run an experiment campaign: every run of the matrix x repetitions, in the campaign's order,
+    each as preflight, configure (power modes, links, read back), telemetry, MPI workers driving the
+    workload, drain, collect, restore and a manifest. The ledger (OUT/ledger.sqlite) records each
+    run's state, so --resume finishes a campaign whose controller died, doing no run twice. Exit
+    status 0 when every run is done, 1 when a run failed or was skipped, 2 for a bad campaign file
+    (nothing is touched then)."""
+    from testbed.campaign import load_campaign
+    from testbed.campaign_display import CampaignDisplay
+    from testbed.campaign_runner import run_campaign
+
+    if retry_failed and not resume:
+        raise TestbedError("--retry-failed goes with --resume")
+    campaign = load_campaign(campaign_file, inventory=inventory)
+    if dry_run:
+        _print_dry_run(campaign, as_json)
+        return
+    directory = out_dir or Path("results") / campaign.spec.name
+    display = CampaignDisplay(err, len(campaign.runs))
+    with display:
+        summary = run_campaign(campaign, directory, resume=resume, retry_failed=retry_failed, say=display.say,
+                               report=display.report)  # fmt: skip
+    _print_campaign_summary(summary, as_json)
+    if not summary.ok:
+        raise typer.Exit(1)
+
+
+def _print_dry_run(campaign: Any, as_json: bool) -> None:
+    from testbed.campaign_runner import describe_run
+    from testbed.dry_run import planned_commands
+
+    runs = [{**describe_run(r), "commands": planned_commands(campaign, r)} for r in campaign.runs]
+    if as_json:
+        out.print_json(data={"campaign": campaign.spec.name, "inventory": str(campaign.inventory.path), "runs": runs})
+        return
+    table = Table(title=f"{campaign.spec.name}: {len(runs)} runs (dry run: nothing was touched)")
+    for column in ("#", "run id", "rep", "seed", "settings"):
+        table.add_column(column, overflow="fold")
+    for r in campaign.runs:
+        table.add_row(str(r.position + 1), r.run_id, str(r.repetition), str(r.seed), escape(r.label()))
+    out.print(table)
+    for r, described in zip(campaign.runs, runs, strict=True):
+        out.print(f"[bold]run {r.position + 1} {r.run_id}[/] ({escape(r.label())})")
+        for node, lines in described["commands"].items():
+            out.print(f"  [cyan]{escape(node)}[/]")
+            for line in lines:
+                out.print("    " + escape(line), highlight=False, soft_wrap=True)
+
+
+def _print_campaign_summary(summary: Any, as_json: bool) -> None:
+    from testbed.ledger import Ledger
+
+    with Ledger.open(summary.directory / "ledger.sqlite") as ledger:
+        rows, nodes = ledger.runs(), ledger.nodes()
+    if as_json:
+        out.print_json(data={"directory": str(summary.directory), "counts": summary.counts,
+                             "quarantined": summary.quarantined, "runs": jsonable(rows),
+                             "nodes": jsonable(nodes)})  # fmt: skip
+        return
+    c = summary.counts
+    table = Table(title=f"campaign in {summary.directory}: {c['done']} done, {c['failed']} failed, "
+                  f"{c['skipped']} skipped, {c['todo'] + c['running']} to do")  # fmt: skip
+    for column in ("#", "run id", "state", "attempts", "seconds", "settings", "reason"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        seconds = f"{r.ended_s - r.started_s:.1f}" if r.ended_s and r.started_s else ""
+        color = {"done": "green", "failed": "red", "skipped": "yellow"}.get(r.state, "white")
+        table.add_row(str(r.position + 1), r.run_id, f"[{color}]{r.state}[/]", str(r.attempts), seconds,
+                      escape(r.label), escape(r.reason or ""))  # fmt: skip
+    out.print(table)
+    for n in nodes:
+        if n.quarantined_s is not None:
+            out.print(f"[red]{escape(n.node)} quarantined[/]: {escape(n.reason or '')}", soft_wrap=True)
+
+
+@app.command("status")
+def status_command(
+    campaign_dir: Annotated[Path, typer.Argument(help="The campaign's directory (testbed run --out).")],
+    as_json: JsonOption = False,
+) -> None:
+    """Show a campaign's progress from its ledger: each run's state, attempts, time and failure
+    reason, and quarantined nodes. Reads only files; exits 1 while runs failed or remain."""
+    from testbed.campaign_runner import LEDGER, CampaignSummary
+    from testbed.ledger import Ledger
+
+    with Ledger.open(campaign_dir / LEDGER) as ledger:
+        summary = CampaignSummary(campaign_dir, ledger.counts(), ledger.quarantined(), False)
+    _print_campaign_summary(summary, as_json)
+    if not summary.ok:
+        raise typer.Exit(1)
+
+
+EXAMPLE_CAMPAIGNS = Path(__file__).resolve().parent.parent / "examples" / "campaigns"
+
+
+@app.command("demo")
+def demo_command(
+    inventory: InventoryOption = Path("inventory.yaml"),
+    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Campaign directory; a previous demo there is "
+                                          "replaced.")] = Path("demo-output/campaign"),
+    campaign_file: Annotated[Path | None, typer.Option("--campaign", help="Campaign to run (default: "
+                                                       "examples/campaigns/demo.yaml, or demo-local.yaml without "
+                                                       "root).")] = None,
+) -> None:
+    """The whole suite in one command: bring up the emulated testbed (network namespaces as root,
+    local processes otherwise), run the demo campaign (methods x link profiles x power modes on the
+    tiny model), write its summary report, print where it is, and take the testbed down again
+    (unless it was already up)."""
+    import os
+    import shutil
+
+    from testbed.campaign import load_campaign
+    from testbed.campaign_display import CampaignDisplay
+    from testbed.campaign_runner import LEDGER, run_campaign
+    from testbed.emulation.lifecycle import down, status, up
+
+    root = os.geteuid() == 0
+    chosen = campaign_file or EXAMPLE_CAMPAIGNS / ("demo.yaml" if root else "demo-local.yaml")
+    load_campaign(chosen, inventory=inventory)  # a bad file stops here, before anything is built
+    if out_dir.exists():
+        if not (out_dir / LEDGER).exists():
+            raise TestbedError(f"{out_dir} exists and is not a campaign directory; choose another --out")
+        shutil.rmtree(out_dir)
+    lab = load_inventory(inventory)
+    was_up = status(lab).running
+    say = lambda line: err.print(escape(line), highlight=False)  # noqa: E731
+    if not was_up:
+        result = up(lab, mode="netns" if root else "local", say=say)
+        if not result.ok:
+            _print_emulation(result)
+            down(lab, say=say)
+            raise typer.Exit(1)
+    try:
+        campaign = load_campaign(chosen, inventory=inventory)
+        display = CampaignDisplay(err, len(campaign.runs))
+        with display:
+            summary = run_campaign(campaign, out_dir, say=display.say, report=display.report)
+        from analysis.summary import write_summary
+
+        report = write_summary(out_dir)
+    finally:
+        if not was_up:
+            down(lab, say=say)
+    _print_campaign_summary(summary, False)
+    out.print(f"report: {report}")
+    if not summary.ok:
         raise typer.Exit(1)
 
 

@@ -355,7 +355,7 @@ def inventory_from_source(source: YamlSource) -> Inventory:
                 len(o["loc"]) > len(err["loc"]) and o["loc"][: len(err["loc"])] == err["loc"] for o in errors
             )
             if not secret and not echo:  # secrets were already reported above, with a better hint
-                problems.append(_pydantic_problem(source, err))
+                problems.append(pydantic_problem(source, err))
         raise InputError(problems) from None
     if problems:
         raise InputError(problems)
@@ -384,7 +384,7 @@ def links_from_file(inventory: Inventory, path: str | Path) -> tuple[DirectedLin
     try:
         extra = LinksFileSpec.model_validate(source.data)
     except ValidationError as exc:
-        raise InputError([_pydantic_problem(source, err) for err in exc.errors()]) from None
+        raise InputError([pydantic_problem(source, err) for err in exc.errors()]) from None
     problems = []
     for name, profile in extra.link_profiles.items():
         problems += list(_profile_problems(name, profile, source))
@@ -422,7 +422,7 @@ def _secret_problems(source: YamlSource, data: Any, path: tuple[str | int, ...])
             yield from _secret_problems(source, value, path + (i,))
 
 
-def _pydantic_problem(source: YamlSource, err: Any) -> InputProblem:
+def pydantic_problem(source: YamlSource, err: Any) -> InputProblem:
     loc = tuple(part for part in err["loc"] if isinstance(part, (str, int)))
     ctx = err.get("ctx") or {}
     kind = err["type"]

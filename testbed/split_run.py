@@ -35,6 +35,7 @@ from testbed.transport.base import Transport
 Say = Callable[[str], None]
 METHODS = ("centralized", "ushape", "usarathi")
 LAUNCH_MARGIN_S = 60.0
+WAIT_POLL_S = 3.0  # how long one remote wait for the exit status lasts
 
 
 def data_plane_env(interface: str) -> dict[str, str]:
@@ -101,6 +102,7 @@ class SplitRunSpec:
     chunk_tokens: int = 128
     dtype: str = "float32"
     schedule: tuple[dict[str, Any], ...] = ()  # one schedule, replayed by every device
+    schedules: tuple[tuple[str, tuple[dict[str, Any], ...]], ...] = ()  # or one per device (request ids as given)
     run_id: str = "split"
     timeout_s: float = 600.0
     threads_per_rank: int = 1
@@ -145,7 +147,12 @@ def check_spec(inventory: Inventory, spec: SplitRunSpec) -> tuple[NodeSpec, list
             raise TestbedError(f"{inventory.path}: node {node.name!r} has no address for mpiexec to reach it at")
     if spec.stages < 1 or spec.device_layers < 0:
         raise TestbedError("stages must be >= 1 and device_layers >= 0")
-    if not spec.schedule:
+    per_device = dict(spec.schedules)
+    if per_device:
+        lacking = [d for d in spec.devices if not per_device.get(d)]
+        if lacking:
+            raise TestbedError(f"no requests scheduled for {', '.join(lacking)}")
+    elif not spec.schedule:
         raise TestbedError("the schedule is empty: give at least one request")
     return server, devices
 
@@ -167,7 +174,11 @@ def _torch_device(node: NodeSpec) -> str:
 
 
 def device_schedule(spec: SplitRunSpec, device_index: int) -> list[dict[str, Any]]:
-    """The run's schedule as one device replays it: request ids made unique per device."""
+    """The run's schedule as one device replays it: its own, or the shared one with request ids made
+    unique per device."""
+    per_device = dict(spec.schedules)
+    if per_device:
+        return [dict(row) for row in per_device[spec.devices[device_index]]]
     out = []
     for position, request in enumerate(spec.schedule):
         row = dict(request)
@@ -176,8 +187,16 @@ def device_schedule(spec: SplitRunSpec, device_index: int) -> list[dict[str, Any
     return out
 
 
-def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: Say = lambda _: None) -> SplitRunResult:
-    """Stage the run on every node, launch it, wait (bounded), and collect every rank's files."""
+def run_split(
+    inventory: Inventory,
+    spec: SplitRunSpec,
+    out_dir: Path,
+    *,
+    say: Say = lambda _: None,
+    on_wait: Callable[[float], None] = lambda _: None,
+) -> SplitRunResult:
+    """Stage the run on every node, launch it, wait (bounded; ``on_wait`` is called with the
+    seconds elapsed every few seconds), and collect every rank's files (also after a failure)."""
     server, devices = check_spec(inventory, spec)
     nodes = [server, *devices]
     records = {n.name: load_record(inventory, n.name) for n in nodes}
@@ -232,27 +251,21 @@ def run_split(inventory: Inventory, spec: SplitRunSpec, out_dir: Path, *, say: S
         env = {**data_plane_env(node.data.interface), "PYTHONPATH": info[node.name]["code"]}
         argv = (python[node.name], "-m", "nodes.workers", configs[node.name])
         groups.append(RankGroup(node.name, node.address, count, argv, tuple(sorted(env.items()))))
+    run_dir = info[server.name]["run_dir"]
     with open_transport(inventory, server) as t:
         mpiexec = _mpiexec_on(t, python[server.name])
         plan = MpiLaunchPlan(server.name, mpiexec, tuple(groups), spec.timeout_s)
         say(f"launching {sum(g.ranks for g in groups)} ranks from {server.name}: {plan.hosts_argument()}")
         started = time.monotonic()
-        result = t.run(
-            plan.argv(),
-            env={"MPIEXEC_TIMEOUT": str(int(spec.timeout_s))},
-            timeout_s=spec.timeout_s + LAUNCH_MARGIN_S,
-        )
+        exit_code, log = _launch_and_wait(t, plan, run_dir, spec.timeout_s, on_wait)
         seconds = time.monotonic() - started
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "mpiexec.log").write_text(
-        f"$ {plan.apply_commands()[0]}\n# exit status {result.exit_code}\n{result.stdout}{result.stderr}"
-    )
+    status = "timed out" if exit_code is None else f"exit status {exit_code}"
+    (out_dir / "mpiexec.log").write_text(f"$ {plan.apply_commands()[0]}\n# {status}\n{log}")
     rank_dirs = _collect(inventory, nodes, info, out_dir / "ranks")
-    if not result.ok:
-        tail = (result.stderr.strip() or result.stdout.strip())[-1500:]
-        raise NodeError(
-            server.name, f"mpiexec failed (exit status {result.exit_code}); see {out_dir}/mpiexec.log:\n{tail}"
-        )
+    if exit_code != 0:
+        culprit = failed_node(log, groups) or server.name
+        raise NodeError(culprit, f"mpiexec {status}; see {out_dir}/mpiexec.log:\n{log.strip()[-1500:]}")
     return SplitRunResult(out_dir, plan, seconds, tuple(rank_dirs))
 
 
@@ -271,6 +284,55 @@ def _model_dir_on(record: dict, role: str, spec: SplitRunSpec) -> str:
         ):
             return str(placed["directory"])
     return spec.model
+
+
+def mpiexec_pidfile(run_dir: str) -> str:
+    """Where the launch node keeps the pid of a run's ``mpiexec`` (to end it after a controller crash)."""
+    return f"{run_dir}/mpiexec.pid"
+
+
+def _launch_and_wait(
+    t: Transport, plan: MpiLaunchPlan, run_dir: str, timeout_s: float, on_wait: Callable[[float], None]
+) -> tuple[int | None, str]:
+    """Start ``mpiexec`` detached on the launch node (so a controller that dies leaves a pidfile to
+    end it by, and MPIEXEC_TIMEOUT bounds it meanwhile), wait for its exit status, and return it
+    (None after a timeout, when it is stopped) with its output."""
+    status, log = f"{run_dir}/mpiexec.status", f"{run_dir}/mpiexec.log"
+    t.run(["rm", "-f", status], timeout_s=30.0).check()
+    record_status = '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"'
+    t.start_background(
+        ["sh", "-c", record_status, status, *plan.argv()],
+        pidfile=mpiexec_pidfile(run_dir),
+        logfile=log,
+        env={"MPIEXEC_TIMEOUT": str(int(timeout_s))},
+    )
+    started = time.monotonic()
+    deadline = started + timeout_s + LAUNCH_MARGIN_S
+    wait_script = (
+        f"i=0; while [ ! -s {shlex.quote(status)} ] && [ $i -lt {int(WAIT_POLL_S / 0.1)} ]; do sleep 0.1; i=$((i+1)); "
+        f"done; cat {shlex.quote(status)} 2>/dev/null || true"
+    )
+    exit_code: int | None = None
+    while time.monotonic() < deadline:
+        answer = t.run_script(wait_script, timeout_s=WAIT_POLL_S + 30.0).stdout.strip()
+        if answer:
+            exit_code = int(answer.splitlines()[-1])
+            break
+        on_wait(time.monotonic() - started)
+    if exit_code is None:
+        t.stop_background(mpiexec_pidfile(run_dir))
+    output = t.run(["tail", "-c", "200000", log], timeout_s=30.0).stdout
+    return exit_code, output
+
+
+def failed_node(log: str, groups: Sequence[RankGroup]) -> str | None:
+    """The node hydra names in a failed run (``RUNNING AT <host>``), if any: the rank that died first."""
+    by_host = {g.host: g.node for g in groups}
+    for line in log.splitlines():
+        words = line.split("RUNNING AT", 1)[1].split() if "RUNNING AT" in line else []
+        if words and words[0] in by_host:
+            return by_host[words[0]]
+    return None
 
 
 def _mpiexec_on(t: Transport, python: str) -> str:

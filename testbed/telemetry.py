@@ -190,9 +190,11 @@ def start_recording(
     max_seconds: float,
     require_energy: bool = False,
     jetson_source: str = "tegrastats",
+    session: str | None = None,
     say: Say = lambda _: None,
 ) -> Recording:
-    """Probe, measure clock offsets, and start a detached sampler for every selected node."""
+    """Probe, measure clock offsets, and start a detached sampler for every selected node. The
+    samplers' files go under ``<workdir>/telemetry/<session>/`` (default: a new timestamped name)."""
     selected = {n.name: n for n in inventory.select(nodes)}
     say(f"probing telemetry on {len(selected)} nodes")
     probed = probe_telemetry(inventory, list(selected), require_energy=require_energy, jetson_source=jetson_source)
@@ -201,7 +203,7 @@ def start_recording(
         for s in probe.problems:
             say(f"  {probe.node}: {s.sensor} {s.metric}: {s.problem or 'no reading'}")
     clock_start = _all_or_raise(fan_out(list(selected), lambda n: _clock(inventory, selected[n])), "clock offset")
-    session = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    session = session or time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     workdir = inventory.spec.defaults.workdir.rstrip("/")
 
     def start(name: str) -> NodeRecording:
@@ -219,7 +221,7 @@ def start_recording(
     if not started.ok:
         for o in started.outcomes:
             if o.ok and o.value is not None:
-                _stop(inventory, selected[o.node], o.value)
+                stop_sampler(inventory, selected[o.node], o.value)
         _all_or_raise(started, "starting samplers")
     say(f"recording telemetry (session {session})")
     return Recording(
@@ -227,7 +229,7 @@ def start_recording(
     )
 
 
-def _stop(inventory: Inventory, node: NodeSpec, rec: NodeRecording) -> str:
+def stop_sampler(inventory: Inventory, node: NodeSpec, rec: NodeRecording) -> str:
     with _transport(inventory, node) as t:
         return t.stop_background(rec.pidfile)
 
@@ -291,7 +293,9 @@ def finish_recording(
     by_name = {n.node: n for n in recording.nodes}
     specs = {name: inventory.node(name) for name in by_name}
     clock_end = fan_out(list(by_name), lambda n: _clock(inventory, specs[n]), description="clock offsets")
-    stopped = fan_out(list(by_name), lambda n: _stop(inventory, specs[n], by_name[n]), description="stopping samplers")
+    stopped = fan_out(
+        list(by_name), lambda n: stop_sampler(inventory, specs[n], by_name[n]), description="stopping samplers"
+    )
     raw = out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
 

@@ -1,0 +1,235 @@
+"""Running a campaign: the ledger's runs in order, one at a time, resumable after any crash.
+
+Layout of a campaign directory::
+
+    ledger.sqlite                  run states and attempts (see testbed.ledger)
+    campaign.yaml, runs.json       the campaign file as started, and its expansion
+    runs/<run_id>/                 the run's last finished attempt: manifest.json, events.jsonl,
+                                   requests.parquet, tokens.parquet, telemetry/, schedules/, workers/
+    runs/<run_id>.attempt<N>/      an attempt in progress (renamed to runs/<run_id>/ when it ends)
+    runs/<run_id>.attempt<N>.interrupted/   an attempt the controller died in (never counted)
+
+A run's files are complete before its ledger row says ``done``; the rename of the attempt
+directory comes between the two. On ``--resume`` a run found ``running`` was interrupted: the
+processes it had started are ended (``processes.json``), every node of the campaign is restored
+from its journals (shaping, power modes), and the run is counted done only if its finished
+directory is there with this attempt's manifest; otherwise its partial directory is set aside and
+the run goes back to ``todo``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from testbed.campaign import Campaign, PlannedRun, run_nodes
+from testbed.errors import TestbedError
+from testbed.fanout import fan_out
+from testbed.ledger import Ledger
+from testbed.run_lifecycle import Report, execute_run
+from testbed.transport import open_transport
+
+LEDGER = "ledger.sqlite"
+
+
+@dataclass(frozen=True)
+class CampaignSummary:
+    directory: Path
+    counts: dict[str, int]
+    quarantined: dict[str, str]
+    stopped_early: bool  # the failure policy stopped the campaign with runs left to do
+
+    @property
+    def ok(self) -> bool:
+        return not self.counts["failed"] and not self.counts["skipped"] and not self.counts["todo"]
+
+
+def attempt_dir(directory: Path, run_id: str, attempt: int) -> Path:
+    return directory / "runs" / f"{run_id}.attempt{attempt}"
+
+
+def final_dir(directory: Path, run_id: str) -> Path:
+    return directory / "runs" / run_id
+
+
+def start_campaign(campaign: Campaign, directory: Path) -> Ledger:
+    """A new campaign directory with its ledger (refused if one exists: use resume)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"name": campaign.spec.name, "file": str(campaign.path), "digest": campaign.digest(),
+            "inventory": str(campaign.inventory.path), "runs": len(campaign.runs)}  # fmt: skip
+    rows = [(r.run_id, r.label(), [n.name for n in run_nodes(campaign.inventory, r.settings)]) for r in campaign.runs]
+    ledger = Ledger.create(directory / LEDGER, meta, rows)
+    shutil.copyfile(campaign.path, directory / "campaign.yaml")
+    (directory / "runs.json").write_text(json.dumps([describe_run(r) for r in campaign.runs], indent=1) + "\n")
+    return ledger
+
+
+def open_campaign(campaign: Campaign, directory: Path) -> Ledger:
+    """The ledger of a started campaign, checked against the campaign file as it is now."""
+    ledger = Ledger.open(directory / LEDGER)
+    digest = ledger.meta().get("digest")
+    if digest != campaign.digest():
+        ledger.close()
+        raise TestbedError(
+            f"{campaign.path} no longer expands to the runs {directory} was started with (its runs, seeds or "
+            "order changed); restore the file (a copy is in campaign.yaml there) or start a new --out"
+        )
+    return ledger
+
+
+def describe_run(run: PlannedRun) -> dict[str, Any]:
+    return {"run_id": run.run_id, "position": run.position, "repetition": run.repetition, "seed": run.seed,
+            "overrides": dict(run.overrides), "settings": run.settings.model_dump(mode="json")}  # fmt: skip
+
+
+def recover(campaign: Campaign, directory: Path, ledger: Ledger, *, say: Callable[[str], None]) -> list[str]:
+    """Settle runs a dead controller left ``running``; restore every node of the campaign.
+    Returns the ids put back to ``todo``."""
+    interrupted = [row for row in ledger.runs() if row.state == "running"]
+    for row in interrupted:
+        _end_processes(campaign, attempt_dir(directory, row.run_id, row.attempts), say)
+    if interrupted:
+        restore_nodes(campaign, list(campaign.nodes()), say)
+    requeued = []
+    for row in interrupted:
+        finished = final_dir(directory, row.run_id) / "manifest.json"
+        manifest = json.loads(finished.read_text()) if finished.is_file() else {}
+        if manifest.get("attempt") == row.attempts and manifest.get("status") in ("done", "failed"):
+            say(f"{row.run_id}: attempt {row.attempts} had finished ({manifest['status']}) before the crash")
+            ledger.finish(row.run_id, manifest["status"], reason=manifest.get("reason"),
+                          node=manifest.get("failed_node"))  # fmt: skip
+            continue
+        partial = attempt_dir(directory, row.run_id, row.attempts)
+        if partial.exists():
+            partial.rename(partial.with_name(partial.name + ".interrupted"))
+        ledger.requeue(row.run_id, ["running"])
+        requeued.append(row.run_id)
+        say(f"{row.run_id}: attempt {row.attempts} was interrupted; it will run again")
+    return requeued
+
+
+def _end_processes(campaign: Campaign, directory: Path, say: Callable[[str], None]) -> None:
+    """End what an interrupted attempt started on nodes (mpiexec, samplers), by their pidfiles."""
+    path = directory / "processes.json"
+    if not path.is_file():
+        return
+    lab = campaign.inventory
+    for entry in json.loads(path.read_text()):
+        node = lab.node(entry["host"]) if entry["host"] in {n.name for n in lab.nodes} else None
+        if node is None:
+            continue
+        try:
+            with open_transport(lab, node) as t:
+                how = t.stop_background(entry["pidfile"])
+            if how in ("stopped", "killed"):
+                say(f"{entry['node']}: ended a process the interrupted run had left ({entry['pidfile']}: {how})")
+        except Exception as exc:  # a node that cannot be reached now is reported, not fatal
+            say(f"{entry['node']}: could not end {entry['pidfile']}: {exc}")
+
+
+def restore_nodes(campaign: Campaign, names: list[str], say: Callable[[str], None]) -> None:
+    """Undo shaping and power modes on ``names`` from their journals (nothing where none is kept)."""
+    from netem.apply import clear_nodes
+    from testbed.power import restore_power
+
+    lab = campaign.inventory
+    linux = [n for n in names if lab.node(n).kind != "android" and lab.node(n).data is not None]
+    cleared = clear_nodes(lab, linux)
+    restored = restore_power(lab, names)
+    for o in (*cleared.failed, *restored.failed):
+        say(f"{o.node}: could not restore: {o.error}")
+    for o in cleared.outcomes:
+        if o.value is not None and o.value.had_journal:
+            say(f"{o.node}: link shaping left by the interrupted run undone")
+    for o in restored.outcomes:
+        if o.value is not None:
+            say(f"{o.node}: power mode restored to {o.value.mode_name}")
+
+
+def gather_node_facts(campaign: Campaign) -> dict[str, Any]:
+    """Facts of every node the campaign uses, once per invocation (for the manifests)."""
+    from testbed.facts import gather_facts
+    from testbed.jsonable import jsonable
+
+    lab = campaign.inventory
+
+    def facts(name: str) -> Any:
+        node = lab.node(name)
+        with open_transport(lab, node) as t:
+            return jsonable(gather_facts(lab, node, t))
+
+    result = fan_out(list(campaign.nodes()), facts, description="gathering facts")
+    out: dict[str, Any] = dict(result.values())
+    for o in result.failed:
+        out[o.node] = {"error": o.error}
+    return out
+
+
+def run_campaign(
+    campaign: Campaign,
+    directory: Path,
+    *,
+    resume: bool = False,
+    retry_failed: bool = False,
+    say: Callable[[str], None] = lambda _: None,
+    report: Report = lambda _e, _d: None,
+) -> CampaignSummary:
+    """Run every ``todo`` run of the campaign in order (after settling a crashed invocation)."""
+    ledger = open_campaign(campaign, directory) if resume else start_campaign(campaign, directory)
+    with ledger:
+        if resume:
+            recover(campaign, directory, ledger, say=say)
+            if retry_failed:
+                for row in ledger.runs():
+                    if ledger.requeue(row.run_id, ["failed", "skipped"]):
+                        say(f"{row.run_id}: retrying ({row.state} before)")
+                for node in ledger.quarantined():
+                    ledger.release(node)
+        by_id = {r.run_id: r for r in campaign.runs}
+        facts = gather_node_facts(campaign)
+        report("campaign", {"counts": ledger.counts(), "total": len(campaign.runs)})
+        stopped = False
+        for row in ledger.runs():
+            if row.state != "todo":
+                continue
+            run = by_id[row.run_id]
+            quarantined = ledger.quarantined()
+            blocked = [n for n in row.nodes if n in quarantined]
+            if blocked:
+                ledger.skip(row.run_id, f"{', '.join(blocked)} quarantined ({quarantined[blocked[0]]})")
+                report("run_end", {"run_id": row.run_id, "state": "skipped", "counts": ledger.counts()})
+                continue
+            attempt = ledger.start(row.run_id)
+            report("run_start", {"run_id": row.run_id, "label": run.label(), "attempt": attempt,
+                                 "position": row.position, "counts": ledger.counts()})  # fmt: skip
+            work = attempt_dir(directory, row.run_id, attempt)
+            outcome = execute_run(campaign, run, attempt, work, facts=facts, report=report)
+            _settle_directory(directory, row.run_id, work)
+            newly = ledger.finish(
+                row.run_id, outcome.state, reason=outcome.reason, node=outcome.failed_node,
+                run_nodes=row.nodes, quarantine_after=campaign.spec.failure.quarantine_after,
+            )  # fmt: skip
+            for node in newly:
+                say(f"{node} is quarantined: it failed {campaign.spec.failure.quarantine_after} runs in a row; "
+                    "runs that need it are skipped (--resume --retry-failed tries them again)")  # fmt: skip
+            report("run_end", {"run_id": row.run_id, "state": outcome.state, "reason": outcome.reason,
+                               "counts": ledger.counts()})  # fmt: skip
+            if outcome.state == "failed" and campaign.spec.failure.on_failure == "stop":
+                stopped = any(r.state == "todo" for r in ledger.runs())
+                say(f"stopping: run {row.run_id} failed and failure.on_failure is 'stop' (--resume goes on)")
+                break
+        return CampaignSummary(directory, ledger.counts(), ledger.quarantined(), stopped)
+
+
+def _settle_directory(directory: Path, run_id: str, work: Path) -> None:
+    """Make ``work`` the run's directory; an earlier failed attempt there moves aside (kept)."""
+    final = final_dir(directory, run_id)
+    if final.exists():
+        previous = json.loads((final / "manifest.json").read_text()).get("attempt", 0) if (
+            final / "manifest.json").is_file() else 0  # fmt: skip
+        final.rename(final.with_name(f"{run_id}.attempt{previous}"))
+    work.rename(final)

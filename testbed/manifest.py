@@ -1,0 +1,187 @@
+"""``manifest.json``: everything needed to know what a run was and to run it again.
+
+Resolved settings, seeds and schedules' digests; the inventory without secrets; the controller's
+git commit and a hash of uncommitted changes; package versions; each node's facts (kernel, L4T,
+GPU driver) and provisioned software (torch, MPI library and ABI); power modes read back; tc read
+back and link measurements; clock offsets; telemetry sensors; and what was modeled rather than
+measured (stand-in tools, emulated boards, shaping this kernel cannot do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from testbed import __version__
+from testbed.campaign import Campaign, PlannedRun
+from testbed.inventory import Inventory
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("hil-testbed", "pandas", "pyarrow", "numpy", "pydantic", "paramiko", "fabric", "tokenizers", "rich")
+SECRET_FIELDS = ("password_env", "identity_file")
+STAND_INS = {
+    "jetson": "stand-in nvpmodel, jetson_clocks and tegrastats; power modes are CPU quotas",
+    "server": "no GPU; its power is modeled from the cgroup's CPU use",
+    "android": "stand-in adb and battery files",
+}
+
+
+def git_provenance(repo: Path = REPO) -> dict[str, Any]:
+    """The checkout's commit and a sha256 of its uncommitted changes (diff and untracked names)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "note": f"{repo} is not a git checkout"}
+    diff = git("diff", "HEAD", "--binary") or ""
+    untracked = git("ls-files", "--others", "--exclude-standard") or ""
+    dirty = bool(diff or untracked)
+    digest = hashlib.sha256((diff + "\0" + untracked).encode()).hexdigest() if dirty else None
+    return {"commit": commit.strip(), "dirty": dirty, "uncommitted_sha256": digest}
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def inventory_snapshot(lab: Inventory) -> dict[str, Any]:
+    """The inventory as resolved, without anything that names a secret."""
+
+    def scrub(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: ("<withheld>" if k in SECRET_FIELDS and v else scrub(v)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [scrub(v) for v in value]
+        return value
+
+    return {"path": str(lab.path), "spec": scrub(lab.spec.model_dump(mode="json", by_alias=True))}
+
+
+def modeled_statements(lab: Inventory, names: list[str], state: Any) -> list[str]:
+    """What in this run is modeled or stood in for, in words."""
+    out = []
+    for name in names:
+        node = lab.node(name)
+        if node.emulated is not None:
+            what = STAND_INS.get(node.kind, "stand-in tools")
+            out.append(f"{name}: emulated {node.kind} ({node.model}): {what}; its power readings are modeled")
+    for name, telemetry in (state.telemetry.get("probes") or {}).items():
+        for sensor in telemetry.get("sensors", []):
+            if sensor.get("kind") == "modeled" and sensor.get("ok", True):
+                out.append(f"{name}: {sensor.get('sensor')} {sensor.get('metric')} is modeled")
+                break
+    if lab.spec.emulation.instance is not None and lab.spec.emulation.instance.mode == "local":
+        out.append("local mode: nodes are processes on one host; no isolation, no shaping, no CPU quotas")
+    return out
+
+
+def build_manifest(
+    campaign: Campaign,
+    run: PlannedRun,
+    attempt: int,
+    outcome: Any,
+    state: Any,
+    facts: dict[str, Any],
+    started_unix_s: float,
+) -> dict[str, Any]:
+    lab = campaign.inventory
+    names = sorted({*state.records, *state.power_set, *state.shaped_nodes} or set(facts))
+    records = {
+        name: {k: r.get(k) for k in ("wheel", "installed", "venv", "weights") if k in r}
+        for name, r in state.records.items() if r
+    }  # fmt: skip
+    clocks = {
+        name: {"start": n["clock_start"], "end": n["clock_end"], "drift_ppm": n["drift_ppm"]}
+        for name, n in (state.telemetry.get("nodes") or {}).items()
+    }
+    return {
+        "run_id": run.run_id,
+        "attempt": attempt,
+        "status": outcome.state,
+        "reason": outcome.reason,
+        "failed_node": outcome.failed_node,
+        "requests": {"scheduled": outcome.requests_scheduled, "completed": outcome.requests_completed},
+        "campaign": {
+            "name": campaign.spec.name,
+            "file": str(campaign.path),
+            "digest": campaign.digest(),
+            "seed": campaign.spec.seed,
+            "run_timeout_s": campaign.spec.run_timeout_s,
+        },
+        "position": run.position,
+        "repetition": run.repetition,
+        "seed": run.seed,
+        "overrides": dict(run.overrides),
+        "settings": run.settings.model_dump(mode="json"),
+        "model_directory": str(campaign.resolve(run.settings.model)),
+        "started_unix_s": started_unix_s,
+        "ended_unix_s": time.time(),
+        "phases_s": state.phases_s,
+        "controller": {
+            "testbed_version": __version__,
+            "git": git_provenance(),
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "host": os.uname().nodename,
+            "packages": package_versions(),
+        },
+        "inventory": inventory_snapshot(lab),
+        "node_facts": {name: facts.get(name) for name in names},
+        "provisioned": records,
+        "schedules": {
+            device: {"requests": len(rows), "sha256": _digest(rows), "file": f"schedules/{device}.jsonl"}
+            for device, rows in state.schedules.items()
+        },
+        "power": {"set": state.power_set, "read_back": state.power_read_back},
+        "links": state.links,
+        "clock_offsets": clocks,
+        "telemetry": state.telemetry,
+        "restore": state.restore,
+        "modeled": modeled_statements(lab, names, state),
+    }
+
+
+def _digest(rows: list[dict]) -> str:
+    from workloads.schedule import schedule_digest
+
+    return schedule_digest(rows)
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest.json`` atomically and synced."""
+    temporary = path.with_suffix(".tmp")
+    with temporary.open("w", encoding="utf-8") as handle:
+        json.dump(manifest, handle, indent=1, sort_keys=True, default=_default)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    temporary.replace(path)
+
+
+def _default(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return str(value)

@@ -1,0 +1,413 @@
+"""One run of a campaign, phase by phase, with everything restored whatever happens.
+
+    preflight -> configure -> telemetry -> workers -> drain -> collect -> restore -> record
+
+``preflight`` reaches every node of the run, checks their provisioning records agree, and writes
+the device schedules; ``configure`` sets power modes (read back) and shapes the links (read back,
+and measured with iperf3 when ``link.verify_s`` > 0); ``telemetry`` starts the samplers (probing the
+sensors and measuring clock offsets); ``workers`` launches the split-inference ranks with mpiexec
+and waits for them; ``drain`` keeps telemetry running for ``drain_s``; ``collect`` stops the
+samplers and turns the rank files into parquet; ``restore`` undoes shaping and power modes from
+the nodes' journals; ``record`` writes ``manifest.json``.
+
+A phase that fails ends the run: what exists is still collected, everything is restored, and the
+manifest says which phase failed, why and on which node. Every process the run starts on a node is
+named in ``processes.json`` before it starts, so a later ``--resume`` can end it after a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from testbed import manifest as manifest_mod
+from testbed.campaign import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
+from testbed.errors import NodeError, TestbedError
+from testbed.fanout import fan_out
+from testbed.inventory import Inventory, links_from_file
+from testbed.jsonable import jsonable
+from testbed.provision import compare_records, load_record
+from testbed.run_results import write_results
+from testbed.split_run import SplitRunSpec, mpiexec_pidfile, run_split
+from testbed.transport import open_transport
+from testbed.transport.base import quote_path
+from workloads.schedule import build_schedules, write_schedule
+
+PHASES = ("preflight", "configure", "telemetry", "workers", "drain", "collect", "restore", "record")
+TELEMETRY_MARGIN_S = 60.0  # samplers stop themselves this long after the run's timeout at the latest
+Report = Callable[[str, dict[str, Any]], None]  # (event, details) for the progress display
+
+
+class EventLog:
+    """``events.jsonl``: one line per orchestration event, flushed and synced as it happens."""
+
+    def __init__(self, path: Path, run_id: str) -> None:
+        self.path, self.run_id = path, run_id
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, event: str, **details: Any) -> None:
+        row = {"ts_s": round(time.time(), 6), "run_id": self.run_id, "event": event, **details}
+        self._file.write(json.dumps(row, default=str) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    state: str  # done | failed
+    reason: str | None
+    failed_node: str | None
+    requests_scheduled: int
+    requests_completed: int
+
+
+@dataclass
+class _RunState:
+    """What a run has done so far: what restore must undo and what the manifest records."""
+
+    phases_s: dict[str, float] = field(default_factory=dict)
+    power_set: dict[str, str] = field(default_factory=dict)
+    power_read_back: dict[str, Any] = field(default_factory=dict)
+    shaped_nodes: tuple[str, ...] = ()
+    links: dict[str, Any] = field(default_factory=dict)
+    recording: Any = None
+    telemetry: dict[str, Any] = field(default_factory=dict)
+    schedules: dict[str, list[dict]] = field(default_factory=dict)
+    records: dict[str, dict] = field(default_factory=dict)
+    restore: dict[str, Any] = field(default_factory=dict)
+    completed: int = 0
+    failure: tuple[str, str, str | None] | None = None  # phase, reason, node
+
+
+def node_run_id(run: PlannedRun, attempt: int) -> str:
+    """The run's directory name on the nodes: one per attempt, so attempts never share files."""
+    return f"{run.run_id}-a{attempt}"
+
+
+def execute_run(
+    campaign: Campaign,
+    run: PlannedRun,
+    attempt: int,
+    directory: Path,
+    *,
+    facts: dict[str, Any],
+    report: Report = lambda _event, _details: None,
+) -> RunOutcome:
+    """Run ``run`` into ``directory`` (the attempt's own directory) and return how it ended."""
+    directory.mkdir(parents=True, exist_ok=True)
+    events = EventLog(directory / "events.jsonl", run.run_id)
+    state = _RunState()
+    lab, settings = campaign.inventory, run.settings
+    started_unix = time.time()
+    events.write("run_start", attempt=attempt, label=run.label())
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("preflight", lambda: _preflight(campaign, run, directory, state)),
+        ("configure", lambda: _configure(campaign, settings, state, events)),
+        ("telemetry", lambda: _start_telemetry(campaign, run, attempt, directory, state)),
+        ("workers", lambda: _workers(campaign, run, attempt, directory, state, report)),
+        ("drain", lambda: time.sleep(settings.drain_s)),
+    ]
+    try:
+        for phase, step in steps:
+            if state.failure is not None:
+                break
+            _phase(phase, step, state, events, report)
+        _phase("collect", lambda: _collect(campaign, directory, state), state, events, report)
+    finally:
+        _phase("restore", lambda: _restore(lab, state), state, events, report)
+        scheduled = sum(len(rows) for rows in state.schedules.values())
+        if state.failure is None and state.completed < scheduled:
+            state.failure = ("collect", f"only {state.completed} of {scheduled} requests completed", None)
+        outcome = RunOutcome(
+            "failed" if state.failure else "done",
+            f"{state.failure[0]}: {state.failure[1]}" if state.failure else None,
+            state.failure[2] if state.failure else None,
+            scheduled,
+            state.completed,
+        )
+        _phase(
+            "record",
+            lambda: manifest_mod.write_manifest(
+                directory / "manifest.json",
+                manifest_mod.build_manifest(campaign, run, attempt, outcome, state, facts, started_unix),
+            ),
+            state, events, report,
+        )  # fmt: skip
+        events.write("run_end", state=outcome.state, reason=outcome.reason, node=outcome.failed_node)
+        events.close()
+    return outcome
+
+
+def _phase(name: str, step: Callable[[], None], state: _RunState, events: EventLog, report: Report) -> None:
+    report("phase", {"phase": name})
+    events.write("phase_start", phase=name)
+    started = time.monotonic()
+    try:
+        step()
+    except Exception as exc:  # a failed phase ends the run, never the campaign
+        node = exc.node if isinstance(exc, NodeError) else None
+        reason = str(exc) if isinstance(exc, (NodeError, TestbedError)) else f"{type(exc).__name__}: {exc}"
+        events.write("phase_error", phase=name, node=node, error=reason,
+                     traceback=None if isinstance(exc, (NodeError, TestbedError)) else traceback.format_exc())
+        if state.failure is None:
+            state.failure = (name, reason, node)
+    finally:
+        state.phases_s[name] = round(time.monotonic() - started, 3)
+        events.write("phase_end", phase=name, seconds=state.phases_s[name])
+
+
+# --------------------------------------------------------------------------------------------
+# Phases
+
+
+def _preflight(campaign: Campaign, run: PlannedRun, directory: Path, state: _RunState) -> None:
+    lab, settings = campaign.inventory, run.settings
+    names = [n.name for n in run_nodes(lab, settings)]
+
+    def reach(name: str) -> None:
+        with open_transport(lab, lab.node(name)) as t:
+            t.run(["true"], timeout_s=30.0).check()
+
+    _require(fan_out(names, reach, description="reaching the run's nodes"), "reaching the node")
+    state.records = {name: load_record(lab, name) for name in names}
+    differences = compare_records({name: r for name, r in state.records.items() if r})
+    if differences:
+        raise TestbedError("the run's nodes cannot run together: " + "; ".join(differences))
+    devices = device_names(lab, settings)
+    state.schedules = build_schedules(
+        workload_spec(settings), devices, seed=run.seed, model_dir=campaign.resolve(settings.model),
+        base_dir=campaign.base_dir,
+    )  # fmt: skip
+    for device, rows in state.schedules.items():
+        write_schedule(rows, directory / "schedules" / f"{device}.jsonl")
+
+
+def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
+    lab = campaign.inventory
+    for target, mode in settings.power.items():
+        from testbed.power import set_power
+
+        result = set_power(lab, [target], mode)
+        state.power_set.update({name: mode for name in result.values()})
+        _require(result, f"setting power mode {mode}")
+        events.write("power_set", target=target, mode=mode)
+    if settings.power:
+        from testbed.power import show_power
+
+        shown = show_power(lab, list(state.power_set))
+        state.power_read_back = {name: dataclasses.asdict(r) for name, r in shown.values().items()}
+        _require(shown, "reading power modes back")
+    if settings.link.shaped:
+        _shape(campaign, settings, state, events)
+
+
+def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
+    from netem.apply import apply_plans, apply_trace, show_nodes
+    from netem.plan import compile_plan
+    from netem.trace import load_trace
+    from netem.verify import verify_links
+
+    lab, link = campaign.inventory, settings.link
+    started = None
+    links = run_links(campaign, settings)
+    plans = compile_plan(lab, links)
+    state.shaped_nodes = tuple(dict.fromkeys(p.node for p in plans))
+    if link.trace:
+        trace = load_trace(campaign.resolve(link.trace))
+        result, started = apply_trace(lab, {d: trace for d in device_names(lab, settings)})
+    else:
+        result = apply_plans(lab, plans)
+    state.links["applied"] = [
+        {"node": p.node, "device": p.shaped_device, "direction": p.direction,
+         "peers": [{"peer": x.peer, "profile": x.profile_name, "rate_bit_s": x.profile.rate_bit_s} for x in p.peers],
+         "commands": [" ".join(c) for c in p.apply_commands()]}
+        for o in result.applied.outcomes if o.value for p in o.value.plans
+    ]  # fmt: skip
+    if started is not None:
+        state.links["trace"] = {"file": link.trace, "duration_s": started.duration_s, "logfiles": started.logfiles}
+    _require(result.applied, "shaping links")
+    events.write("links_shaped", nodes=list(state.shaped_nodes))
+    shown = show_nodes(lab, list(state.shaped_nodes))
+    state.links["read_back"] = {name: jsonable(v) for name, v in shown.values().items()}
+    if link.verify_s > 0:
+        rows = verify_links(lab, links, duration_s=link.verify_s)
+        state.links["verification"] = [jsonable(r) for r in rows]
+        off = [r for r in rows if not r.within_tolerance]
+        if off:
+            worst = off[0]
+            raise NodeError(worst.source, f"link {worst.source} -> {worst.destination} measured off its profile "
+                            f"({jsonable(worst)})")  # fmt: skip
+
+
+def run_links(campaign: Campaign, settings: RunSettings) -> tuple:
+    """The directed links a run shapes: a trace's first row on every device's links, a links file,
+    one profile on every link of the inventory, or the inventory's own links."""
+    from netem.trace import load_trace, traced_links
+
+    lab, link = campaign.inventory, settings.link
+    if link.trace:
+        trace = load_trace(campaign.resolve(link.trace))
+        links, _ = traced_links(lab, {d: trace for d in device_names(lab, settings)})
+        return links
+    if link.links:
+        return links_from_file(lab, campaign.resolve(link.links))
+    if link.profile:
+        profile = lab.spec.link_profiles[link.profile]
+        return tuple(dataclasses.replace(lk, profile_name=link.profile, profile=profile) for lk in lab.links)
+    return lab.links
+
+
+def _start_telemetry(campaign: Campaign, run: PlannedRun, attempt: int, directory: Path, state: _RunState) -> None:
+    settings = run.settings
+    if not settings.telemetry.enabled:
+        return
+    from testbed.telemetry import start_recording
+
+    names = [n.name for n in run_nodes(campaign.inventory, settings)]
+    recording = start_recording(
+        campaign.inventory, names, interval_s=settings.telemetry.interval_ms / 1000.0,
+        max_seconds=campaign.spec.run_timeout_s + settings.drain_s + TELEMETRY_MARGIN_S,
+        jetson_source=settings.telemetry.jetson_source, session=node_run_id(run, attempt),
+    )  # fmt: skip
+    state.recording = recording
+    _note_processes(directory, [{"node": r.node, "host": r.host, "pidfile": r.pidfile} for r in recording.nodes])
+
+
+def _workers(
+    campaign: Campaign, run: PlannedRun, attempt: int, directory: Path, state: _RunState, report: Report
+) -> None:
+    lab, settings = campaign.inventory, run.settings
+    devices = device_names(lab, settings)
+    run_id = node_run_id(run, attempt)
+    workdir = lab.spec.defaults.workdir.rstrip("/")
+    run_dir = f"{workdir}/runs/{run_id}"
+    launched = {"node": settings.server, "host": settings.server, "pidfile": mpiexec_pidfile(run_dir)}
+    _note_processes(directory, [launched])
+    spec = SplitRunSpec(
+        method=settings.method, model=str(campaign.resolve(settings.model)), server=settings.server,
+        devices=devices, stages=settings.partition.stages, device_layers=settings.partition.device_layers,
+        chunk_tokens=settings.chunk_tokens, dtype=settings.dtype,
+        schedules=tuple((d, tuple(state.schedules[d])) for d in devices), run_id=run_id,
+        timeout_s=campaign.spec.run_timeout_s, threads_per_rank=settings.threads_per_rank,
+    )  # fmt: skip
+    scheduled = sum(len(rows) for rows in state.schedules.values())
+
+    def served(_elapsed_s: float) -> None:
+        report("served", {"served": _count_served(lab, devices, run_dir), "scheduled": scheduled})
+
+    try:
+        run_split(lab, spec, directory / "workers", on_wait=served)
+    finally:
+        state.completed = _count_rows(directory / "workers" / "ranks")
+        report("served", {"served": state.completed, "scheduled": scheduled})
+
+
+def _collect(campaign: Campaign, directory: Path, state: _RunState) -> None:
+    errors = []
+    if state.recording is not None:
+        from testbed.telemetry import finish_recording
+
+        try:
+            result = finish_recording(campaign.inventory, state.recording, directory / "telemetry")
+            state.telemetry = {
+                "nodes": {n.node: {"rows": n.rows, "sampler": n.stopped, "max_gap_s": n.max_gap_s,
+                                   "clock_start": dataclasses.asdict(n.clock_start),
+                                   "clock_end": dataclasses.asdict(n.clock_end), "drift_ppm": n.drift_ppm}
+                          for n in result.nodes},
+                "errors": result.errors,
+                "probes": {name: jsonable(p) for name, p in state.recording.probes.items()},
+            }  # fmt: skip
+            errors += [f"telemetry on {n}: {e}" for n, e in result.errors.items()]
+        finally:
+            state.recording = None
+    write_results(directory / "workers" / "ranks", state.schedules, directory)
+    if errors:
+        raise TestbedError("; ".join(errors))
+
+
+def _restore(lab: Inventory, state: _RunState) -> None:
+    """Undo what the run changed, from the nodes' journals: samplers, shaping, power modes."""
+    from netem.apply import clear_nodes
+    from testbed.power import restore_power
+
+    problems = []
+    if state.recording is not None:  # a run that failed before collect: stop its samplers
+        from testbed.telemetry import stop_sampler
+
+        for rec in state.recording.nodes:
+            try:
+                stop_sampler(lab, lab.node(rec.node), rec)
+            except Exception as exc:
+                problems.append(f"{rec.node}: sampler: {exc}")
+        state.recording = None
+    if state.shaped_nodes:
+        cleared = clear_nodes(lab, list(state.shaped_nodes))
+        state.restore["links"] = {
+            o.node: {"ok": o.ok, "error": o.error, "leftovers": list(o.value.leftovers) if o.value else []}
+            for o in cleared.outcomes
+        }
+        problems += [f"{o.node}: link clear: {o.error}" for o in cleared.failed]
+        problems += [f"{o.node}: not as before: {'; '.join(o.value.leftovers)}"
+                     for o in cleared.outcomes if o.value and o.value.leftovers]  # fmt: skip
+    if state.power_set:
+        restored = restore_power(lab, list(state.power_set))
+        state.restore["power"] = {
+            o.node: {"ok": o.ok, "error": o.error, "mode": (o.value.mode_name if o.value else None)}
+            for o in restored.outcomes
+        }
+        problems += [f"{o.node}: power restore: {o.error}" for o in restored.failed]
+    if problems:
+        first = problems[0].split(":", 1)[0]
+        raise NodeError(first, "restore failed: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _require(result: Any, what: str) -> None:
+    if not result.ok:
+        first = result.failed[0]
+        raise NodeError(first.node, f"{what}: {first.error}")
+
+
+def _note_processes(directory: Path, entries: list[dict[str, str]]) -> None:
+    """Add processes about to be started on nodes to ``processes.json`` (synced before they start)."""
+    path = directory / "processes.json"
+    known = json.loads(path.read_text()) if path.exists() else []
+    temporary = path.with_suffix(".tmp")
+    with temporary.open("w") as handle:
+        json.dump(known + entries, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    temporary.replace(path)
+
+
+def _count_served(lab: Inventory, devices: tuple[str, ...], run_dir: str) -> int:
+    """Requests the devices have finished so far (lines in their requests.jsonl on the nodes)."""
+
+    def count(name: str) -> int:
+        pattern = f"{quote_path(run_dir + '/out')}/device-*-{shlex.quote(name)}/requests.jsonl"
+        with open_transport(lab, lab.node(name)) as t:
+            out = t.run_script(f"cat {pattern} 2>/dev/null | grep -c request_id || true", timeout_s=20.0).stdout
+        return int(out.strip() or 0)
+
+    return sum(v for v in fan_out(list(devices), count).values().values() if isinstance(v, int))
+
+
+def _count_rows(ranks: Path) -> int:
+    total = 0
+    for path in ranks.glob("device-*/requests.jsonl"):
+        total += sum(1 for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
+    return total

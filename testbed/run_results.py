@@ -1,0 +1,95 @@
+"""A run's rank files as its two tables: ``requests.parquet`` and ``tokens.parquet``.
+
+``requests.parquet`` has one row per *scheduled* request: what the device recorded (times in
+seconds on the device's clock from the run's start barrier, nested timings flattened as
+``prefill_*``/``decode_*``) joined with what the schedule asked for (``expected_ttft_s``,
+``expected_tds_tok_s``, ``prompt_source``). A request that never finished keeps its row with
+``completed`` false, so a failed run's tables say what was missing. ``tokens.parquet`` has one row
+per delivered token (``node``, ``request_id``, ``index``, ``token_id``, ``ts_s``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+SCHEDULE_COLUMNS = ("expected_ttft_s", "expected_tds_tok_s", "prompt_source")
+TOKEN_COLUMNS = ["node", "request_id", "index", "token_id", "ts_s"]
+
+
+def _lines(path: Path) -> list[str]:
+    """A rank file's lines without its ``#`` header and without a torn last line."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    if lines and lines[-1] != "":
+        lines = lines[:-1]  # written up to a crash: the last line may be cut
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _flatten(row: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}_"))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def read_requests(ranks: Path) -> pd.DataFrame:
+    rows = []
+    for path in sorted(ranks.glob("device-*/requests.jsonl")):
+        for line in _lines(path):
+            try:
+                rows.append(_flatten(json.loads(line)))
+            except json.JSONDecodeError:
+                continue
+    return pd.DataFrame(rows)
+
+
+def read_tokens(ranks: Path) -> pd.DataFrame:
+    frames = []
+    for path in sorted(ranks.glob("device-*/tokens.csv")):
+        node = path.parent.name.split("-", 2)[2]
+        body = "\n".join(_lines(path))
+        if body.count("\n") < 1:
+            continue  # the column header alone
+        frame = pd.read_csv(io.StringIO(body))
+        frame.insert(0, "node", node)
+        frames.append(frame)
+    if not frames:
+        return pd.DataFrame({c: pd.Series(dtype="float64" if c == "ts_s" else "int64") for c in TOKEN_COLUMNS[1:]}
+                            ).assign(node=pd.Series(dtype="object"))[TOKEN_COLUMNS]  # fmt: skip
+    return pd.concat(frames, ignore_index=True)[TOKEN_COLUMNS]
+
+
+def requests_table(ranks: Path, schedules: Mapping[str, Sequence[Mapping[str, Any]]]) -> pd.DataFrame:
+    """Every scheduled request, with what its device recorded where it finished."""
+    scheduled = pd.DataFrame(
+        [
+            {"node": node, "request_id": int(r["request_id"]), "scheduled_arrival_s": float(r["arrival_s"]),
+             "scheduled_prompt_tokens": r.get("prompt_tokens"), **{c: r.get(c) for c in SCHEDULE_COLUMNS}}
+            for node, rows in schedules.items() for r in rows
+        ],
+        columns=["node", "request_id", "scheduled_arrival_s", "scheduled_prompt_tokens", *SCHEDULE_COLUMNS],
+    )  # fmt: skip
+    recorded = read_requests(ranks) if ranks.is_dir() else pd.DataFrame()
+    if recorded.empty:
+        table = scheduled.assign(completed=False)
+    else:
+        recorded = recorded.drop(columns=[c for c in ("method",) if c in recorded])
+        table = scheduled.merge(recorded, on=["node", "request_id"], how="outer", indicator=True)
+        table["completed"] = table.pop("_merge") != "left_only"
+    return table.sort_values(["node", "request_id"], kind="stable").reset_index(drop=True)
+
+
+def write_results(ranks: Path, schedules: Mapping[str, Sequence[Mapping[str, Any]]], directory: Path) -> None:
+    """Write ``requests.parquet`` and ``tokens.parquet`` into ``directory`` from ``ranks``."""
+    requests_table(ranks, schedules).to_parquet(directory / "requests.parquet", index=False)
+    tokens = read_tokens(ranks) if ranks.is_dir() else read_tokens(Path("/nonexistent"))
+    tokens.to_parquet(directory / "tokens.parquet", index=False)
