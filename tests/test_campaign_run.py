@@ -1,0 +1,205 @@
+"""Campaigns on the emulated testbed, through the real ``testbed run`` in a subprocess: runs
+complete with their tables, telemetry and manifests; a device worker killed mid-run fails that run
+(data kept, shaping and power restored) and the next run goes on; a controller killed with SIGKILL
+mid-run is finished by ``--resume`` with every run done exactly once and nothing left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from testbed.emulation.resolved import load_lab
+from testbed.transport import open_transport
+from tests.conftest import REPO, emulated_inventory, run_cli
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
+    pytest.mark.slow,
+    pytest.mark.root,
+]
+
+PREFIX = "tc"
+TINY = REPO / "examples" / "models" / "tiny"
+WAIT_LIMIT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("campaign")
+    path = emulated_inventory(directory, PREFIX, 214)
+    up = run_cli("emulate", "up", "-i", str(path))
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        yield path
+    finally:
+        run_cli("link", "clear", "-i", str(path))
+        run_cli("power", "restore", "-i", str(path))
+        down = run_cli("emulate", "down", "-i", str(path))
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
+def campaign_file(directory: Path, inventory: Path, *, name: str, methods: list[str], requests: int) -> Path:
+    """A campaign on orin + the server: orin at MODE_50W (its initial mode is MAXN), the links
+    shaped with wifi-up, ``requests`` per run, in the listed order."""
+    path = directory / f"{name}.yaml"
+    path.write_text(f"""name: {name}
+inventory: {inventory}
+base:
+  model: {TINY}
+  partition: {{device_layers: 2, stages: 1}}
+  devices: [orin]
+  workload: {{arrival: constant, rate_per_s: 1.0, requests_per_device: {requests}, max_new_tokens: 20}}
+  link: {{profile: wifi-up}}
+  power: {{orin: MODE_50W}}
+  drain_s: 0.2
+matrix:
+  method: {json.dumps(methods)}
+order: listed
+seed: 11
+run_timeout_s: 120
+""")
+    return path
+
+
+def start_campaign(campaign: Path, out: Path, *extra: str) -> subprocess.Popen:
+    log = (out.parent / f"{out.name}-controller.log").open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out), *extra],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def ledger_rows(out: Path) -> list[tuple]:
+    path = out / "ledger.sqlite"
+    if not path.exists():
+        return []
+    with sqlite3.connect(path, timeout=30) as db:
+        return db.execute(
+            "SELECT position, run_id, state, attempts, reason, failed_node FROM runs ORDER BY position"
+        ).fetchall()
+
+
+def orin_requests_file(inventory: Path, run_id: str, attempt: int) -> Path:
+    home = inventory.parent / "state" / "nodes" / "orin" / "home"
+    return home / "hil-testbed" / "runs" / f"{run_id}-a{attempt}" / "out" / "device-0-orin" / "requests.jsonl"
+
+
+def served(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if line.startswith("{"))
+
+
+def wait_until_serving(out: Path, inventory: Path, position: int, controller: subprocess.Popen) -> str:
+    """Wait until the run at ``position`` has finished at least one request on orin; its id."""
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while time.monotonic() < deadline:
+        assert controller.poll() is None, f"the campaign ended early: {ledger_rows(out)}"
+        rows = ledger_rows(out)
+        if len(rows) > position and rows[position][2] == "running":
+            run_id = rows[position][1]
+            if served(orin_requests_file(inventory, run_id, rows[position][3])) >= 1:
+                return run_id
+        time.sleep(0.2)
+    raise AssertionError(f"run {position} never started serving: {ledger_rows(out)}")
+
+
+def device_worker_pids(inventory: Path, run_id: str) -> list[int]:
+    """pids of orin's worker rank of this run (its command line names orin's copy of the run config)."""
+    marker = f"/nodes/orin/home/hil-testbed/runs/{run_id}-a1/run.json"
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                words = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            python = bool(words) and os.path.basename(words[0]).startswith(b"python")
+            if python and b"nodes.workers" in words and any(marker.encode() in w for w in words):
+                pids.append(int(entry.name))  # the rank itself, not the shells and proxies around it
+    return pids
+
+
+def node_state(inventory: Path) -> dict[str, str]:
+    """What tc has on orin's data veth and orin's power mode as nvpmodel reads it back."""
+    lab = load_lab(inventory)
+    with open_transport(lab, lab.node("orin")) as t:
+        qdiscs = t.run(["tc", "qdisc", "show", "dev", "data0"]).check().stdout
+        mode = t.run(["nvpmodel", "-q"]).check().stdout
+    return {"qdiscs": qdiscs, "mode": mode}
+
+
+def test_a_killed_device_worker_fails_its_run_and_the_next_run_proceeds(lab, tmp_path):
+    campaign = campaign_file(tmp_path, lab, name="killed-worker", methods=["ushape", "centralized"], requests=5)
+    out = tmp_path / "out"
+    controller = start_campaign(campaign, out)
+    try:
+        run_id = wait_until_serving(out, lab, 0, controller)
+        pids = device_worker_pids(lab, run_id)
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        assert controller.wait(timeout=WAIT_LIMIT_S) == 1  # a failed run: exit status 1
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+    rows = ledger_rows(out)
+    assert [(r[2], r[3]) for r in rows] == [("failed", 1), ("done", 1)], rows
+    failed = rows[0]
+    assert "mpiexec" in failed[4] and failed[5] == "orin", failed
+    manifest = json.loads((out / "runs" / failed[1] / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["attempt"] == 1
+    assert manifest["restore"]["links"]["orin"]["ok"] and manifest["restore"]["power"]["orin"]["ok"]
+    requests = pd.read_parquet(out / "runs" / failed[1] / "requests.parquet")
+    assert len(requests) == 5  # every scheduled request has a row
+    assert 1 <= requests.completed.sum() < 5  # what finished before the kill is kept
+    assert (out / "runs" / failed[1] / "telemetry" / "orin.parquet").exists()
+    done = pd.read_parquet(out / "runs" / rows[1][1] / "requests.parquet")
+    assert done.completed.all() and len(done) == 5
+    state = node_state(lab)
+    assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state
+
+
+def test_sigkill_of_the_controller_then_resume_does_every_run_exactly_once(lab, tmp_path):
+    campaign = campaign_file(tmp_path, lab, name="resumed", methods=["ushape", "centralized", "usarathi"], requests=4)
+    out = tmp_path / "out"
+    controller = start_campaign(campaign, out)
+    try:
+        killed_id = wait_until_serving(out, lab, 1, controller)
+        controller.send_signal(signal.SIGKILL)
+        controller.wait(timeout=30)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+    rows = ledger_rows(out)
+    assert [r[2] for r in rows] == ["done", "running", "todo"], rows
+    left = node_state(lab)
+    assert "1f7b:" in left["qdiscs"] and "MODE_50W" in left["mode"], left  # the crash left orin changed
+
+    resumed = start_campaign(campaign, out, "--resume")
+    assert resumed.wait(timeout=WAIT_LIMIT_S * 2) == 0, (out.parent / "out-controller.log").read_text()[-3000:]
+    rows = ledger_rows(out)
+    assert [(r[2], r[3]) for r in rows] == [("done", 1), ("done", 2), ("done", 1)], rows
+    assert (out / "runs" / f"{killed_id}.attempt1.interrupted").is_dir()
+    for _, run_id, *_ in rows:
+        run_dir = out / "runs" / run_id
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        requests = pd.read_parquet(run_dir / "requests.parquet")
+        assert manifest["status"] == "done" and manifest["requests"] == {"scheduled": 4, "completed": 4}
+        assert len(requests) == 4 and requests.completed.all() and not requests.request_id.duplicated().any()
+    assert json.loads((out / "runs" / killed_id / "manifest.json").read_text())["attempt"] == 2
+    state = node_state(lab)
+    assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state
+    server_home = lab.parent / "state" / "nodes" / "server" / "home"
+    stale = server_home / "hil-testbed" / "runs" / f"{killed_id}-a1" / "mpiexec.pid"
+    assert stale.parent.is_dir()
+    assert not device_worker_pids(lab, killed_id) and not stale.exists()
