@@ -30,35 +30,9 @@ demo: $(STAMP) system-packages
 	@$(BIN)/testbed doctor || echo "(doctor found something missing: see the table above)"
 	@echo "== the default inventory, validated and resolved"
 	$(BIN)/testbed inventory show -i inventory.yaml
-	@echo "== facts of this machine, gathered as from any node"
-	$(BIN)/testbed inventory check -i examples/inventories/controller.yaml
-	@echo "== the emulated testbed: a namespace, an sshd and a CPU quota per node (local mode without root)"
-	$(BIN)/testbed emulate up -i inventory.yaml $(EMULATE_MODE)
-	@$(BIN)/testbed inventory check -i inventory.yaml; status=$$?; \
-	  if [ $$status -eq 0 ] && [ -z "$(EMULATE_MODE)" ]; then \
-	    echo "== link shaping on the data veths: apply (read back), measure with iperf3, undo"; \
-	    $(BIN)/testbed link apply -i inventory.yaml && \
-	    $(BIN)/testbed link verify -i inventory.yaml --duration 2; status=$$?; \
-	    $(BIN)/testbed link clear -i inventory.yaml || status=1; \
-	  fi; \
-	  if [ $$status -eq 0 ]; then \
-	    echo "== power modes through the stand-in nvpmodel (read back), 3 s of telemetry at 10 Hz, restore"; \
-	    $(BIN)/testbed power set orin MODE_15W -i inventory.yaml && \
-	    $(BIN)/testbed telemetry record -i inventory.yaml --seconds 3 --out $(DEMO_OUT)/telemetry && \
-	    $(BIN)/python -c "import pandas as pd, sys; f = pd.read_parquet(sys.argv[1]); \
-	      p = f[f.metric == 'board_power_mw']; \
-	      print('orin board power: median %.0f mW over %d samples (%s, %s)' % (p.value.median(), len(p), \
-	        p.kind.iloc[0], p.sensor.iloc[0]))" $(DEMO_OUT)/telemetry/orin.parquet; status=$$?; \
-	    $(BIN)/testbed power restore -i inventory.yaml || status=1; \
-	  fi; \
-	  if [ $$status -eq 0 ] && [ -z "$(EMULATE_MODE)" ]; then \
-	    echo "== provisioning: a venv per node with the node wheel, the tiny model cut per role (m=2)"; \
-	    $(BIN)/testbed provision -i inventory.yaml --model examples/models/tiny --partition m=2,P=2 && \
-	    echo "== split inference over MPI: 2 server stages, 3 devices, the tiny model (U-shape, m=2)" && \
-	    $(BIN)/testbed workers run examples/schedules/tiny-python.jsonl -i inventory.yaml --method ushape \
-	      -P 2 -m 2 --out $(DEMO_OUT)/split || status=1; \
-	  fi; \
-	  $(BIN)/testbed emulate down -i inventory.yaml; exit $$status
+	@echo "== the demo campaign on the emulated testbed (local processes without root): 2 methods x 2 link"
+	@echo "   profiles x 2 power modes, each run with telemetry, read-backs, restore and a manifest"
+	$(BIN)/testbed demo -i inventory.yaml --out $(DEMO_OUT)/campaign
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -362,7 +362,7 @@ class _SettingsChecker:
                 out.append(InputProblem(str(self.source.path), self.source.line_of(at), field_name(at),
                                         f"{field}: {problem}", hint))  # fmt: skip
             else:
-                path = (*at, *[p for p in field.split(".") if p])
+                path = (*at, *[int(p) if p.isdigit() else p for p in field.split(".") if p])
                 out.append(self.source.problem(path, problem, hint))
         return out
 

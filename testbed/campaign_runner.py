@@ -45,7 +45,7 @@ class CampaignSummary:
 
     @property
     def ok(self) -> bool:
-        return not self.counts["failed"] and not self.counts["skipped"] and not self.counts["todo"]
+        return not any(self.counts[state] for state in ("failed", "skipped", "todo", "running"))
 
 
 def attempt_dir(directory: Path, run_id: str, attempt: int) -> Path:
@@ -101,7 +101,8 @@ def recover(campaign: Campaign, directory: Path, ledger: Ledger, *, say: Callabl
         if manifest.get("attempt") == row.attempts and manifest.get("status") in ("done", "failed"):
             say(f"{row.run_id}: attempt {row.attempts} had finished ({manifest['status']}) before the crash")
             ledger.finish(row.run_id, manifest["status"], reason=manifest.get("reason"),
-                          node=manifest.get("failed_node"))  # fmt: skip
+                          node=manifest.get("failed_node"), run_nodes=row.nodes,
+                          quarantine_after=campaign.spec.failure.quarantine_after)  # fmt: skip
             continue
         partial = attempt_dir(directory, row.run_id, row.attempts)
         if partial.exists():

@@ -986,8 +986,6 @@ def run_command(
     status 0 when every run is done, 1 when a run failed or was skipped, 2 for a bad campaign file
     (nothing is touched then)."""
     from testbed.campaign import load_campaign
-    from testbed.campaign_display import CampaignDisplay
-    from testbed.campaign_runner import run_campaign
 
     if retry_failed and not resume:
         raise TestbedError("--retry-failed goes with --resume")
@@ -995,7 +993,10 @@ def run_command(
     if dry_run:
         _print_dry_run(campaign, as_json)
         return
+    from testbed.campaign_display import CampaignDisplay
+    from testbed.campaign_runner import run_campaign
     directory = out_dir or Path("results") / campaign.spec.name
+    _interrupt_on_sigterm()
     display = CampaignDisplay(err, len(campaign.runs))
     with display:
         summary = run_campaign(campaign, directory, resume=resume, retry_failed=retry_failed, say=display.say,
@@ -1003,6 +1004,17 @@ def run_command(
     _print_campaign_summary(summary, as_json)
     if not summary.ok:
         raise typer.Exit(1)
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM ends a campaign like Ctrl-C: the current run is restored and recorded before exiting
+    (its ledger row stays 'running', so --resume runs it again)."""
+    import signal
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _print_dry_run(campaign: Any, as_json: bool) -> None:
@@ -1110,6 +1122,7 @@ def demo_command(
             _print_emulation(result)
             down(lab, say=say)
             raise typer.Exit(1)
+    _interrupt_on_sigterm()
     try:
         campaign = load_campaign(chosen, inventory=inventory)
         display = CampaignDisplay(err, len(campaign.runs))

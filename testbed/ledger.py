@@ -150,7 +150,10 @@ class Ledger:
     def start(self, run_id: str) -> int:
         """``todo`` -> ``running``; returns the attempt number (1 for the first)."""
         with self._transaction() as db:
-            state, attempts = db.execute("SELECT state, attempts FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            found = db.execute("SELECT state, attempts FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if found is None:
+                raise TestbedError(f"no run {run_id} in {self.path}")
+            state, attempts = found
             if state != "todo":
                 raise TestbedError(f"run {run_id} is {state}, not todo")
             db.execute(
@@ -171,11 +174,13 @@ class Ledger:
             raise ValueError(state)
         newly: list[str] = []
         with self._transaction() as db:
-            db.execute(
+            changed = db.execute(
                 "UPDATE runs SET state = ?, ended_s = ?, reason = ?, failed_node = ? WHERE run_id = ? "
                 "AND state = 'running'",
                 (state, time.time(), reason, node, run_id),
-            )
+            ).rowcount
+            if not changed:
+                return newly  # not running (finished already): nothing is counted twice
             for name in run_nodes:
                 if name != node:
                     db.execute(

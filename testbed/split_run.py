@@ -265,7 +265,7 @@ def run_split(
     rank_dirs = _collect(inventory, nodes, info, out_dir / "ranks")
     if exit_code != 0:
         culprit = failed_node(log, groups) or server.name
-        raise NodeError(culprit, f"mpiexec {status}; see {out_dir}/mpiexec.log:\n{log.strip()[-1500:]}")
+        raise NodeError(culprit, f"mpiexec {status}: {hydra_summary(log)} (see {out_dir}/mpiexec.log)")
     return SplitRunResult(out_dir, plan, seconds, tuple(rank_dirs))
 
 
@@ -333,6 +333,18 @@ def failed_node(log: str, groups: Sequence[RankGroup]) -> str | None:
         if words and words[0] in by_host:
             return by_host[words[0]]
     return None
+
+
+def hydra_summary(log: str) -> str:
+    """One line for a failed launch: where hydra says a rank ended and how, else the last line of
+    output (the whole output is kept in mpiexec.log)."""
+    lines = [line.strip(" =") for line in log.splitlines() if line.strip(" =")]
+    where = next((line.split("RUNNING AT", 1)[1].strip() for line in lines if "RUNNING AT" in line), "")
+    how = next((line.split("EXIT STRING:", 1)[1].strip() for line in lines if "EXIT STRING:" in line), "")
+    how = how or next((line for line in lines if line.startswith("EXIT CODE:")), "")
+    if where or how:
+        return f"a rank{' at ' + where if where else ''} ended: {how or 'see the log'}"
+    return lines[-1][:300] if lines else "no output"
 
 
 def _mpiexec_on(t: Transport, python: str) -> str:
