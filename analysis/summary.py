@@ -55,6 +55,18 @@ def summarize(data: CampaignData) -> pd.DataFrame:
     return table
 
 
+def _attention(directory: Path) -> list[str]:
+    """Lines on failed and skipped runs and quarantined nodes, from the ledger."""
+    import sqlite3
+
+    with sqlite3.connect(f"file:{directory / 'ledger.sqlite'}?mode=ro", uri=True) as db:
+        runs = db.execute("SELECT run_id, state, reason FROM runs WHERE state IN ('failed', 'skipped')").fetchall()
+        nodes = db.execute("SELECT node, reason FROM nodes WHERE quarantined_s IS NOT NULL").fetchall()
+    out = [f"- run {run_id} {state}: {reason}" for run_id, state, reason in runs]
+    out += [f"- node {node} quarantined: {reason}" for node, reason in nodes]
+    return ["", "## Failures and quarantined nodes", "", *out] if out else []
+
+
 def write_summary(campaign_dir: str | Path) -> Path:
     """Write ``report/summary.csv`` and ``report/summary.md``; return the markdown file's path."""
     directory = Path(campaign_dir)
@@ -71,6 +83,7 @@ def write_summary(campaign_dir: str | Path) -> Path:
     lines.append("|" + "---|" * len(shown.columns))
     for row in shown.itertuples(index=False):
         lines.append("| " + " | ".join(str(v) for v in row) + " |")
+    lines += _attention(directory)
     path = report / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path
