@@ -313,14 +313,16 @@ def _launch_and_wait(
         f"done; cat {shlex.quote(status)} 2>/dev/null || true"
     )
     exit_code: int | None = None
-    while time.monotonic() < deadline:
-        answer = t.run_script(wait_script, timeout_s=WAIT_POLL_S + 30.0).stdout.strip()
-        if answer:
-            exit_code = int(answer.splitlines()[-1])
-            break
-        on_wait(time.monotonic() - started)
-    if exit_code is None:
-        t.stop_background(mpiexec_pidfile(run_dir))
+    try:
+        while time.monotonic() < deadline:
+            answer = t.run_script(wait_script, timeout_s=WAIT_POLL_S + 30.0).stdout.strip()
+            if answer:
+                exit_code = int(answer.splitlines()[-1])
+                break
+            on_wait(time.monotonic() - started)
+    finally:  # timed out, or the controller was interrupted (Ctrl-C, SIGTERM): end the ranks too
+        if exit_code is None:
+            t.stop_background(mpiexec_pidfile(run_dir))
     output = t.run(["tail", "-c", "200000", log], timeout_s=30.0).stdout
     return exit_code, output
 
