@@ -46,8 +46,6 @@ from testbed.inventory import Inventory, Name, NodeSpec, pydantic_problem
 from testbed.yaml_source import FieldPath, YamlSource, field_name
 from workloads.schedule import WorkloadSpec
 
-METHODS = ("centralized", "ushape", "usarathi")
-
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
