@@ -433,10 +433,10 @@ class _SettingsChecker:
             yield "model", f"{config}: no num_hidden_layers", ""
             return
         m, stages = s.partition.device_layers, s.partition.stages
-        server_layers = layers if s.method == "centralized" else layers - 2 * m
+        server_layers = layers if s.method == "centralized" else layers - m  # the device runs layers 0..m-1
         if s.method != "centralized" and server_layers < 1:
-            yield "partition.device_layers", f"{m} device layers at each end leave the server none of {layers}", \
-                f"use at most {(layers - 1) // 2}"
+            yield "partition.device_layers", f"{m} device layers leave the server none of {layers}", \
+                f"use at most {layers - 1}"
         elif stages > server_layers:
             yield "partition.stages", f"{stages} stages for {server_layers} server layers", \
                 f"use at most {server_layers}"

@@ -220,16 +220,16 @@ BAD_CASES = {
     "unknown link profile": (BASE.replace("profile: wifi-up", "profile: moon"), "moon", "moon"),
     "power mode an emulated board lacks": (
         BASE.replace("power: {orin: MAXN}", "power: {orin: MODE_99W}"), "MODE_99W", "MODE_99W"),
-    "more stages than server layers": (BASE.replace("stages: 2", "stages: 5"), "stages: 5", "stages"),
+    "more stages than server layers": (BASE.replace("stages: 2", "stages: 7"), "stages: 7", "stages"),
     "no server layers left": (
-        BASE.replace("device_layers: 2", "device_layers: 4").replace("stages: 2", "stages: 1"),
-        "device_layers: 4", "device"),
+        BASE.replace("device_layers: 2", "device_layers: 8").replace("stages: 2", "stages: 1"),
+        "device_layers: 8", "device"),
     "unknown top-level key": (BASE + "repetition: 2\n", "repetition: 2", "repetition"),
     "YAML syntax error": (BASE.replace("server: server", "server: server: oops"), "server: oops", "YAML"),
     "bad matrix value of power": (
         BASE + "matrix:\n  power.orin:\n    - MAXN\n    - MODE_99W\n", "- MODE_99W", "MODE_99W"),
     "bad matrix value of stages": (
-        BASE + "matrix:\n  partition.stages:\n    - 2\n    - 5\n", "- 5", "stages"),
+        BASE + "matrix:\n  partition.stages:\n    - 2\n    - 7\n", "- 7", "stages"),
 }
 
 
@@ -281,13 +281,13 @@ def test_cli_rejects_every_bad_campaign_with_its_lines_and_status_2(tmp_path: Pa
 
 
 def test_the_server_may_take_every_middle_layer_but_no_more(tmp_path: Path) -> None:
-    # tiny has 8 layers: 2 device layers at each end leave 4 for the server
-    ok = load_campaign(write(tmp_path, BASE.replace("stages: 2", "stages: 4"), "four.yaml"))
-    assert ok.runs[0].settings.partition.stages == 4
+    # tiny has 8 layers: the device runs layers 0-1 (HAT's input submodel) and the head, leaving 6 for the server
+    ok = load_campaign(write(tmp_path, BASE.replace("stages: 2", "stages: 6"), "six.yaml"))
+    assert ok.runs[0].settings.partition.stages == 6
     centralized = BASE.replace("method: ushape", "method: centralized").replace("stages: 2", "stages: 8")
     assert load_campaign(write(tmp_path, centralized, "central.yaml")).runs[0].settings.partition.stages == 8
     with pytest.raises(InputError):
-        load_campaign(write(tmp_path, BASE.replace("stages: 2", "stages: 5"), "five.yaml"))
+        load_campaign(write(tmp_path, BASE.replace("stages: 2", "stages: 7"), "seven.yaml"))
 
 
 def test_unknown_device_in_a_block_list_is_reported_at_its_item(tmp_path: Path) -> None:
