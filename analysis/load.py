@@ -5,8 +5,12 @@
 - ``runs``: one row per run of the ledger (state, attempts, reason), with the run's settings
   flattened into columns (``method``, ``link.profile``, ``power.orin``, ``workload.rate_per_s``, ...)
   from its manifest;
-- ``requests``, ``tokens``: the runs' tables with ``run_id`` in front;
-- ``telemetry``: every node's samples (long format, ``ts_s`` on the controller's clock);
+- ``requests``, ``tokens``: the runs' tables with ``run_id`` in front; request times (``arrival_s``,
+  ``first_token_s``, ...) are seconds on the device's clock from the run's start barrier, and
+  ``arrival_ts_s``, ``first_token_ts_s``, ``last_token_ts_s`` are the same instants on the
+  controller's clock (the device's wall clock at the barrier, minus its measured clock offset);
+- ``telemetry``: every node's samples (long format, ``ts_s`` on the controller's clock, ``t_s``
+  seconds from the run's start barrier, the axis request times use);
 - ``events``: the orchestration events.
 
 Only runs whose ledger state is ``done`` or ``failed`` are read (``failed`` ones keep what they
@@ -57,6 +61,19 @@ def _with_run(frame: pd.DataFrame, run_id: str) -> pd.DataFrame:
     return frame
 
 
+def _aligned_requests(frame: pd.DataFrame, manifest: dict) -> pd.DataFrame:
+    """Add the controller-clock instants of each request (NaN where the rank files carry no wall
+    clock origin). Controller time = node time - offset, as telemetry is aligned."""
+    offsets = {node: (entry.get("start") or {}).get("offset_s", 0.0)
+               for node, entry in (manifest.get("clock_offsets") or {}).items()}  # fmt: skip
+    origin = frame.get("clock_origin_unix_s", pd.Series(float("nan"), index=frame.index))
+    base = origin - frame["node"].map(offsets).fillna(0.0)
+    for column in ("arrival_s", "first_token_s", "last_token_s"):
+        if column in frame:
+            frame[column.removesuffix("_s") + "_ts_s"] = base + frame[column]
+    return frame
+
+
 def load(campaign_dir: str | Path) -> CampaignData:
     directory = Path(campaign_dir)
     runs = _ledger_runs(directory)
@@ -74,9 +91,17 @@ def load(campaign_dir: str | Path) -> CampaignData:
         for name, bucket in (("requests", requests), ("tokens", tokens)):
             path = run_dir / f"{name}.parquet"
             if path.is_file():
-                bucket.append(_with_run(pd.read_parquet(path), run_id))
+                frame = pd.read_parquet(path)
+                if name == "requests":
+                    frame = _aligned_requests(frame, manifest)
+                    origins = frame["arrival_ts_s"] - frame["arrival_s"] if "arrival_s" in frame else pd.Series()
+                    row["origin_ts_s"] = origins.min() if origins.notna().any() else float("nan")
+                bucket.append(_with_run(frame, run_id))
         for path in sorted((run_dir / "telemetry").glob("*.parquet")):
-            telemetry.append(_with_run(pd.read_parquet(path), run_id))
+            frame = _with_run(pd.read_parquet(path), run_id)
+            origin = row.get("origin_ts_s", float("nan"))
+            frame["t_s"] = frame["ts_s"] - (origin if pd.notna(origin) else frame["ts_s"].min())
+            telemetry.append(frame)
         events_path = run_dir / "events.jsonl"
         if events_path.is_file():
             lines = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]

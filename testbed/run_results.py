@@ -4,7 +4,9 @@
 seconds on the device's clock from the run's start barrier, nested timings flattened as
 ``prefill_*``/``decode_*``) joined with what the schedule asked for (``expected_ttft_s``,
 ``expected_tds_tok_s``, ``prompt_source``). A request that never finished keeps its row with
-``completed`` false, so a failed run's tables say what was missing. ``tokens.parquet`` has one row
+``completed`` false, so a failed run's tables say what was missing. ``clock_origin_unix_s`` is the
+device's wall clock at its start barrier (from the rank file's header), which lets analysis put
+request times on the controller's clock. ``tokens.parquet`` has one row
 per delivered token (``node``, ``request_id``, ``index``, ``token_id``, ``ts_s``).
 """
 
@@ -39,6 +41,26 @@ def _flatten(row: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + key] = value
     return out
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """A rank file's ``#`` header (its first line), or {} when it has none."""
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+        return json.loads(first[1:]) if first.startswith("#") else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def clock_origins_unix_s(ranks: Path) -> dict[str, float]:
+    """Each device's wall clock at the start barrier, by node, from its rank files' headers."""
+    origins = {}
+    for path in sorted(ranks.glob("device-*/requests.jsonl")):
+        header = read_header(path)
+        if "clock_origin_unix_s" in header:
+            origins[str(header.get("node", path.parent.name.split("-", 2)[2]))] = float(header["clock_origin_unix_s"])
+    return origins
 
 
 def read_requests(ranks: Path) -> pd.DataFrame:
@@ -85,6 +107,8 @@ def requests_table(ranks: Path, schedules: Mapping[str, Sequence[Mapping[str, An
         recorded = recorded.drop(columns=[c for c in ("method",) if c in recorded])
         table = scheduled.merge(recorded, on=["node", "request_id"], how="outer", indicator=True)
         table["completed"] = table.pop("_merge") != "left_only"
+    origins = clock_origins_unix_s(ranks) if ranks.is_dir() else {}
+    table["clock_origin_unix_s"] = table["node"].map(origins).astype("float64")
     return table.sort_values(["node", "request_id"], kind="stable").reset_index(drop=True)
 
 

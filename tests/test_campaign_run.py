@@ -196,6 +196,11 @@ def test_sigkill_of_the_controller_then_resume_does_every_run_exactly_once(lab, 
         requests = pd.read_parquet(run_dir / "requests.parquet")
         assert manifest["status"] == "done" and manifest["requests"] == {"scheduled": 4, "completed": 4}
         assert len(requests) == 4 and requests.completed.all() and not requests.request_id.duplicated().any()
+        # each device's wall clock at its start barrier is recorded, so analysis can place requests
+        # on the controller's clock: the run happened between the manifest's start and end
+        origins = requests.clock_origin_unix_s
+        assert origins.notna().all(), requests
+        assert (manifest["started_unix_s"] < origins).all() and (origins < manifest["ended_unix_s"]).all()
     assert json.loads((out / "runs" / killed_id / "manifest.json").read_text())["attempt"] == 2
     state = node_state(lab)
     assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state

@@ -61,6 +61,9 @@ class DeviceWorker:
             "node": self.spec.node,
             "method": self.config.method,
             "clock_origin_monotonic_s": t0,
+            # the node's wall clock at the same instant: analysis maps request times onto the
+            # controller's clock (with the measured offset) to integrate power over them
+            "clock_origin_unix_s": time.time() - (time.monotonic() - t0),
         }
         directory = self.config.rank_dir(self.rank)
         self.requests = JsonLinesLog(directory + "/requests.jsonl", header)

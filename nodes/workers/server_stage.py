@@ -103,6 +103,7 @@ class ServerStage:
                 "stage": self.stage,
                 "node": self.config.ranks[self.rank].node,
                 "clock_origin_monotonic_s": t0,
+                "clock_origin_unix_s": time.time() - (time.monotonic() - t0),
             },
         )
 
