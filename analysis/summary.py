@@ -14,17 +14,9 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.load import CampaignData, load
+from analysis.metrics import token_gaps_s
 
 SETTING_COLUMNS = ("method", "link.profile", "link.trace", "partition.device_layers", "workload.rate_per_s")
-
-
-def token_gaps_s(tokens: pd.DataFrame) -> pd.DataFrame:
-    """Every gap between consecutive tokens of a request: ``run_id, node, request_id, gap_s``."""
-    if tokens.empty:
-        return pd.DataFrame(columns=["run_id", "node", "request_id", "gap_s"])
-    ordered = tokens.sort_values(["run_id", "node", "request_id", "index"], kind="stable")
-    gaps = ordered.groupby(["run_id", "node", "request_id"], sort=False)["ts_s"].diff()
-    return ordered.assign(gap_s=gaps).dropna(subset=["gap_s"])[["run_id", "node", "request_id", "gap_s"]]
 
 
 def summarize(data: CampaignData) -> pd.DataFrame:
@@ -55,7 +47,7 @@ def summarize(data: CampaignData) -> pd.DataFrame:
     return table
 
 
-def _attention(directory: Path) -> list[str]:
+def attention_lines(directory: Path) -> list[str]:
     """Lines on failed and skipped runs and quarantined nodes, from the ledger."""
     import sqlite3
 
@@ -67,10 +59,10 @@ def _attention(directory: Path) -> list[str]:
     return ["", "## Failures and quarantined nodes", "", *out] if out else []
 
 
-def write_summary(campaign_dir: str | Path) -> Path:
+def write_summary(campaign_dir: str | Path, data: CampaignData | None = None) -> Path:
     """Write ``report/summary.csv`` and ``report/summary.md``; return the markdown file's path."""
     directory = Path(campaign_dir)
-    table = summarize(load(directory))
+    table = summarize(data if data is not None else load(directory))
     report = directory / "report"
     report.mkdir(parents=True, exist_ok=True)
     table.to_csv(report / "summary.csv", index=False)
@@ -83,7 +75,7 @@ def write_summary(campaign_dir: str | Path) -> Path:
     lines.append("|" + "---|" * len(shown.columns))
     for row in shown.itertuples(index=False):
         lines.append("| " + " | ".join(str(v) for v in row) + " |")
-    lines += _attention(directory)
+    lines += attention_lines(directory)
     path = report / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path
