@@ -96,6 +96,15 @@ def modeled_statements(lab: Inventory, names: list[str], state: Any) -> list[str
     return out
 
 
+def model_config(directory: Path) -> dict[str, Any] | None:
+    """The checkpoint's config.json (its shape: layers, widths, vocabulary), so that analysis (FLOPs,
+    cost) does not depend on the checkpoint still being where the run found it."""
+    try:
+        return json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def build_manifest(
     campaign: Campaign,
     run: PlannedRun,
@@ -135,6 +144,7 @@ def build_manifest(
         "overrides": dict(run.overrides),
         "settings": run.settings.model_dump(mode="json"),
         "model_directory": str(campaign.resolve(run.settings.model)),
+        "model_config": model_config(campaign.resolve(run.settings.model)),
         "started_unix_s": started_unix_s,
         "ended_unix_s": time.time(),
         "phases_s": state.phases_s,
