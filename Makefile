@@ -48,6 +48,7 @@ bench: $(STAMP) system-packages
 	$(BIN)/python bench/telemetry.py
 	$(BIN)/python bench/split.py
 	$(BIN)/python bench/provision.py
+	$(BIN)/python bench/analysis.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(DEMO_OUT)

@@ -54,7 +54,7 @@ def attention_lines(directory: Path) -> list[str]:
     with sqlite3.connect(f"file:{directory / 'ledger.sqlite'}?mode=ro", uri=True) as db:
         runs = db.execute("SELECT run_id, state, reason FROM runs WHERE state IN ('failed', 'skipped')").fetchall()
         nodes = db.execute("SELECT node, reason FROM nodes WHERE quarantined_s IS NOT NULL").fetchall()
-    out = [f"- run {run_id} {state}: {reason}" for run_id, state, reason in runs]
+    out = [f"- run {run_id} {state}" + (f": {reason}" if reason else "") for run_id, state, reason in runs]
     out += [f"- node {node} quarantined: {reason}" for node, reason in nodes]
     return ["", "## Failures and quarantined nodes", "", *out] if out else []
 

@@ -1082,6 +1082,41 @@ def status_command(
         raise typer.Exit(1)
 
 
+@app.command("report")
+def report_command(
+    campaign_dir: Annotated[Path, typer.Argument(help="The campaign's directory (testbed run --out).")],
+    api: Annotated[str, typer.Option(help="API whose price (DiSCo Table 8, USD per million tokens) bills the "
+                                     "server's share of each request.")] = "gpt-4o-mini",
+    device_usd_per_pflop: Annotated[float, typer.Option(help="Device cost per 10^15 FLOPs (DiSCo App. E: 0.3 "
+                                                        "server-constrained, 5 device-constrained).")] = 0.3,
+    qoe_alpha: Annotated[float | None, typer.Option(help="Andes' TTFT penalty alpha in [0, 1] (default: none, "
+                                                    "Eq. 1 as is).")] = None,
+    run_id: Annotated[str | None, typer.Option("--run", help="The run whose token timelines and telemetry are "
+                                               "drawn (default: the done run with the lowest mean QoE).")] = None,
+) -> None:
+    """Analyse a finished (or partly finished) campaign: write report/report.md with PNG figures and
+    CSV tables beside it. It covers TTFT/TBT per method in the layout of HAT's Table 5 and per
+    configuration, latency against request rate, HAT's SLA compliance CDFs, Andes QoE and capacity,
+    energy per token by node and power mode (measured and modeled kept apart), DiSCo's cost per
+    request, and one run's token timelines and telemetry. Reads only files."""
+    from analysis.cost_model import API_PRICES_USD_PER_MTOK
+    from analysis.report import ReportOptions, build_report
+
+    if not (campaign_dir / "ledger.sqlite").is_file():
+        raise TestbedError(f"{campaign_dir}: not a campaign directory (no ledger.sqlite); give testbed run's --out")
+    if api not in API_PRICES_USD_PER_MTOK:
+        raise TestbedError(f"--api: unknown API {api!r}; one of {', '.join(API_PRICES_USD_PER_MTOK)}")
+    if run_id is not None and not (campaign_dir / "runs" / run_id / "manifest.json").is_file():
+        raise TestbedError(f"--run: {campaign_dir}/runs/{run_id} is not a finished run of this campaign")
+    if qoe_alpha is not None and not 0 <= qoe_alpha <= 1:
+        raise TestbedError(f"--qoe-alpha: {qoe_alpha} is outside [0, 1]")
+    if not device_usd_per_pflop >= 0:
+        raise TestbedError(f"--device-usd-per-pflop: {device_usd_per_pflop} must not be negative")
+    path = build_report(campaign_dir, ReportOptions(api=api, device_usd_per_pflop=device_usd_per_pflop,
+                                                    qoe_alpha=qoe_alpha, delivery_run=run_id))
+    out.print(f"report: {path}", soft_wrap=True)
+
+
 EXAMPLE_CAMPAIGNS = Path(__file__).resolve().parent.parent / "examples" / "campaigns"
 
 
@@ -1096,7 +1131,7 @@ def demo_command(
 ) -> None:
     """The whole suite in one command: bring up the emulated testbed (network namespaces as root,
     local processes otherwise), run the demo campaign (methods x link profiles x power modes on the
-    tiny model), write its summary report, print where it is, and take the testbed down again
+    tiny model), write its report (testbed report), print where it is, and take the testbed down again
     (unless it was already up)."""
     import os
     import shutil
@@ -1128,14 +1163,14 @@ def demo_command(
         display = CampaignDisplay(err, len(campaign.runs))
         with display:
             summary = run_campaign(campaign, out_dir, say=display.say, report=display.report)
-        from analysis.summary import write_summary
+        from analysis.report import build_report
 
-        report = write_summary(out_dir)
+        report = build_report(out_dir)
     finally:
         if not was_up:
             down(lab, say=say)
     _print_campaign_summary(summary, False)
-    out.print(f"report: {report}")
+    out.print(f"report: {report}", soft_wrap=True)
     if not summary.ok:
         raise typer.Exit(1)
 
