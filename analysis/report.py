@@ -139,7 +139,8 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
           f"{int((runs['state'] == 'failed').sum())} failed, {int((runs['state'] == 'skipped').sum())} skipped. "
           "Only done runs enter the tables and figures. Latency is stamped on the device that issued each "
           "request, on its monotonic clock; TBT is every gap between consecutive tokens of a request.", ""]  # fmt: skip
-    modeled = sorted(set(data.telemetry.loc[data.telemetry.get("kind", pd.Series(dtype=str)) == "modeled", "node"]))
+    tel = data.telemetry
+    modeled = sorted(set(tel.loc[tel["kind"] == "modeled", "node"])) if {"kind", "node"} <= set(tel.columns) else []
     if modeled:
         r += [f"Modeled telemetry (not measured): {', '.join(modeled)}. Energy figures for these nodes come from "
               "the emulated power model, and are never added to measured energy.", ""]  # fmt: skip
@@ -153,9 +154,10 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
     ids = set(done["run_id"])
     requests, tokens = requests[requests["run_id"].isin(ids)], tokens[tokens["run_id"].isin(ids)]
     axes = varying_settings(done)
-    latencies = metrics.request_latencies(requests).merge(done[["run_id", *axes]], on="run_id")
+    settings = done[["run_id", *dict.fromkeys(["method", *axes])]]  # method labels every figure, varied or not
+    latencies = metrics.request_latencies(requests).merge(settings, on="run_id")
     gaps = metrics.token_gaps_s(tokens)
-    qoe = metrics.qoe_table(requests, tokens, options.qoe_alpha).merge(done[["run_id", *axes]], on="run_id")
+    qoe = metrics.qoe_table(requests, tokens, options.qoe_alpha).merge(settings, on="run_id")
     per_run = _per_run(data, latencies, gaps, qoe)
 
     r += ["## Latency by method (HAT Table 5 layout)", ""]

@@ -70,8 +70,9 @@ mine = (data.tokens.run_id == one.run_id) & (data.tokens.request_id == one.reque
 times = data.tokens[mine].ts_s - one.arrival_s
 print("one request:", metrics.qoe(times, one.expected_ttft_s, one.expected_tds_tok_s))
 q.groupby(["method", "workload.rate_per_s"])["qoe"].mean()"""),
-    ("markdown", """A late first token lowers QoE even if the rest streams quickly; the tiny model streams far
-faster than a reader's 4.8 tokens/s, so these runs sit at or near 1. The same timeline delivered two
+    ("markdown", """The tiny model streams far faster than a reader's 4.8 tokens/s, so at 0.5 requests/s every
+request scores 1. At 4 requests/s requests queue on their device, and a first token later than the
+expected second pulls QoE down however fast the rest streams. The same timeline delivered two
 seconds later:"""),
     ("code", """metrics.qoe(times + 2.0, one.expected_ttft_s, one.expected_tds_tok_s)"""),
     ("markdown", """## Energy per token

@@ -524,3 +524,17 @@ def test_cli_report_help_names_what_the_report_covers() -> None:
     words = " ".join(result.stdout.split())
     for word in ("HAT", "QoE", "energy"):
         assert word in words, word
+
+
+def test_report_on_a_single_configuration_has_no_matrix_sections(tmp_path: Path) -> None:
+    # one done run (the others skipped): nothing varies, so no per-configuration table and no rate figure,
+    # but the method still labels the per-method table, the SLA and QoE figures
+    campaign = Path(shutil.copytree(SAMPLE, tmp_path / "campaign"))
+    with sqlite3.connect(campaign / "ledger.sqlite") as db:
+        keep = db.execute("SELECT run_id FROM runs ORDER BY position LIMIT 1").fetchone()[0]
+        db.execute("UPDATE runs SET state = 'skipped' WHERE run_id != ?", (keep,))
+    text = build_report(campaign).read_text()
+    assert "## Latency by configuration" not in text and "latency_vs_rate.png" not in text
+    assert "sla_compliance.png" in text and "qoe_distribution.png" in text
+    table = pd.read_csv(campaign / "report" / "latency_by_method.csv")
+    assert len(table) == 1 and table["requests"].iloc[0] == 10
