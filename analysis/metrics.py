@@ -44,6 +44,10 @@ def request_latencies(requests: pd.DataFrame) -> pd.DataFrame:
     and HAT's SLA delays ``prefill_delay_per_128_s`` = TTFT x 128 / prompt tokens and
     ``decode_delay_per_10_s`` = 10 x (last - first token) / (output tokens - 1)."""
     done = requests[requests["completed"]] if "completed" in requests else requests
+    if "first_token_s" not in done:  # no request recorded anything (a run that failed at once)
+        columns = [*_key(done), "prompt_tokens", "output_tokens", "ttft_s", "e2e_s", "tpot_s",
+                   "prefill_delay_per_128_s", "decode_delay_per_10_s"]  # fmt: skip
+        return pd.DataFrame({c: pd.Series(dtype=done[c].dtype if c in done else "float64") for c in columns})
     out = done[[*_key(done), "prompt_tokens", "output_tokens"]].copy()
     out["ttft_s"] = done["first_token_s"] - done["arrival_s"]
     out["e2e_s"] = done["last_token_s"] - done["arrival_s"]

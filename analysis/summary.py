@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.load import CampaignData, load
-from analysis.metrics import token_gaps_s
+from analysis.metrics import request_latencies, token_gaps_s
 
 SETTING_COLUMNS = ("method", "link.profile", "link.trace", "partition.device_layers", "workload.rate_per_s")
 
@@ -25,8 +25,8 @@ def summarize(data: CampaignData) -> pd.DataFrame:
             "repetition"]  # fmt: skip
     table = runs[[c for c in keep if c in runs.columns]].copy()
     if not data.requests.empty:
-        done = data.requests[data.requests.completed]
-        per_run = done.groupby("run_id").agg(
+        latencies = request_latencies(data.requests)
+        per_run = latencies.groupby("run_id").agg(
             requests=("request_id", "count"),
             ttft_mean_ms=("ttft_s", lambda s: s.mean() * 1e3),
             ttft_p90_ms=("ttft_s", lambda s: s.quantile(0.9) * 1e3),

@@ -538,3 +538,21 @@ def test_report_on_a_single_configuration_has_no_matrix_sections(tmp_path: Path)
     assert "sla_compliance.png" in text and "qoe_distribution.png" in text
     table = pd.read_csv(campaign / "report" / "latency_by_method.csv")
     assert len(table) == 1 and table["requests"].iloc[0] == 10
+
+
+def test_report_of_runs_that_failed_before_any_request_finished(tmp_path: Path) -> None:
+    # what a campaign whose workers all die at start-up leaves: every request scheduled, none recorded
+    campaign = Path(shutil.copytree(SAMPLE, tmp_path / "campaign"))
+    with sqlite3.connect(campaign / "ledger.sqlite") as db:
+        db.execute("UPDATE runs SET state = 'failed', reason = 'workers: mpiexec exit status 9'")
+    for path in (campaign / "runs").glob("*/requests.parquet"):
+        scheduled = pd.read_parquet(path)
+        kept = ["node", "request_id", "scheduled_arrival_s", "scheduled_prompt_tokens", "expected_ttft_s",
+                "expected_tds_tok_s", "prompt_source", "clock_origin_unix_s"]  # fmt: skip
+        scheduled[kept].assign(completed=False).to_parquet(path, index=False)
+    for path in (campaign / "runs").glob("*/tokens.parquet"):
+        pd.read_parquet(path).iloc[0:0].to_parquet(path, index=False)
+    text = build_report(campaign).read_text()
+    assert "nothing to report" in text and text.count("failed: workers: mpiexec exit status 9") == 8
+    summary = pd.read_csv(campaign / "report" / "summary.csv")
+    assert len(summary) == 8 and summary["requests"].isna().all()
