@@ -39,7 +39,12 @@ WAIT_POLL_S = 3.0  # how long one remote wait for the exit status lasts
 
 
 def data_plane_env(interface: str) -> dict[str, str]:
-    """Environment that keeps a rank's MPI traffic on TCP over ``interface``."""
+    """Environment that keeps a rank's MPI traffic on TCP over ``interface``. On loopback (the
+    emulated testbed's local mode: every node a process on this host, nothing shaped) there is no
+    data plane to keep traffic on, and UCX's TCP transport refuses to connect two processes over
+    loopback, so ranks pass messages through shared memory instead."""
+    if interface == "lo":
+        return {"UCX_TLS": "self,posix,sysv", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": interface}
     return {
         "MPIR_CVAR_NOLOCAL": "1",
         "UCX_TLS": "tcp,self",

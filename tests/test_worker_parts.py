@@ -489,6 +489,12 @@ def test_data_plane_env_pins_mpi_to_tcp_on_the_interface():
     }
 
 
+def test_data_plane_env_on_loopback_uses_shared_memory():
+    # local mode: UCX's TCP transport will not connect two processes over lo, and there is nothing to shape
+    env = data_plane_env("lo")
+    assert env["UCX_TLS"] == "self,posix,sysv" and "UCX_NET_DEVICES" not in env and "MPIR_CVAR_NOLOCAL" not in env
+
+
 def test_device_schedule_makes_request_ids_unique_per_device():
     schedule = ({"request_id": 5, "prompt": "a"}, {"prompt": "b", "arrival_s": 1.0}, {"request_id": "7", "prompt": "c"})
     spec = SplitRunSpec(method="ushape", model="/m", server="gpu", devices=("orin", "nano"), schedule=schedule)
