@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,21 @@ def emulated_inventory(directory: Path, prefix: str, subnet_octet: int, nodes_ya
     path = directory / "inventory.yaml"
     path.write_text(text)
     return path
+
+
+@contextmanager
+def emulated_lab(path: Path) -> Iterator[Path]:
+    """``path``'s emulated testbed, up for the block; afterwards its links and power modes are undone
+    from the nodes' journals and the testbed is taken down (each step is a no-op when nothing changed)."""
+    up = run_cli("emulate", "up", "-i", str(path))
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        yield path
+    finally:
+        run_cli("link", "clear", "-i", str(path))
+        run_cli("power", "restore", "-i", str(path))
+        down = run_cli("emulate", "down", "-i", str(path))
+        assert down.returncode == 0, down.stdout + down.stderr
 
 
 def veth_bytes(proc_net_dev: str) -> dict[str, int]:

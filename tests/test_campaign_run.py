@@ -20,7 +20,7 @@ import pytest
 
 from testbed.emulation.resolved import load_lab
 from testbed.transport import open_transport
-from tests.conftest import REPO, emulated_inventory, run_cli
+from tests.conftest import REPO, emulated_inventory, emulated_lab
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
@@ -37,15 +37,8 @@ WAIT_LIMIT_S = 240.0
 def lab(tmp_path_factory: pytest.TempPathFactory):
     directory = tmp_path_factory.mktemp("campaign")
     path = emulated_inventory(directory, PREFIX, 214)
-    up = run_cli("emulate", "up", "-i", str(path))
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
+    with emulated_lab(path):
         yield path
-    finally:
-        run_cli("link", "clear", "-i", str(path))
-        run_cli("power", "restore", "-i", str(path))
-        down = run_cli("emulate", "down", "-i", str(path))
-        assert down.returncode == 0, down.stdout + down.stderr
 
 
 def campaign_file(directory: Path, inventory: Path, *, name: str, methods: list[str], requests: int) -> Path:

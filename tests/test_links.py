@@ -22,7 +22,7 @@ from netem.verify import verify_links
 from testbed.emulation.resolved import load_lab
 from testbed.errors import TestbedError
 from testbed.inventory import links_from_file
-from tests.conftest import REPO, emulated_inventory, run_cli
+from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
 
@@ -34,14 +34,8 @@ NODES = ("server", "orin", "xavier", "orin-nx")
 def lab(tmp_path_factory: pytest.TempPathFactory):
     directory = tmp_path_factory.mktemp("links")
     path = emulated_inventory(directory, PREFIX, 226)
-    up = run_cli("emulate", "up", "-i", str(path))
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
+    with emulated_lab(path):
         yield path
-    finally:
-        run_cli("link", "clear", "-i", str(path))
-        down = run_cli("emulate", "down", "-i", str(path))
-        assert down.returncode == 0, down.stdout + down.stderr
 
 
 def qdiscs(node: str, device: str = "data0") -> list:

@@ -23,7 +23,7 @@ from testbed.errors import TestbedError
 from testbed.power import restore_power, set_power, show_power
 from testbed.telemetry import finish_recording, probe_telemetry, record_telemetry, start_recording
 from testbed.transport import open_transport
-from tests.conftest import emulated_inventory, run_cli
+from tests.conftest import emulated_inventory, emulated_lab, run_cli
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
@@ -40,14 +40,8 @@ INTERVAL_S = 0.1
 def lab(tmp_path_factory: pytest.TempPathFactory):
     directory = tmp_path_factory.mktemp("power")
     path = emulated_inventory(directory, PREFIX, 228)
-    up = run_cli("emulate", "up", "-i", str(path))
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
+    with emulated_lab(path):
         yield path
-    finally:
-        run_cli("power", "restore", "-i", str(path))
-        down = run_cli("emulate", "down", "-i", str(path))
-        assert down.returncode == 0, down.stdout + down.stderr
 
 
 def power_journals(path: Path) -> list[Path]:

@@ -18,7 +18,7 @@ from testbed.emulation.resolved import load_lab
 from testbed.node_wheel import node_wheel
 from testbed.transport import open_transport
 from testbed.weights import ModelSource, file_sha256, read_safetensors_header
-from tests.conftest import emulated_inventory, run_cli
+from tests.conftest import emulated_inventory, emulated_lab, run_cli
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
@@ -37,13 +37,8 @@ NODES = ("server", *DEVICES)
 def lab(tmp_path_factory: pytest.TempPathFactory):
     directory = tmp_path_factory.mktemp("provision")
     path = emulated_inventory(directory, PREFIX, 210)
-    up = run_cli("emulate", "up", "-i", str(path))
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
+    with emulated_lab(path):
         yield path
-    finally:
-        down = run_cli("emulate", "down", "-i", str(path))
-        assert down.returncode == 0, down.stdout + down.stderr
 
 
 def home(lab: Path, node: str) -> Path:

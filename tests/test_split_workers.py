@@ -15,7 +15,7 @@ import pytest
 from testbed.emulation.resolved import load_lab
 from testbed.split_run import SplitRunSpec, run_split
 from testbed.transport import open_transport
-from tests.conftest import emulated_inventory, run_cli, veth_bytes
+from tests.conftest import emulated_inventory, emulated_lab, run_cli, veth_bytes
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
@@ -38,14 +38,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory):
     directory = tmp_path_factory.mktemp("split")
     path = emulated_inventory(directory, PREFIX, 218)
     path.write_text(path.read_text().replace("link_profiles:\n", "link_profiles:\n  narrow: {rate: 1MBps}\n  mid: {rate: 4MBps}\n"))
-    up = run_cli("emulate", "up", "-i", str(path))
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
+    with emulated_lab(path):
         yield path
-    finally:
-        run_cli("link", "clear", "-i", str(path))
-        down = run_cli("emulate", "down", "-i", str(path))
-        assert down.returncode == 0, down.stdout + down.stderr
 
 
 @pytest.fixture(scope="module")
