@@ -40,18 +40,15 @@ class ReportOptions:
 class Report:
     directory: Path
     lines: list[str] = field(default_factory=list)
-    files: list[Path] = field(default_factory=list)
 
     def table(self, name: str, frame: pd.DataFrame, caption: str, digits: int = 1) -> None:
         path = self.directory / f"{name}.csv"
         frame.to_csv(path, index=False)
-        self.files.append(path)
         self.lines += [caption, "", markdown_table(frame, digits), "", f"[{path.name}]({path.name})", ""]
 
     def figure(self, name: str, fig: Figure, caption: str) -> None:
         path = self.directory / f"{name}.png"
         fig.savefig(path, dpi=110)
-        self.files.append(path)
         self.lines += [f"![{caption}]({path.name})", "", f"*{caption}*", ""]
 
 
@@ -190,7 +187,6 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
                      for m, part in latencies.groupby("method") for c in ("prefill_delay_per_128_s",
                                                                          "decode_delay_per_10_s")])  # fmt: skip
     cdf.to_csv(out / "sla_compliance.csv", index=False)
-    report.files.append(out / "sla_compliance.csv")
     r += ["The curves' points: [sla_compliance.csv](sla_compliance.csv).", ""]
 
     r += ["## QoE (Andes Eq. 1)", ""]
@@ -275,7 +271,6 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
 
     per_request = latencies.merge(qoe[[*metrics.REQUEST_KEY, "qoe"]], on=metrics.REQUEST_KEY, how="left")
     per_request.to_csv(out / "requests_metrics.csv", index=False)
-    report.files.append(out / "requests_metrics.csv")
     r += ["Per-request metrics (TTFT, e2e, TPOT, SLA delays, QoE): [requests_metrics.csv](requests_metrics.csv).", ""]
     r += attention_lines(directory)
     path = out / "report.md"
