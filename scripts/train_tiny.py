@@ -57,6 +57,18 @@ def read_text(path):
         return handle.read()
 
 
+def read_corpus(root, held_out_every):
+    """(files, training texts, held-out texts, sha256 of every file's path and text) of a corpus."""
+    files = corpus_files(root)
+    train_texts, held_texts, digest = [], [], hashlib.sha256()
+    for path in files:
+        relative = os.path.relpath(path, root)
+        text = read_text(path)
+        digest.update(relative.encode() + b"\0" + text.encode("utf-8", "replace"))
+        (held_texts if is_held_out(relative, held_out_every) else train_texts).append(text)
+    return files, train_texts, held_texts, digest
+
+
 def train_tokenizer(texts, vocab_size):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -139,13 +151,7 @@ def main(argv=None):
     torch.set_num_threads(os.cpu_count() or 1)
     os.makedirs(args.out, exist_ok=True)
 
-    files = corpus_files(args.corpus)
-    train_texts, held_texts, digest = [], [], hashlib.sha256()
-    for path in files:
-        relative = os.path.relpath(path, args.corpus)
-        text = read_text(path)
-        digest.update(relative.encode() + b"\0" + text.encode("utf-8", "replace"))
-        (held_texts if is_held_out(relative, args.held_out_every) else train_texts).append(text)
+    files, train_texts, held_texts, digest = read_corpus(args.corpus, args.held_out_every)
     print(f"corpus: {len(files)} files ({len(held_texts)} held out) from {args.corpus}", flush=True)
 
     tokenizer = train_tokenizer(train_texts, args.vocab_size)

@@ -69,5 +69,53 @@ class KVCache:
             raise ValueError("cannot truncate a cache of %d tokens to %d" % (self.length, length))
         self.length = length
 
+    def view(self, layer: int, end: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values for positions [0, end) (views, no copy)."""
+        if end > self.length:
+            raise ValueError("the cache holds %d positions, not %d" % (self.length, end))
+        return self._keys[layer][:, :end], self._values[layer][:, :end]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for store in (self._keys, self._values) for t in store.values())
+
+
+class BranchCache:
+    """A speculative continuation of a ``KVCache``: it reads the base's first ``base_length`` positions
+    and keeps what it appends to itself, so several branches (HAT's parallel drafts, Sec. 3.5) grow
+    from one prefix without copying it. ``commit`` writes the branch's first positions into the base.
+    """
+
+    def __init__(self, base: KVCache, base_length: int, capacity: int = 16) -> None:
+        if base_length > base.length:
+            raise ValueError("a branch at %d of a cache of %d positions" % (base_length, base.length))
+        self.base, self.base_length = base, base_length
+        self.layers = base.layers
+        self.own = KVCache(base.layers, base.num_kv_heads, base.head_dim, base.dtype, base.device, capacity)
+
+    @property
+    def length(self) -> int:
+        return self.base_length + self.own.length
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        own_keys, own_values = self.own.append(layer, keys, values)
+        base_keys, base_values = self.base.view(layer, self.base_length)
+        return torch.cat([base_keys, own_keys], dim=1), torch.cat([base_values, own_values], dim=1)
+
+    def advance(self, n: int) -> None:
+        self.own.advance(n)
+
+    def truncate(self, length: int) -> None:
+        self.own.truncate(length - self.base_length)
+
+    def commit(self, tokens: int) -> None:
+        """Make the branch's first ``tokens`` positions the base's positions base_length.. (the base
+        forgets whatever it held from base_length on)."""
+        if tokens > self.own.length:
+            raise ValueError("the branch holds %d positions, not %d" % (self.own.length, tokens))
+        self.base.truncate(self.base_length)
+        if not tokens:
+            return
+        for layer in self.layers:
+            keys, values = self.own.view(layer, tokens)
+            self.base.append(layer, keys, values)
+        self.base.advance(tokens)
