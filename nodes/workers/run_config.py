@@ -17,7 +17,15 @@ import json
 import os
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-METHODS = ("centralized", "ushape", "usarathi")
+# HAT (Sec. 3.3-3.5) and its ablations: speculative decoding (sd), prompt chunking (pc), parallel drafting (pd)
+HAT_FEATURES = {
+    "sd": ("sd",),
+    "pc": ("pc",),
+    "sd_pc": ("sd", "pc"),
+    "sd_pd": ("sd", "pd"),
+    "hat": ("sd", "pc", "pd"),
+}
+METHODS = ("centralized", "ushape", "usarathi") + tuple(HAT_FEATURES)
 
 
 class RunConfigError(ValueError):
@@ -33,6 +41,16 @@ class RankSpec(NamedTuple):
     schedule: Optional[str] = None
 
 
+class DraftSettings(NamedTuple):
+    """The draft model and HAT's drafting knobs (Sec. 3.4-3.5)."""
+
+    adapter: Optional[str] = None  # directory of the adapter; default <model>/draft
+    eta: float = 0.6  # drafting threshold of Eq. 5
+    max_draft_tokens: int = 8
+    top_k: int = 3  # parallel drafting's candidates
+    max_parallel_steps: int = 8  # cap on lambda_i of Eq. 6
+
+
 class RunConfig(NamedTuple):
     run_id: str
     method: str
@@ -44,6 +62,16 @@ class RunConfig(NamedTuple):
     out_dir: str
     ranks: Tuple[RankSpec, ...]
     seed: int = 0
+    draft: DraftSettings = DraftSettings()
+
+    def uses(self, feature: str) -> bool:
+        """Whether the method has HAT's ``sd``, ``pc`` or ``pd``."""
+        return feature in HAT_FEATURES.get(self.method, ())
+
+    @property
+    def server_state_in_replies(self) -> bool:
+        """HAT's methods size chunks and parallel drafts from the server's state (Eq. 3, Eq. 6)."""
+        return self.method in HAT_FEATURES
 
     @property
     def device_ranks(self) -> List[int]:
@@ -124,6 +152,19 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
     chunk = int(raw.get("chunk_tokens", 128))
     if chunk < 1:
         raise RunConfigError("%s: field 'chunk_tokens' must be >= 1" % source)
+    draft_raw = raw.get("draft") or {}
+    if not isinstance(draft_raw, dict):
+        raise RunConfigError("%s: field 'draft' must be a mapping" % source)
+    unknown = sorted(set(draft_raw) - set(DraftSettings._fields))
+    if unknown:
+        raise RunConfigError(
+            "%s: draft.%s is not a field; known: %s" % (source, unknown[0], ", ".join(DraftSettings._fields))
+        )
+    draft = DraftSettings(**draft_raw)
+    if not 0.0 <= float(draft.eta) <= 1.0:
+        raise RunConfigError("%s: draft.eta must lie in [0, 1]" % source)
+    if int(draft.max_draft_tokens) < 0 or int(draft.top_k) < 0 or int(draft.max_parallel_steps) < 0:
+        raise RunConfigError("%s: draft.max_draft_tokens, top_k and max_parallel_steps must be >= 0" % source)
     return RunConfig(
         run_id=str(raw.get("run_id", "run")),
         method=method,
@@ -135,6 +176,7 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
         out_dir=os.path.expanduser(need("out_dir", str)),
         ranks=tuple(ranks),
         seed=int(raw.get("seed", 0)),
+        draft=draft,
     )
 
 

@@ -70,6 +70,24 @@ class _Pending(NamedTuple):
     info: _Progress  # shared by the pieces of one device segment
 
 
+def _join_chunk(pending: List[_Pending], segment: wire.Segment) -> bool:
+    """Append a prompt chunk to the waiting chunk it continues (one cache takes one segment per
+    iteration), keeping the first chunk's arrival; False when no waiting chunk precedes it."""
+    if segment.phase != wire.PREFILL:
+        return False
+    for index, item in enumerate(pending):
+        s = item.segment
+        if (s.device, s.request_id, s.phase) == (segment.device, segment.request_id, wire.PREFILL) and (
+            s.start + s.tokens == segment.start
+        ):
+            joined = s._replace(
+                tokens=s.tokens + segment.tokens, payload=torch.cat([s.payload, segment.payload]), flags=segment.flags
+            )
+            pending[index] = _Pending(joined, item.info)
+            return True
+    return False
+
+
 class ServerStage:
     def __init__(self, config: RunConfig, comm: "MPI.Comm", rank: int) -> None:
         self.config, self.comm, self.rank, self.t0 = config, comm, rank, 0.0
@@ -139,7 +157,7 @@ class ServerStage:
                 for segment in frame.segments:
                     if segment.phase == wire.RELEASE:
                         releases.append(segment)
-                    else:
+                    elif not _join_chunk(pending, segment):
                         pending.append(_Pending(segment, _Progress(now)))
                 got = mpi_link.poll(self.comm, tag=mpi_link.TAG_UP)
             if not pending and not releases:
@@ -194,6 +212,8 @@ class ServerStage:
         cache = self.caches.get(key)
         if cache is None:
             cache = self.caches[key] = self.part.new_cache(max(256, segment.start + segment.tokens))
+        if segment.phase == wire.VERIFY and segment.start < cache.length:
+            cache.truncate(segment.start)  # speculative decoding: forget the rejected draft positions
         if cache.length != segment.start:
             raise RuntimeError(
                 "request %d of rank %d: segment starts at %d, the stage's cache holds %d"
@@ -283,11 +303,19 @@ class ServerStage:
         depart = time.monotonic()
         for s in segments:
             offset += s.tokens
-            if s.phase == wire.DECODE or s.last_chunk:
+            if s.phase == wire.VERIFY:  # every position's deep state goes back
+                by_device.setdefault(s.device, []).append(
+                    s._replace(payload=out[offset - s.tokens : offset], server_depart_s=depart)
+                )
+            elif s.phase == wire.DECODE or s.last_chunk:
                 last = out[offset - 1 : offset]
                 by_device.setdefault(s.device, []).append(
                     s._replace(start=s.start + s.tokens - 1, tokens=1, payload=last, server_depart_s=depart)
                 )
+        if self.config.server_state_in_replies:
+            state = torch.tensor([self.monitor.to_vector(self.config.stages)], dtype=torch.float32)
+            for replies in by_device.values():
+                replies.append(wire.Segment(0, 0, wire.STATE, 0, 1, state))
         for device, replies in by_device.items():
             self.outbox.send(self.comm, wire.encode(wire.DATA, self.iteration, replies), device, mpi_link.TAG_DOWN)
 
@@ -307,7 +335,7 @@ class ServerStage:
                 "start_s": round(start - self.t0, 6),
                 "batched_tokens": tokens,
                 "prefill_tokens": sum(s.tokens for s in segments if s.phase == wire.PREFILL),
-                "decode_tokens": sum(s.tokens for s in segments if s.phase == wire.DECODE),
+                "decode_tokens": sum(s.tokens for s in segments if s.phase in (wire.DECODE, wire.VERIFY)),
                 "segments": len(segments),
                 "releases": len(releases),
                 "compute_s": round(compute_s, 6),

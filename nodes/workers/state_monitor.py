@@ -10,7 +10,7 @@ extrapolates with the per-token slope of the two largest.
 """
 
 import math
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
 
 ALPHA = 0.8
 
@@ -54,3 +54,35 @@ class StateMonitor:
 
     def snapshot(self) -> Dict[str, float]:
         return {"mu_tokens": self.mu or 0.0, **{"g_%d_s" % k: v for k, v in sorted(self._delay_s.items())}}
+
+    def to_vector(self, stages: int) -> List[float]:
+        """[mu, P, bucket_1, g_1, ..., bucket_B, g_B]: the STATE segment's payload (see ``wire``)."""
+        out = [float(self.mu or 0.0), float(stages)]
+        for bucket, delay in sorted(self._delay_s.items()):
+            out += [float(bucket), delay]
+        return out
+
+    @classmethod
+    def from_vector(cls, values: Sequence[float]) -> "ServerState":
+        return ServerState(values)
+
+
+class ServerState:
+    """What a device knows of the server from its last reply: mu and g (the whole middle model's delay,
+    i.e. P times one stage's, as Eq. 3 divides by P)."""
+
+    def __init__(self, values: Sequence[float]) -> None:
+        if len(values) < 2 or len(values) % 2:
+            raise ValueError(
+                "a server state vector has mu, P, then (tokens, seconds) pairs; got %d values" % len(values)
+            )
+        self.mu = float(values[0])
+        self.stages = max(1, round(values[1]))
+        self._stage = StateMonitor()
+        for i in range(2, len(values), 2):
+            self._stage._delay_s[round(values[i])] = float(values[i + 1])
+
+    def g_s(self, tokens: float) -> Optional[float]:
+        """g(tokens): predicted delay of the whole middle model for an iteration of ``tokens`` tokens."""
+        per_stage = self._stage.predict_s(math.ceil(tokens))
+        return None if per_stage is None else per_stage * self.stages

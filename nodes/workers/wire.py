@@ -8,10 +8,16 @@ read each other's frames without MPI datatype conversion.
 Frame header ``<4sBBHQ``: magic ``HILW``, version, kind (DATA or STOP), segment count, iteration.
 
 Segment header ``<QIBBBBIIIIdddd`` (64 bytes): request id, device rank, phase (prefill, decode,
-release), dtype, flags (last prompt chunk), reserved, start position, token count, width (hidden
+release, verify, state), dtype, flags (last prompt chunk), reserved, start position, token count, width (hidden
 size, or 1 for token ids), payload bytes, then four server-side times in seconds: queue wait and
 compute (durations summed over stages), and the server's monotonic clock when the segment arrived
 at stage 0 and when the last stage sent it back. Devices fill the times with zeros.
+
+A VERIFY segment (HAT's speculative decoding) is a decode step of several positions whose every
+deep state comes back, not only the last; its start may lie before what the server's caches hold,
+which rolls them back to it. A STATE segment, appended by the last stage to its replies for the HAT
+methods, carries the server's state (Sec. 3.2) as float32 ``[1, 2 + 2B]``: mu, the number of
+pipeline stages, then B pairs (batched tokens, g seconds) of one stage's delay table.
 """
 
 import struct
@@ -26,7 +32,7 @@ FRAME = struct.Struct("<4sBBHQ")
 SEGMENT = struct.Struct("<QIBBBBIIIIdddd")
 
 DATA, STOP = 1, 2
-PREFILL, DECODE, RELEASE = 1, 2, 3
+PREFILL, DECODE, RELEASE, VERIFY, STATE = 1, 2, 3, 4, 5
 LAST_CHUNK = 1
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3}
