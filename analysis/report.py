@@ -165,11 +165,25 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
         ["decode_tokens", "decode_steps"]].sum()
     pooled = (steps["decode_tokens"] / steps["decode_steps"].where(steps["decode_steps"] > 0))
     table = table.merge(pooled.rename("tokens_per_decode_step").reset_index(), on=table_by)
+    if {"speculative_accepted", "speculative_rounds"} <= set(requests.columns):
+        spec = requests[requests["completed"]].merge(done[["run_id", *table_by]], on="run_id")
+        sums = spec.groupby(table_by)[["speculative_accepted", "speculative_rounds"]].sum(min_count=1)
+        length = 1 + sums["speculative_accepted"] / sums["speculative_rounds"].where(sums["speculative_rounds"] > 0)
+        table = table.merge(length.rename("acceptance_length").reset_index(), on=table_by, how="left")
     report.table("latency_by_method", table,
                  "TTFT and TBT in ms (mean and percentiles over all requests and token gaps of the method's runs), "
                  "per prompt set (HAT's dataset column) and method. `tokens_per_decode_step` is the decode tokens "
                  "over the decode steps of all requests: the acceptance length (bonus token counted, as vLLM "
-                 "reports it) for speculative methods, 1 for plain decoding.")  # fmt: skip
+                 "reports it) for speculative methods, 1 for plain decoding. `acceptance_length` (speculative "
+                 "methods) is vLLM's: 1 + accepted draft tokens / verification rounds, the bonus token counted; "
+                 "the two differ only by rounds cut short by the output limit or EOS.")  # fmt: skip
+    scaled = done[done["link.rate_scale"].fillna(1.0) != 1.0] if "link.rate_scale" in done.columns else done.iloc[:0]
+    if not scaled.empty:
+        scales = ", ".join(f"{s:g}" for s in sorted(set(scaled["link.rate_scale"])))
+        r += [f"**Scaled links:** {len(scaled)} of {len(done)} runs shaped every link rate multiplied by {scales} "
+              "(`link.rate_scale`, so that a small model's hidden states take as long to send as the paper's); "
+              "their absolute latencies stand for the paper's testbed, not for this one's unscaled links.",
+              ""]  # fmt: skip
     if axes:
         r += ["## Latency by configuration", ""]
         report.table("latency_by_configuration", metrics.latency_table(requests, tokens, done, by=axes, gaps=gaps),

@@ -154,6 +154,17 @@ def hat_trace(
     )
 
 
+def scale_trace(trace: BandwidthTrace, rate_scale: float) -> BandwidthTrace:
+    """The trace with every rate multiplied by ``rate_scale`` (a campaign's ``link.rate_scale``)."""
+    if rate_scale == 1.0:
+        return trace
+    steps = tuple(
+        replace(s, up_bit_s=s.up_bit_s * rate_scale, down_bit_s=s.down_bit_s * rate_scale)
+        for s in trace.steps
+    )
+    return BandwidthTrace(f"{trace.source} x {rate_scale:g}", steps)
+
+
 def _server_nodes(inventory: Inventory) -> set[str]:
     return {n.name for n in inventory.nodes if "server" in n.roles}
 

@@ -46,6 +46,8 @@ from testbed.inventory import Inventory, Name, NodeSpec, pydantic_problem
 from testbed.yaml_source import FieldPath, YamlSource, field_name
 from workloads.schedule import WorkloadSpec
 
+SPECULATIVE_METHODS = ("sd", "sd_pc", "sd_pd", "hat")  # the methods that draft (HAT Sec. 3.4)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -80,6 +82,19 @@ class LinkSettings(_Strict):
     links: str | None = None
     shaped: StrictBool = True
     verify_s: float = Field(0.0, ge=0, le=60)  # iperf3 per direction after shaping; 0 = read back only
+    # every shaped rate is multiplied by this: a small model's hidden states are far smaller than the
+    # paper's, so scaling the links down keeps communication's share of the latency (HAT: 4096 wide)
+    rate_scale: float = Field(1.0, gt=0, le=1000)
+
+
+class DraftSettings(_Strict):
+    """HAT's draft model and drafting knobs (methods sd, sd_pc, sd_pd, hat)."""
+
+    adapter: str | None = None  # the adapter's directory; default: <model>/draft
+    eta: float = Field(0.6, ge=0, le=1)  # drafting threshold of Eq. 5
+    max_draft_tokens: StrictInt = Field(8, ge=0, le=64)
+    top_k: StrictInt = Field(3, ge=0, le=64)  # parallel drafting's candidates
+    max_parallel_steps: StrictInt = Field(8, ge=0, le=64)  # cap on lambda_i of Eq. 6
 
 
 class TelemetrySettings(_Strict):
@@ -91,7 +106,7 @@ class TelemetrySettings(_Strict):
 class RunSettings(_Strict):
     """One run's configuration: what a matrix key may override (``link.profile``, ``power.orin``)."""
 
-    method: Literal["centralized", "ushape", "usarathi"] = "ushape"
+    method: Literal["centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat"] = "ushape"
     model: str = "examples/models/tiny"
     partition: PartitionSettings = PartitionSettings()
     server: Name = "server"
@@ -100,7 +115,8 @@ class RunSettings(_Strict):
     link: LinkSettings = LinkSettings()
     power: dict[Name, str] = {}  # node or group -> mode, set and read back before the run
     telemetry: TelemetrySettings = TelemetrySettings()
-    chunk_tokens: StrictInt = Field(128, ge=1, le=1_000_000)
+    chunk_tokens: StrictInt = Field(128, ge=1, le=1_000_000)  # usarathi's budget; pc's first chunk
+    draft: DraftSettings = DraftSettings()
     dtype: Literal["float32", "float16", "bfloat16", "auto"] = "float32"
     threads_per_rank: StrictInt = Field(1, ge=1, le=256)
     drain_s: float = Field(1.0, ge=0, le=600)  # telemetry kept running after the last token
@@ -440,6 +456,27 @@ class _SettingsChecker:
         elif stages > server_layers:
             yield "partition.stages", f"{stages} stages for {server_layers} server layers", \
                 f"use at most {server_layers}"
+        if s.method in SPECULATIVE_METHODS:
+            yield from self._draft_problems(s, directory)
+
+    def _draft_problems(self, s: RunSettings, model_dir: Path) -> Iterable[tuple[str, str, str]]:
+        """A speculative method needs a draft adapter trained on the output of the run's m device layers."""
+        field = "draft.adapter" if s.draft.adapter else "method"
+        directory = _relative(self.source.path, s.draft.adapter) if s.draft.adapter else model_dir / "draft"
+        config = directory / "adapter_config.json"
+        m = s.partition.device_layers
+        train = f"train one: python scripts/train_draft.py --model {s.model} --device-layers {m}"
+        if not config.is_file():
+            yield field, f"{s.method} drafts with an adapter, and {directory} has no adapter_config.json", train
+            return
+        try:
+            trained_for = int(json.loads(config.read_text())["device_layers"])
+        except (ValueError, KeyError, TypeError):
+            yield field, f"{config}: no device_layers", train
+            return
+        if trained_for != s.partition.device_layers:
+            yield "partition.device_layers", (f"the draft adapter in {directory} was trained on {trained_for} device "
+                                              f"layers, not {s.partition.device_layers}"), train  # fmt: skip
 
 
 def workload_spec(settings: RunSettings) -> WorkloadSpec:

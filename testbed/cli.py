@@ -805,15 +805,19 @@ def workers_run(
                                              "replays it.")],
     inventory: InventoryOption = Path("inventory.yaml"),
     method: Annotated[str, typer.Option(help="centralized (device sends token ids, the server runs the whole "
-                                        "model), ushape (HAT's U-shape: prompt hidden states sent whole), or "
-                                        "usarathi (U-shape, the server chunks prompts beside decodes).")] = "ushape",
+                                        "model), ushape (HAT's U-shape: prompt hidden states sent whole), "
+                                        "usarathi (U-shape, the server chunks prompts beside decodes), or HAT "
+                                        "with some of its strategies: pc (prompt chunking, Eq. 3), sd "
+                                        "(speculative decoding with the draft adapter in MODEL/draft), sd_pc, "
+                                        "sd_pd (sd + parallel drafting, Eq. 6), hat (all three).")] = "ushape",
     model: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory, as seen on the nodes.")] = TINY_MODEL,
     server: Annotated[str, typer.Option(help="Node that runs the pipeline stages and mpiexec.")] = "server",
     devices: Annotated[str, typer.Option(help="Comma-separated device nodes or groups.")] = "devices",
     stages: Annotated[int, typer.Option("--stages", "-P", help="Server pipeline stages (MPI ranks).")] = 1,
     device_layers: Annotated[int, typer.Option("--device-layers", "-m", help="Layers the device runs after "
                                                "the embedding (U-shape's m).")] = 1,
-    chunk_tokens: Annotated[int, typer.Option(help="usarathi's prompt chunk (token budget per iteration).")] = 128,
+    chunk_tokens: Annotated[int, typer.Option(help="usarathi's prompt chunk (token budget per iteration); the "
+                                              "first chunk of pc methods, before the link is measured.")] = 128,
     dtype: Annotated[str, typer.Option(help="float32, float16, bfloat16 or auto (the checkpoint's).")] = "float32",
     out_dir: Annotated[Path, typer.Option("--out", help="Where rank files and mpiexec.log are collected.")] = Path(
         "split-run"

@@ -215,7 +215,6 @@ def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, even
 def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
     from netem.apply import apply_plans, apply_trace, show_nodes
     from netem.plan import compile_plan
-    from netem.trace import load_trace
     from netem.verify import verify_links
 
     lab, link = campaign.inventory, settings.link
@@ -224,7 +223,7 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
     plans = compile_plan(lab, links)
     state.shaped_nodes = tuple(dict.fromkeys(p.node for p in plans))
     if link.trace:
-        trace = load_trace(campaign.resolve(link.trace))
+        trace = run_trace(campaign, settings)
         result, started = apply_trace(lab, {d: trace for d in device_names(lab, settings)})
     else:
         result = apply_plans(lab, plans)
@@ -250,22 +249,37 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
                             f"({jsonable(worst)})")  # fmt: skip
 
 
+def run_trace(campaign: Campaign, settings: RunSettings):
+    """The run's bandwidth trace, its rates multiplied by ``link.rate_scale``."""
+    from netem.trace import load_trace, scale_trace
+
+    return scale_trace(load_trace(campaign.resolve(settings.link.trace)), settings.link.rate_scale)
+
+
 def run_links(campaign: Campaign, settings: RunSettings) -> tuple:
     """The directed links a run shapes: a trace's first row on every device's links, a links file,
-    one profile on every link of the inventory, or the inventory's own links."""
-    from netem.trace import load_trace, traced_links
+    one profile on every link of the inventory, or the inventory's own links; every rate multiplied
+    by ``link.rate_scale``."""
+    from netem.trace import traced_links
 
     lab, link = campaign.inventory, settings.link
-    if link.trace:
-        trace = load_trace(campaign.resolve(link.trace))
-        links, _ = traced_links(lab, {d: trace for d in device_names(lab, settings)})
-        return links
-    if link.links:
-        return links_from_file(lab, campaign.resolve(link.links))
-    if link.profile:
+    if link.trace:  # the traced links come scaled with the trace; the others are scaled below
+        links, driven = traced_links(lab, {d: run_trace(campaign, settings) for d in device_names(lab, settings)})
+    elif link.links:
+        links = links_from_file(lab, campaign.resolve(link.links))
+    elif link.profile:
         profile = lab.spec.link_profiles[link.profile]
-        return tuple(dataclasses.replace(lk, profile_name=link.profile, profile=profile) for lk in lab.links)
-    return lab.links
+        links = tuple(dataclasses.replace(lk, profile_name=link.profile, profile=profile) for lk in lab.links)
+    else:
+        links = lab.links
+    if link.rate_scale == 1.0:
+        return links
+    scale, driven = link.rate_scale, driven if link.trace else {}
+    return tuple(
+        dataclasses.replace(lk, profile=lk.profile.model_copy(update={"rate_bit_s": lk.profile.rate_bit_s * scale}))
+        if lk.profile.rate_bit_s and (lk.source, lk.destination) not in driven else lk
+        for lk in links
+    )  # fmt: skip
 
 
 def _start_telemetry(campaign: Campaign, run: PlannedRun, attempt: int, directory: Path, state: _RunState) -> None:
@@ -300,6 +314,7 @@ def _workers(
         chunk_tokens=settings.chunk_tokens, dtype=settings.dtype,
         schedules=tuple((d, tuple(state.schedules[d])) for d in devices), run_id=run_id,
         timeout_s=campaign.spec.run_timeout_s, threads_per_rank=settings.threads_per_rank,
+        extra={"draft": _draft_config(campaign, settings)},
     )  # fmt: skip
     scheduled = sum(len(rows) for rows in state.schedules.values())
 
@@ -311,6 +326,14 @@ def _workers(
     finally:
         state.completed = _count_rows(directory / "workers" / "ranks")
         report("served", {"served": state.completed, "scheduled": scheduled})
+
+
+def _draft_config(campaign: Campaign, settings: RunSettings) -> dict[str, Any]:
+    """The run config's ``draft`` mapping, the adapter's path resolved against the campaign file (by
+    default the checkpoint's ``draft/``, where the model is, also when devices run a placed part)."""
+    draft = settings.draft.model_dump()
+    draft["adapter"] = str(campaign.resolve(draft["adapter"] or f"{settings.model}/draft"))
+    return draft
 
 
 def _collect(campaign: Campaign, directory: Path, state: _RunState) -> None:

@@ -33,7 +33,7 @@ from testbed.transport import open_transport
 from testbed.transport.base import Transport
 
 Say = Callable[[str], None]
-METHODS = ("centralized", "ushape", "usarathi")
+METHODS = ("centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat")
 LAUNCH_MARGIN_S = 60.0
 WAIT_POLL_S = 3.0  # how long one remote wait for the exit status lasts
 

@@ -26,6 +26,7 @@ pytestmark = [
 PREFIX = "tm"
 TINY = Path(__file__).resolve().parent.parent / "examples" / "models" / "tiny"
 DEVICES = ("orin", "xavier", "orin-nx")
+MAX_NEW_TOKENS = 12  # enough for several speculative rounds
 PROMPTS = [
     "def read_config(path):\n    with open(path) as handle:\n        return",
     "import os\n",
@@ -50,7 +51,7 @@ def reference():
     from nodes.inference.tokenizer import Tokenizer
 
     model, tokenizer = load_whole(str(TINY), dtype="float32"), Tokenizer(str(TINY))
-    return {p: greedy_generate(model, tokenizer.encode(p), 6, tokenizer.eos_id) for p in PROMPTS}
+    return {p: greedy_generate(model, tokenizer.encode(p), MAX_NEW_TOKENS, tokenizer.eos_id) for p in PROMPTS}
 
 
 def schedule(prompts, max_new_tokens, spacing_s=0.0):
@@ -67,12 +68,12 @@ def stage_iterations(result, stage: int) -> list[dict[str, str]]:
     return [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
 
 
-@pytest.mark.parametrize("method", ["centralized", "ushape", "usarathi"])
+@pytest.mark.parametrize("method", ["centralized", "ushape", "usarathi", "pc", "sd", "sd_pc", "sd_pd", "hat"])
 def test_every_method_emits_the_tokens_of_single_process_generation(lab, reference, tmp_path, method):
     inv = load_lab(lab)
     spec = SplitRunSpec(
         method=method, model=str(TINY), server="server", devices=DEVICES, stages=2, device_layers=2,
-        chunk_tokens=16, schedule=schedule(PROMPTS, 6), run_id=f"same-{method}", timeout_s=240,
+        chunk_tokens=16, schedule=schedule(PROMPTS, MAX_NEW_TOKENS), run_id=f"same-{method}", timeout_s=240,
     )  # fmt: skip
     result = run_split(inv, spec, tmp_path / method)
     requests = result.requests()
@@ -81,13 +82,31 @@ def test_every_method_emits_the_tokens_of_single_process_generation(lab, referen
         prompt = PROMPTS[r["request_id"] % 1_000_000]
         assert r["token_ids"] == reference[prompt], (r["node"], prompt)
         assert r["method"] == method
+        assert sum(r["prefill"]["chunks_tokens"]) == r["prompt_tokens"]
     first = stage_iterations(result, 0)
     prefill = [int(row["prefill_tokens"]) for row in first]
     longest = max(r["prompt_tokens"] for r in requests)
     if method == "usarathi":
         assert max(prefill) <= 16 < longest  # long prompts were spread over iterations
+    elif method in ("pc", "sd_pc", "hat"):
+        # the device sends chunks (the first request's of chunk_tokens, before anything is measured)
+        assert any(len(r["prefill"]["chunks_tokens"]) > 1 for r in requests)
     else:
         assert max(prefill) >= longest  # prompts taken whole
+        assert all(len(r["prefill"]["chunks_tokens"]) == 1 for r in requests)
+    if method in ("sd", "sd_pc", "sd_pd", "hat"):
+        rounds = [r["speculative"] for r in requests]
+        assert all(s["rounds"] == r["decode"]["steps"] >= 1 for s, r in zip(rounds, requests, strict=True))
+        for s, r in zip(rounds, requests, strict=True):  # every round emits its accepted drafts and one token
+            assert sum(a + 1 for _, a, *_ in s["per_round"]) >= r["output_tokens"] - 1
+            assert s["acceptance_length"] == pytest.approx(1 + s["accepted"] / s["rounds"], abs=1e-4)
+        # verifications carry several positions: some decode-only iteration has more positions than segments
+        assert any(int(row["decode_tokens"]) > int(row["segments"]) for row in first if row["prefill_tokens"] == "0")
+        for s in rounds:  # parallel drafting runs at most Eq. 6's lambda steps, and only in pd methods
+            assert all(steps <= lam <= 8 for *_, lam, steps in s["per_round"])
+            assert method in ("sd_pd", "hat") or not s["parallel_rounds"]
+    else:
+        assert all("speculative" not in r for r in requests)
     assert sum(int(row["segments"]) for row in stage_iterations(result, 1)) > 0  # stage 1 ran too
     assert any(int(row["segments"]) > 1 for row in first)  # devices batched together at least once
 
