@@ -852,15 +852,22 @@ def workers_run(
     if as_json:
         out.print_json(data={"out": str(out_dir), "seconds": result.seconds, "requests": requests})
         return
-    table = Table(title=f"{method}: {len(requests)} requests in {result.seconds:.1f} s (files in {out_dir})")
-    for column in ("node", "request", "prompt tok", "out tok", "TTFT ms", "mean TBT ms", "network ms", "text"):
+    speculative = any("speculative" in r for r in requests)
+    caption = ("accept len: vLLM's mean acceptance length, 1 + accepted draft tokens / verification rounds "
+               "(the bonus token counted)") if speculative else None  # fmt: skip
+    table = Table(title=f"{method}: {len(requests)} requests in {result.seconds:.1f} s (files in {out_dir})",
+                  caption=caption)  # fmt: skip
+    columns = ["node", "request", "prompt tok", "chunks", "out tok", "TTFT ms", "mean TBT ms", "network ms"]
+    for column in [*columns, *(["accept len"] if speculative else []), "text"]:
         table.add_column(column, overflow="fold")
     for r in requests:
-        gaps = r["decode"]["steps"]
+        gaps = r["output_tokens"] - 1
         tbt = (r["last_token_s"] - r["first_token_s"]) / gaps * 1e3 if gaps else float("nan")
+        length = (r.get("speculative") or {}).get("acceptance_length")
         table.add_row(
-            r["node"], str(r["request_id"]), str(r["prompt_tokens"]), str(r["output_tokens"]),
-            f"{r['ttft_s'] * 1e3:.0f}", f"{tbt:.1f}", f"{r['prefill']['network_s'] * 1e3:.0f}",
+            r["node"], str(r["request_id"]), str(r["prompt_tokens"]), str(len(r["prefill"]["chunks_tokens"])),
+            str(r["output_tokens"]), f"{r['ttft_s'] * 1e3:.0f}", f"{tbt:.1f}", f"{r['prefill']['network_s'] * 1e3:.0f}",
+            *([f"{length:.2f}" if length is not None else "-"] if speculative else []),
             r["text"][:40].replace("\n", "\\n"),
         )  # fmt: skip
     out.print(table)

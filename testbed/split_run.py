@@ -244,6 +244,8 @@ def run_split(
             "ranks": ranks,
             **spec.extra,
         }
+        # the draft adapter stays with the checkpoint, also when the node runs a part provision placed
+        config["draft"] = {"adapter": f"{spec.model.rstrip('/')}/draft", **(spec.extra.get("draft") or {})}
         path = f"{info[name]['run_dir']}/run.json"
         with open_transport(inventory, node) as t:
             t.store(path, (json.dumps(config, indent=1) + "\n").encode())

@@ -116,7 +116,7 @@ def load_adapter(
     path = os.path.join(directory, ADAPTER_FILE)
     try:
         state = load_file(path)
-    except OSError as error:
+    except Exception as error:  # missing, or damaged (safetensors raises its own error type)
         raise DraftError("%s: cannot read the draft adapter (%s)" % (path, error)) from None
     missing = sorted(set(adapter.state_dict()) - set(state))
     if missing:

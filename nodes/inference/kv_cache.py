@@ -73,6 +73,9 @@ class KVCache:
         """This layer's keys and values for positions [0, end) (views, no copy)."""
         if end > self.length:
             raise ValueError("the cache holds %d positions, not %d" % (self.length, end))
+        if layer not in self._keys:  # nothing written yet (end is 0)
+            empty = self._buffer()[:, :0]
+            return empty, empty
         return self._keys[layer][:, :end], self._values[layer][:, :end]
 
     def nbytes(self) -> int:

@@ -316,6 +316,8 @@ def speculative_generate(
 ) -> Tuple[List[int], List[RoundLog]]:
     """Greedy generation with speculative decoding in one process: (generated ids, one RoundLog per
     round). The ids equal ``greedy_generate``'s."""
+    if max_new_tokens < 1:
+        return [], []
     state = device.new_state(len(prompt_ids) + max_new_tokens + max_draft + 2)
     with torch.inference_mode():
         verifier.submit(device.shallow(state, prompt_ids), 0)

@@ -80,7 +80,10 @@ class DeviceWorker:
             self.bytes_per_token = model_config.hidden_size * torch.empty((), dtype=self.part.dtype).element_size()
         self.last_stage = config.stages - 1
         self.link = LinkEstimator()
-        self.draft_step_s = MovingAverage()  # gamma_i of Eq. 6
+        self.draft_step_s = MovingAverage()  # one draft step's delay
+        # one parallel drafting step (all top-k candidates at once): gamma_i of Eq. 6 once measured, since
+        # lambda_i counts those steps, and k candidates in one step cost more than one draft token
+        self.parallel_step_s = MovingAverage()
         self.server: Optional[ServerState] = None
 
     def start(self, t0: float) -> None:
@@ -322,8 +325,9 @@ class DeviceWorker:
         parallel = self.config.uses("pd")
 
         def branch_steps(drafted: int) -> int:
+            step_s = self.parallel_step_s.value or self.draft_step_s.value
             steps = parallel_steps_eq6(drafted + 1, self.bytes_per_token, self.link.s_per_byte, self.server,
-                                       self.draft_step_s.value, self.config.draft.max_parallel_steps)  # fmt: skip
+                                       step_s, self.config.draft.max_parallel_steps)  # fmt: skip
             verifier.planned_steps = steps
             return steps
 
@@ -340,6 +344,9 @@ class DeviceWorker:
             drafting_s = trip["send_start_s"] - round_start
             if draft.tokens and not draft.reused:
                 self.draft_step_s.update(drafting_s / len(draft.tokens))
+            polls = verifier.polls  # one before each parallel step: the gaps are the steps' delays
+            if branches and len(polls) >= 2:
+                self.parallel_step_s.update((polls[-1] - polls[0]) / (len(polls) - 1))
             self._account(totals, trip, drafting_s + (now - trip["received_s"]))
             rounds.append({
                 "drafted": len(draft.tokens), "accepted": verdict.accepted, "reused": draft.reused,
@@ -374,13 +381,16 @@ class _MpiVerifier(Verifier):
         self.trip: Dict[str, Any] = {}
         self.planned_steps = 0
         self.arrived_s: Optional[float] = None
+        self.polls: List[float] = []
 
     def submit(self, shallow: torch.Tensor, start: int) -> None:
         segment = wire.Segment(self.request_id, self.worker.rank, wire.VERIFY, start, shallow.shape[0], shallow)
         self.trip = self.worker._send(segment)
         self.arrived_s: Optional[float] = None
+        self.polls: List[float] = []
 
     def replied(self) -> bool:
+        self.polls.append(self.worker.now())
         if self.arrived_s is None and self.worker.comm.Iprobe(source=self.worker.last_stage, tag=mpi_link.TAG_DOWN):
             self.arrived_s = self.worker.now()
         return self.arrived_s is not None

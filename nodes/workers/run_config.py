@@ -160,10 +160,16 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
         raise RunConfigError(
             "%s: draft.%s is not a field; known: %s" % (source, unknown[0], ", ".join(DraftSettings._fields))
         )
-    draft = DraftSettings(**draft_raw)
-    if not 0.0 <= float(draft.eta) <= 1.0:
+    for name in ("eta", "max_draft_tokens", "top_k", "max_parallel_steps"):
+        value = draft_raw.get(name, DraftSettings._field_defaults[name])
+        kinds = (int, float) if name == "eta" else (int,)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            kind = "a number" if name == "eta" else "an integer"
+            raise RunConfigError("%s: draft.%s must be %s, not %r" % (source, name, kind, value))
+    draft = DraftSettings(**dict(draft_raw, eta=float(draft_raw.get("eta", DraftSettings._field_defaults["eta"]))))
+    if not 0.0 <= draft.eta <= 1.0:
         raise RunConfigError("%s: draft.eta must lie in [0, 1]" % source)
-    if int(draft.max_draft_tokens) < 0 or int(draft.top_k) < 0 or int(draft.max_parallel_steps) < 0:
+    if draft.max_draft_tokens < 0 or draft.top_k < 0 or draft.max_parallel_steps < 0:
         raise RunConfigError("%s: draft.max_draft_tokens, top_k and max_parallel_steps must be >= 0" % source)
     return RunConfig(
         run_id=str(raw.get("run_id", "run")),
