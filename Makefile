@@ -49,6 +49,7 @@ bench: $(STAMP) system-packages
 	$(BIN)/python bench/split.py
 	$(BIN)/python bench/provision.py
 	$(BIN)/python bench/analysis.py
+	$(BIN)/python bench/draft.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(DEMO_OUT)

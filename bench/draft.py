@@ -1,0 +1,101 @@
+"""HAT's draft model on the tiny checkpoint, in one process: acceptance and drafting cost against eta.
+
+For SpecBench-length prompts drawn as the Table 5 campaign draws them (``specbench``, seed 5), every
+prompt is generated with speculative decoding (``nodes.inference.speculative``, the LLM's middle
+layers verifying in-process) at several drafting thresholds eta (Eq. 5), and checked to equal
+greedy generation. Reported per eta: acceptance length (vLLM's: 1 + accepted / rounds), draft
+tokens per round, accepted share of drafted tokens, and rounds per output token. Timed on one thread:
+one draft step (m layers + adapter + head + softmax) and one plain decode step of the device's share
+(m layers + head), whose ratio is what speculative decoding has to earn back.
+
+Writes bench/results/draft.json.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import summary, write
+from nodes.inference.checkpoint import load_part, load_whole
+from nodes.inference.config import LlamaConfig
+from nodes.inference.draft import DraftAdapter, adapter_dir, load_adapter
+from nodes.inference.generate import greedy_generate
+from nodes.inference.model import ModelPart, Segment
+from nodes.inference.speculative import LocalVerifier, SpeculativeDevice, acceptance_length, speculative_generate
+from workloads.prompts import draw_prompts
+
+MODEL = Path(__file__).resolve().parent.parent / "examples" / "models" / "tiny"
+M, PROMPTS, MAX_NEW_TOKENS, ETAS = 2, 8, 48, (0.2, 0.4, 0.6, 0.8)
+
+
+def step_times_s(device: ModelPart, adapter: DraftAdapter, repeats: int = 200) -> dict[str, list[float]]:
+    """One draft step and one plain device step after a 300-token context, each timed ``repeats`` times."""
+    speculative = SpeculativeDevice(device, adapter, 0.0)
+    state = speculative.new_state(400 + repeats)
+    cache = device.new_cache(400 + repeats)
+    out: dict[str, list[float]] = {"draft_step_s": [], "plain_step_s": []}
+    with torch.inference_mode():
+        speculative.shallow(state, list(range(5, 305)))
+        speculative.absorb(state)
+        device.run_layers(device.embed(torch.arange(5, 305)), [Segment(cache, 300)])
+        for _ in range(repeats):
+            t = time.perf_counter()
+            speculative.shallow(state, [7])
+            deep = speculative.absorb(state)
+            torch.max(torch.softmax(device.logits(deep).float(), dim=-1), dim=-1)
+            out["draft_step_s"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            hidden = device.run_layers(device.embed(torch.tensor([7])), [Segment(cache, 1)])
+            torch.argmax(device.logits(hidden[-1]))
+            out["plain_step_s"].append(time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    config = LlamaConfig.load(str(MODEL))
+    whole = load_whole(str(MODEL), dtype="float32")
+    device = load_part(str(MODEL), range(M), embedding=True, head=True, dtype="float32")
+    middle = load_part(str(MODEL), range(M, config.num_hidden_layers), dtype="float32")
+    adapter = load_adapter(adapter_dir(str(MODEL)), config, M, torch.float32)
+    prompts = [p.prompt_ids for p in draw_prompts("specbench", count=PROMPTS, seed=5, model_dir=MODEL,
+                                                  max_new_tokens=MAX_NEW_TOKENS)]  # fmt: skip
+    references = [greedy_generate(whole, ids, MAX_NEW_TOKENS, config.eos_token_id) for ids in prompts]
+    by_eta = {}
+    for eta in ETAS:
+        speculative = SpeculativeDevice(device, adapter, eta)
+        rounds, tokens = [], 0
+        for ids, reference in zip(prompts, references, strict=True):
+            verifier = LocalVerifier(middle, len(ids) + MAX_NEW_TOKENS + 16)
+            out, logs = speculative_generate(speculative, verifier, ids, MAX_NEW_TOKENS, config.eos_token_id)
+            if out != reference:
+                raise SystemExit(f"eta {eta}: speculative output differs from greedy generation")
+            rounds += logs
+            tokens += len(out) - 1
+        drafted = sum(r.drafted for r in rounds)
+        by_eta[str(eta)] = {
+            "acceptance_length": round(acceptance_length(rounds), 3),
+            "draft_tokens_per_round": round(drafted / len(rounds), 3),
+            "accepted_share_of_drafted": round(sum(r.accepted for r in rounds) / drafted, 3) if drafted else None,
+            "rounds_per_decode_token": round(len(rounds) / tokens, 3),
+        }
+        print(f"eta {eta}: {by_eta[str(eta)]}", flush=True)
+    times = step_times_s(device, adapter)
+    steps = {name: summary(values) for name, values in times.items()}
+    ratio = steps["draft_step_s"]["median"] / steps["plain_step_s"]["median"]
+    print(f"one thread: draft step {steps['draft_step_s']['median'] * 1e3:.2f} ms, plain device step "
+          f"{steps['plain_step_s']['median'] * 1e3:.2f} ms (ratio {ratio:.2f})")  # fmt: skip
+    path = write("draft", {"model": str(MODEL), "device_layers": M, "prompts": PROMPTS, "prompt_set": "specbench",
+                           "max_new_tokens": MAX_NEW_TOKENS, "by_eta": by_eta, "steps": steps,
+                           "draft_over_plain_step": round(ratio, 3)})  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
