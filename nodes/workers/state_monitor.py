@@ -62,10 +62,6 @@ class StateMonitor:
             out += [float(bucket), delay]
         return out
 
-    @classmethod
-    def from_vector(cls, values: Sequence[float]) -> "ServerState":
-        return ServerState(values)
-
 
 class ServerState:
     """What a device knows of the server from its last reply: mu and g (the whole middle model's delay,
