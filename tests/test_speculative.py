@@ -937,8 +937,7 @@ def test_state_vector_round_trip_predicts_p_times_one_stage():
     vector = monitor.to_vector(3)
     assert vector[:2] == [pytest.approx(monitor.mu), 3.0] and len(vector) == 2 + 2 * 4  # buckets 1, 4, 8, 32
     assert vector[2::2] == [1.0, 4.0, 8.0, 32.0]
-    server = StateMonitor.from_vector(vector)
-    assert isinstance(server, ServerState)
+    server = ServerState(vector)  # what a device builds from a reply's STATE segment
     assert server.mu == pytest.approx(monitor.mu) and server.stages == 3
     for tokens in (1, 2, 5, 8, 20, 32, 100):
         assert server.g_s(tokens) == pytest.approx(3 * monitor.predict_s(tokens))
