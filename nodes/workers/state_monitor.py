@@ -55,6 +55,13 @@ class StateMonitor:
     def snapshot(self) -> Dict[str, float]:
         return {"mu_tokens": self.mu or 0.0, **{"g_%d_s" % k: v for k, v in sorted(self._delay_s.items())}}
 
+    @classmethod
+    def from_delays(cls, delays_s: Dict[int, float], alpha: float = ALPHA) -> "StateMonitor":
+        """A monitor whose g table is ``delays_s`` (bucket -> seconds), as another process kept it."""
+        monitor = cls(alpha)
+        monitor._delay_s = dict(delays_s)
+        return monitor
+
     def to_vector(self, stages: int) -> List[float]:
         """[mu, P, bucket_1, g_1, ..., bucket_B, g_B]: the STATE segment's payload (see ``wire``)."""
         out = [float(self.mu or 0.0), float(stages)]
@@ -74,9 +81,8 @@ class ServerState:
             )
         self.mu = float(values[0])
         self.stages = max(1, round(values[1]))
-        self._stage = StateMonitor()
-        for i in range(2, len(values), 2):
-            self._stage._delay_s[round(values[i])] = float(values[i + 1])
+        pairs = range(2, len(values), 2)
+        self._stage = StateMonitor.from_delays({round(values[i]): float(values[i + 1]) for i in pairs})
 
     def g_s(self, tokens: float) -> Optional[float]:
         """g(tokens): predicted delay of the whole middle model for an iteration of ``tokens`` tokens."""
