@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import machine_cpu_s, summary, write
 from testbed.check import check_node
-from testbed.fanout import fan_out
+from testbed.emulation.sshd_server import SshdServer, SshKeys, loopback_inventory_yaml
 from testbed.inventory import load_inventory
-from testbed.sshd_server import SshdServer, SshKeys, loopback_inventory_yaml
+from testbed.transport.fanout import fan_out
 
 
 def main() -> None:

@@ -16,10 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emulated_lab, write
-from netem.apply import apply_plans, clear_nodes
 from netem.plan import compile_plan
-from netem.verify import verify_links
 from testbed.inventory import DirectedLink, LinkProfile
+from testbed.links.apply import apply_plans, clear_nodes
+from testbed.links.verify import verify_links
 
 RATES_MBIT = (1, 5, 10, 40, 100)
 HEADER_RATIO = 1448 / 1514  # TCP payload with timestamps / Ethernet frame that HTB counts

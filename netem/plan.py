@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from testbed.errors import TestbedError
+from foundation.errors import TestbedError
 from testbed.inventory import DirectedLink, Inventory, LinkProfile
 
 HTB_HANDLE = "1f7b"  # major handle of every qdisc we own (hex); tc shows it as 1f7b:

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from foundation import units
+from foundation.errors import InputError, InputProblem, TestbedError
 from netem.plan import HTB_HANDLE, TcPlan, burst_bytes, netem_args, quantum_bytes, queue_limit_packets
-from testbed import units
-from testbed.errors import InputError, InputProblem, TestbedError
 from testbed.inventory import DirectedLink, Inventory, LinkProfile
 
 COLUMNS = ("t_s", "up_rate", "down_rate", "delay_ms", "loss_pct")

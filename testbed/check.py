@@ -6,11 +6,11 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from testbed.errors import NodeError
-from testbed.facts import NodeFacts, gather_facts, gather_phone_facts
-from testbed.fanout import DEFAULT_PARALLEL, FanOutResult, fan_out
+from foundation.errors import NodeError
 from testbed.inventory import Inventory, NodeSpec
 from testbed.transport import open_transport, usb_host_transport
+from testbed.transport.facts import NodeFacts, gather_facts, gather_phone_facts
+from testbed.transport.fanout import DEFAULT_PARALLEL, FanOutResult, fan_out
 
 
 def check_node(inventory: Inventory, node: NodeSpec) -> NodeFacts:

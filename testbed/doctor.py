@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.sshd_server import SSHD_CANDIDATES
+from testbed.emulation.sshd_server import SSHD_CANDIDATES
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from testbed.errors import NodeError, TestbedError
-from testbed.fanout import FanOutResult, fan_out
+from foundation.errors import NodeError, TestbedError
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import ensure_node_code
 from testbed.transport import open_transport, usb_host_transport
 from testbed.transport.base import Transport
+from testbed.transport.fanout import FanOutResult, fan_out
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from testbed.errors import NodeError, TestbedError
-from testbed.facts import NodeFacts, first_value, gather_facts, parse_key_values
-from testbed.fanout import DEFAULT_PARALLEL, FanOutResult, fan_out
+from foundation.errors import NodeError, TestbedError
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import ensure_node_code
 from testbed.node_wheel import KIND_EXTRAS, NodeWheel, node_wheel
 from testbed.transport import open_transport
 from testbed.transport.base import Transport
+from testbed.transport.facts import NodeFacts, first_value, gather_facts, parse_key_values
+from testbed.transport.fanout import DEFAULT_PARALLEL, FanOutResult, fan_out
 from testbed.weights import (
     ModelSource,
     PartFile,

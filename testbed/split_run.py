@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed.errors import NodeError, TestbedError
-from testbed.fanout import fan_out
+from foundation.errors import NodeError, TestbedError
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import ensure_node_code
 from testbed.provision import compare_records, load_record, provisioned_python
 from testbed.transport import open_transport
 from testbed.transport.base import Transport
+from testbed.transport.fanout import fan_out
 
 Say = Callable[[str], None]
 METHODS = ("centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat")

@@ -25,14 +25,14 @@ from typing import Any
 
 import pandas as pd
 
+from foundation.errors import NodeError, TestbedError
 from nodes.telemetry.source import SensorStatus
-from testbed.clock import ClockOffset, measure_clock_offset
-from testbed.errors import NodeError, TestbedError
-from testbed.fanout import FanOutResult, fan_out
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import ensure_node_code, node_code
 from testbed.transport import open_transport, usb_host_transport
 from testbed.transport.base import Transport
+from testbed.transport.clock import ClockOffset, measure_clock_offset
+from testbed.transport.fanout import FanOutResult, fan_out
 
 Say = Callable[[str], None]
 STOP_MARGIN_S = 120.0  # a sampler outlives its recording by at most this, then stops itself

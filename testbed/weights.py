@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from foundation.errors import NodeError, TestbedError
 from nodes.inference.partition import PartitionError, UShapePartition, checkpoint_tensor_names
-from testbed.errors import NodeError, TestbedError
 from testbed.transport.base import Transport
 
 Say = Callable[[str], None]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.sshd_server import SshdServer, SshKeys, loopback_inventory_yaml
+from testbed.emulation.sshd_server import SshdServer, SshKeys, loopback_inventory_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 

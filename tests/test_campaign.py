@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from testbed.campaign import Campaign, device_names, load_campaign, workload_spec
-from testbed.errors import InputError, TestbedError
-from testbed.ledger import Ledger
-from testbed.run_results import read_tokens, requests_table, write_results
+from foundation.errors import InputError, TestbedError
+from testbed.campaign.ledger import Ledger
+from testbed.campaign.results import read_tokens, requests_table, write_results
+from testbed.campaign.spec import Campaign, device_names, load_campaign, workload_spec
 from tests.conftest import REPO, run_cli
 from workloads.schedule import build_schedules
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from testbed.clock import measure_clock_offset, offset_over
-from testbed.errors import NodeError
+from foundation.errors import NodeError
 from testbed.transport import LocalTransport
+from testbed.transport.clock import measure_clock_offset, offset_over
 
 
 def test_same_clock_has_offset_within_its_error_bound():

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from testbed.facts import NodeFacts, judge, parse_adb_devices, parse_l4t_release
 from testbed.inventory import load_inventory
+from testbed.transport.facts import NodeFacts, judge, parse_adb_devices, parse_l4t_release
 from tests.conftest import REPO, inventory_text, run_cli
 
 STANDINS = REPO / "tests" / "standins"
@@ -97,7 +97,7 @@ def test_check_over_real_ssh_reports_facts_and_clock(tmp_path, ssh_keys, sshd_fa
 
 
 def test_check_with_one_unreachable_node(tmp_path, ssh_keys, sshd_factory):
-    from testbed.sshd_server import free_port
+    from testbed.emulation.sshd_server import free_port
 
     servers = [sshd_factory() for _ in range(2)]
     path = tmp_path / "inv.yaml"

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from testbed.errors import NodeError
-from testbed.fanout import fan_out
+from foundation.errors import NodeError
+from testbed.transport.fanout import fan_out
 
 
 def test_every_node_gets_an_outcome_in_order_and_failures_do_not_abort_others():

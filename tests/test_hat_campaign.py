@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 
 from analysis.report import ReportOptions, build_report
+from foundation.errors import InputError
 from netem.trace import load_trace, scale_trace
-from testbed.campaign import load_campaign
-from testbed.errors import InputError
-from testbed.run_lifecycle import _draft_config, run_links
+from testbed.campaign.execution import _draft_config, run_links
+from testbed.campaign.spec import load_campaign
 from tests.conftest import REPO, run_cli
 
 INVENTORY = REPO / "inventory.yaml"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from testbed.errors import InputError
+from foundation.errors import InputError
 from testbed.inventory import load_inventory
 from tests.conftest import REPO, run_cli
 

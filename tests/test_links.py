@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from netem.apply import apply_plans, clear_nodes, show_nodes
+from foundation.errors import TestbedError
 from netem.plan import compile_plan
-from netem.verify import verify_links
 from testbed.emulation.resolved import load_lab
-from testbed.errors import TestbedError
 from testbed.inventory import links_from_file
+from testbed.links.apply import apply_plans, clear_nodes, show_nodes
+from testbed.links.verify import verify_links
 from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from netem.plan import compile_plan, queue_limit_packets
-from netem.verify import iperf3_goodput
 from testbed.inventory import load_inventory
+from testbed.links.verify import iperf3_goodput
 
 LAB = """
 nodes:

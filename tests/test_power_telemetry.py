@@ -17,9 +17,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from foundation.errors import TestbedError
 from nodes.emulated.cgroup import CpuCgroup
 from testbed.emulation.resolved import load_lab
-from testbed.errors import TestbedError
 from testbed.power import restore_power, set_power, show_power
 from testbed.telemetry import finish_recording, probe_telemetry, record_telemetry, start_recording
 from testbed.transport import open_transport

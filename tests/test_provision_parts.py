@@ -27,13 +27,12 @@ from packaging.requirements import Requirement
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from foundation.errors import NodeError, TestbedError
 from nodes.inference.checkpoint import load_part, save_checkpoint
 from nodes.inference.config import LlamaConfig
 from nodes.inference.model import ModelPart
 from nodes.inference.partition import UShapePartition, checkpoint_tensor_names
 from testbed import node_code as node_code_module
-from testbed.errors import NodeError, TestbedError
-from testbed.facts import NodeFacts
 from testbed.inventory import Inventory, load_inventory
 from testbed.node_wheel import node_wheel
 from testbed.provision import (
@@ -45,6 +44,7 @@ from testbed.provision import (
     venv_create_command,
 )
 from testbed.transport import LocalTransport
+from testbed.transport.facts import NodeFacts
 from testbed.weights import (
     ModelSource,
     _progress,

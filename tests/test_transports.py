@@ -10,9 +10,9 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from testbed.errors import NodeError
+from foundation.errors import NodeError
+from testbed.emulation.sshd_server import SshdServer, SshKeys, login_user
 from testbed.inventory import SshTarget
-from testbed.sshd_server import SshdServer, SshKeys, login_user
 from testbed.transport import CommandFailed, LocalTransport, SshTransport, Transport
 
 
@@ -185,7 +185,7 @@ def test_wrong_client_key_fails_authentication(ssh_keys, tmp_path):
 
 
 def test_unreachable_node_fails_after_retries(ssh_keys):
-    from testbed.sshd_server import free_port
+    from testbed.emulation.sshd_server import free_port
 
     t = SshTransport("n", ssh_target(ssh_keys, free_port(), connect_timeout_s=1.0), use_sudo=False)
     started = time.monotonic()

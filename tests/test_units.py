@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from testbed import units
-from testbed.units import UnitError
+from foundation import units
+from foundation.units import UnitError
 
 RATE_FACTORS = {
     "bit": 1,

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from foundation.errors import TestbedError
 from nodes.inference.kv_cache import KVCache
 from nodes.inference.partition import PartitionError, UShapePartition
 from nodes.workers import run_config, wire
 from nodes.workers.run_config import RunConfigError, load_schedule
 from nodes.workers.state_monitor import StateMonitor, bucket_of
 from nodes.workers.wire import DATA, DECODE, PREFILL, RELEASE, STOP, Segment, WireError, decode, encode
-from testbed.errors import TestbedError
 from testbed.inventory import Inventory, load_inventory
 from testbed.split_run import MpiLaunchPlan, RankGroup, SplitRunSpec, check_spec, data_plane_env, device_schedule
 

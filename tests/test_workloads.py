@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from foundation.errors import InputError, TestbedError
 from nodes.inference.tokenizer import Tokenizer
 from nodes.workers.run_config import load_schedule
-from testbed.errors import InputError, TestbedError
 from workloads.arrivals import (
     ConstantRate,
     GammaArrivals,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.errors import InputError, InputProblem, TestbedError
+from foundation.errors import InputError, InputProblem, TestbedError
 
 MAX_ARRIVALS = 100_000
 TIME_COLUMNS = ("arrival_s", "ts_s", "timestamp_s")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-from testbed.errors import TestbedError
+from foundation.errors import TestbedError
 
 SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
 DEFAULT_HELD_OUT_EVERY = 20

@@ -49,9 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
+from foundation.errors import InputError, InputProblem, TestbedError
 from nodes.inference.config import ConfigError
 from nodes.inference.tokenizer import Tokenizer
-from testbed.errors import InputError, InputProblem, TestbedError
 from workloads.corpus import Corpus, held_out_corpus, held_out_every
 
 MAX_PROMPTS = 100_000

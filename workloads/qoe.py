@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from testbed.errors import TestbedError
+from foundation.errors import TestbedError
 
 
 @dataclass(frozen=True)

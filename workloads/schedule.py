@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from testbed.errors import TestbedError
+from foundation.errors import TestbedError
 from workloads.arrivals import (
     MAX_ARRIVALS,
     ArrivalProcess,

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from foundation.errors import TestbedError
 from nodes.emulated.cgroup import CpuCgroup, process_stat
 from testbed.emulation.journal import Journal, JournalEntry
-from testbed.errors import TestbedError
 
 STOP_GRACE_S = 3.0
 GONE_WAIT_S = 10.0

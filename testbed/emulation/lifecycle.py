@@ -18,15 +18,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from foundation.errors import TestbedError
 from nodes.emulated.cgroup import CpuCgroup, cgroup_version
 from testbed.emulation import host
 from testbed.emulation.journal import Journal
 from testbed.emulation.node_files import NodeFiles, write_node_tools
 from testbed.emulation.plan import NODE_DATA_INTERFACE, NODE_MGMT_INTERFACE, EmulationPlan, plan_emulation
 from testbed.emulation.resolved import RESOLVED_NAME, NodeAccess, source_digest, write_resolved_inventory
-from testbed.errors import TestbedError
+from testbed.emulation.sshd_server import SshdServer, SshKeys, accepts_connections, free_port, login_user
 from testbed.inventory import Inventory, load_inventory
-from testbed.sshd_server import SshdServer, SshKeys, accepts_connections, free_port, login_user
 
 MODES = ("netns", "local")
 SSHD_READY_S = 20.0

@@ -18,7 +18,7 @@ from nodes.emulated import boards
 from nodes.emulated.node import CONFIG_VARIABLE, STANDIN_ROOT_VARIABLE
 from testbed.emulation.plan import NODE_DATA_INTERFACE as DATA_INTERFACE
 from testbed.emulation.plan import EmulatedNodePlan
-from testbed.sshd_server import SshKeys, generate_key
+from testbed.emulation.sshd_server import SshKeys, generate_key
 
 REPO = Path(__file__).resolve().parents[2]
 JETSON_TOOLS = {

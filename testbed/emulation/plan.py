@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.errors import TestbedError
+from foundation.errors import TestbedError
 from testbed.inventory import EmulatedPowerMode, Inventory
 
 NODE_MGMT_INTERFACE = "mgmt0"

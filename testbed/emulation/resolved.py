@@ -15,10 +15,10 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
+from foundation.errors import TestbedError
+from foundation.user_files import YamlSource
 from testbed.emulation.plan import state_dir_of
-from testbed.errors import TestbedError
 from testbed.inventory import Inventory, load_inventory
-from testbed.yaml_source import YamlSource
 
 RESOLVED_NAME = "inventory.yaml"
 HEADER = (

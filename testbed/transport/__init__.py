@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from testbed.errors import TestbedError
+from foundation.errors import TestbedError
 from testbed.inventory import Inventory, NodeSpec
 from testbed.transport.base import BackgroundProcess, CommandFailed, CommandResult, LineSession, Transport
 from testbed.transport.local import LocalTransport

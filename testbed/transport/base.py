@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
-from testbed.errors import NodeError
+from foundation.errors import NodeError
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 KILL_GRACE_S = 2.0

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from testbed.errors import NodeError
+from foundation.errors import NodeError
 from testbed.transport.base import (
     DRAIN_AFTER_EXIT_S,
     KILL_GRACE_S,

@@ -19,7 +19,7 @@ from pathlib import Path
 import paramiko
 from fabric import Config, Connection
 
-from testbed.errors import NodeError
+from foundation.errors import NodeError
 from testbed.inventory import SshTarget
 from testbed.transport.base import (
     DRAIN_AFTER_EXIT_S,

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from netem.apply import NETEM_PROBE
-from netem.node_journal import journal_dir
-from testbed.errors import NodeError
+from foundation.errors import NodeError
 from testbed.inventory import DirectedLink, Inventory
+from testbed.links.apply import NETEM_PROBE
+from testbed.links.node_journal import journal_dir
 from testbed.transport import Transport, open_transport
 from testbed.transport.base import quote_path
 

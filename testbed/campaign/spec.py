@@ -40,10 +40,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
+from foundation.errors import InputError, InputProblem
+from foundation.user_files import FieldPath, YamlSource, field_name
 from testbed.emulation.resolved import load_lab
-from testbed.errors import InputError, InputProblem
 from testbed.inventory import Inventory, Name, NodeSpec, pydantic_problem
-from testbed.yaml_source import FieldPath, YamlSource, field_name
 from workloads.schedule import WorkloadSpec
 
 SPECULATIVE_METHODS = ("sd", "sd_pc", "sd_pd", "hat")  # the methods that draft (HAT Sec. 3.4)

@@ -11,10 +11,10 @@ import re
 import time
 from dataclasses import dataclass, field, replace
 
-from testbed.clock import ClockOffset, echo_script, offset_over, read_echo_headers
-from testbed.errors import NodeError
+from foundation.errors import NodeError
 from testbed.inventory import Inventory, NodeSpec
 from testbed.transport.base import Transport
+from testbed.transport.clock import ClockOffset, echo_script, offset_over, read_echo_headers
 
 CLOCK_WARN_S = 0.1
 DISK_WARN_GIB = 5.0

@@ -19,12 +19,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from foundation.errors import NodeError, TestbedError
+from foundation.jsonable import jsonable
+from foundation.units import format_duration, format_rate
 from testbed import __version__
 from testbed.emulation.resolved import load_lab
-from testbed.errors import NodeError, TestbedError
 from testbed.inventory import Inventory, NodeSpec, load_inventory
-from testbed.jsonable import jsonable
-from testbed.units import format_duration, format_rate
 
 app = typer.Typer(
     name="testbed",
@@ -294,7 +294,7 @@ def inventory_export_ansible(
 ) -> None:
     """Write the same hosts and groups as an Ansible YAML inventory (phones are left out: Ansible
     reaches them through their USB host)."""
-    from testbed.ansible_export import ansible_inventory_yaml
+    from testbed.inventory.ansible_export import ansible_inventory_yaml
 
     text, skipped = ansible_inventory_yaml(load_lab(inventory))
     if output is None:
@@ -444,8 +444,8 @@ def link_apply(
     sch_netem, or when a foreign qdisc is in the way (exit 2). Each node journals its interfaces
     before the first tc command; tc is read back and compared with the plan; if any node fails,
     every node is undone (exit 1). Applying again replaces the shaping in place."""
-    from netem.apply import apply_plans, apply_trace
     from netem.plan import compile_plan, queue_limit_packets
+    from testbed.links.apply import apply_plans, apply_trace
 
     inv = load_lab(inventory)
     if sum(x is not None for x in (profile, links_file, trace)) > 1:
@@ -503,7 +503,7 @@ def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: Json
     """Print what is shaped on every node, read back from tc (not from the inventory): each HTB
     class with its peer, rate, queue and the bytes, packets and drops counted since it was
     applied, and whether a trace player runs. Exits 1 if a node cannot be read."""
-    from netem.apply import show_nodes
+    from testbed.links.apply import show_nodes
 
     inv = load_lab(inventory)
     result = show_nodes(inv)
@@ -564,7 +564,7 @@ def link_verify(
     source's data address to a server bound to the destination's data address (TCP goodput, first
     second omitted), and ping RTT and loss where netem shapes delay or loss. Prints measured
     against target; exits 0 when every direction is within tolerance (rate within 10%), else 1."""
-    from netem.verify import RATE_TOLERANCE, verify_links
+    from testbed.links.verify import RATE_TOLERANCE, verify_links
 
     inv = load_lab(inventory)
     if not inv.links:
@@ -596,7 +596,7 @@ def link_clear(inventory: InventoryOption = Path("inventory.yaml")) -> None:
     (handle 1f7b:, our ingress qdisc) and ifb devices, and check that each interface is back to
     what it was before the first apply. Works after the controller was killed mid-apply. Safe to
     run again; exits 1 if a node could not be cleared."""
-    from netem.apply import clear_nodes
+    from testbed.links.apply import clear_nodes
 
     inv = load_lab(inventory)
     result = clear_nodes(inv)
@@ -996,7 +996,7 @@ def run_command(
     run's state, so --resume finishes a campaign whose controller died, doing no run twice. Exit
     status 0 when every run is done, 1 when a run failed or was skipped, 2 for a bad campaign file
     (nothing is touched then)."""
-    from testbed.campaign import load_campaign
+    from testbed.campaign.spec import load_campaign
 
     if retry_failed and not resume:
         raise TestbedError("--retry-failed goes with --resume")
@@ -1004,8 +1004,8 @@ def run_command(
     if dry_run:
         _print_dry_run(campaign, as_json)
         return
-    from testbed.campaign_display import CampaignDisplay
-    from testbed.campaign_runner import run_campaign
+    from testbed.campaign.display import CampaignDisplay
+    from testbed.campaign.runner import run_campaign
     directory = out_dir or Path("results") / campaign.spec.name
     _interrupt_on_sigterm()
     display = CampaignDisplay(err, len(campaign.runs))
@@ -1029,8 +1029,8 @@ def _interrupt_on_sigterm() -> None:
 
 
 def _print_dry_run(campaign: Any, as_json: bool) -> None:
-    from testbed.campaign_runner import describe_run
-    from testbed.dry_run import planned_commands
+    from testbed.campaign.plan import planned_commands
+    from testbed.campaign.runner import describe_run
 
     runs = [{**describe_run(r), "commands": planned_commands(campaign, r)} for r in campaign.runs]
     if as_json:
@@ -1051,7 +1051,7 @@ def _print_dry_run(campaign: Any, as_json: bool) -> None:
 
 
 def _print_campaign_summary(summary: Any, as_json: bool) -> None:
-    from testbed.ledger import Ledger
+    from testbed.campaign.ledger import Ledger
 
     with Ledger.open(summary.directory / "ledger.sqlite") as ledger:
         rows, nodes = ledger.runs(), ledger.nodes()
@@ -1083,8 +1083,8 @@ def status_command(
 ) -> None:
     """Show a campaign's progress from its ledger: each run's state, attempts, time and failure
     reason, and quarantined nodes. Reads only files; exits 1 while runs failed or remain."""
-    from testbed.campaign_runner import LEDGER, CampaignSummary
-    from testbed.ledger import Ledger
+    from testbed.campaign.ledger import Ledger
+    from testbed.campaign.runner import LEDGER, CampaignSummary
 
     with Ledger.open(campaign_dir / LEDGER) as ledger:
         summary = CampaignSummary(campaign_dir, ledger.counts(), ledger.quarantined(), False)
@@ -1147,9 +1147,9 @@ def demo_command(
     import os
     import shutil
 
-    from testbed.campaign import load_campaign
-    from testbed.campaign_display import CampaignDisplay
-    from testbed.campaign_runner import LEDGER, run_campaign
+    from testbed.campaign.display import CampaignDisplay
+    from testbed.campaign.runner import LEDGER, run_campaign
+    from testbed.campaign.spec import load_campaign
     from testbed.emulation.lifecycle import down, status, up
 
     root = os.geteuid() == 0

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import shlex
 
-from testbed.campaign import Campaign, PlannedRun, device_names, run_nodes
-from testbed.errors import TestbedError
+from foundation.errors import TestbedError
+from testbed.campaign.execution import node_run_id, run_links
+from testbed.campaign.spec import Campaign, PlannedRun, device_names, run_nodes
 from testbed.inventory import Inventory
-from testbed.run_lifecycle import node_run_id, run_links
 from testbed.split_run import MpiLaunchPlan, RankGroup, data_plane_env
 from testbed.telemetry import sampler_plan
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed import __version__
-from testbed.campaign import Campaign, PlannedRun
+from testbed.campaign.spec import Campaign, PlannedRun
 from testbed.inventory import Inventory
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,16 +18,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from netem import node_journal
-from netem.node_journal import DeviceSnapshot, LinkJournal
+from foundation.errors import NodeError, TestbedError
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan, compile_plan
 from netem.tc_state import InterfaceState, differences, parse_read, read_script, split_sections
 from netem.trace import BandwidthTrace, NodeSchedule, schedules, traced_links
-from testbed.errors import NodeError, TestbedError
-from testbed.fanout import FanOutResult, NodeOutcome, fan_out
 from testbed.inventory import Inventory, NodeSpec
+from testbed.links import node_journal
+from testbed.links.node_journal import DeviceSnapshot, LinkJournal
 from testbed.transport import Transport, open_transport
 from testbed.transport.base import prefix_words, quote_path
+from testbed.transport.fanout import FanOutResult, NodeOutcome, fan_out
 
 Say = Callable[[str], None]
 

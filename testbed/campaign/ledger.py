@@ -3,7 +3,7 @@
 States: ``todo`` -> ``running`` (attempts + 1) -> ``done`` | ``failed``; ``skipped`` when a run
 needs a quarantined node. Every change is one transaction, so a controller killed at any moment
 leaves the ledger consistent: a run still ``running`` when a campaign resumes was interrupted, and
-is decided again from what is on disk (see :mod:`testbed.campaign_runner`), never counted twice.
+is decided again from what is on disk (see :mod:`testbed.campaign.runner`), never counted twice.
 Nodes have a row too: failed runs in a row, and when they were quarantined.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from testbed.errors import TestbedError
+from foundation.errors import TestbedError
 
 STATES = ("todo", "running", "done", "failed", "skipped")
 SCHEMA = """

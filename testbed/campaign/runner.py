@@ -2,7 +2,7 @@
 
 Layout of a campaign directory::
 
-    ledger.sqlite                  run states and attempts (see testbed.ledger)
+    ledger.sqlite                  run states and attempts (see testbed.campaign.ledger)
     campaign.yaml, runs.json       the campaign file as started, and its expansion
     runs/<run_id>/                 the run's last finished attempt: manifest.json, events.jsonl,
                                    requests.parquet, tokens.parquet, telemetry/, schedules/, workers/
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from testbed.campaign import Campaign, PlannedRun, run_nodes
-from testbed.errors import TestbedError
-from testbed.fanout import fan_out
-from testbed.ledger import Ledger
-from testbed.run_lifecycle import Report, execute_run
+from foundation.errors import TestbedError
+from testbed.campaign.execution import Report, execute_run
+from testbed.campaign.ledger import Ledger
+from testbed.campaign.spec import Campaign, PlannedRun, run_nodes
 from testbed.transport import open_transport
+from testbed.transport.fanout import fan_out
 
 LEDGER = "ledger.sqlite"
 
@@ -134,7 +134,7 @@ def _end_processes(campaign: Campaign, directory: Path, say: Callable[[str], Non
 
 def restore_nodes(campaign: Campaign, names: list[str], say: Callable[[str], None]) -> None:
     """Undo shaping and power modes on ``names`` from their journals (nothing where none is kept)."""
-    from netem.apply import clear_nodes
+    from testbed.links.apply import clear_nodes
     from testbed.power import restore_power
 
     lab = campaign.inventory
@@ -153,8 +153,8 @@ def restore_nodes(campaign: Campaign, names: list[str], say: Callable[[str], Non
 
 def gather_node_facts(campaign: Campaign) -> dict[str, Any]:
     """Facts of every node the campaign uses, once per invocation (for the manifests)."""
-    from testbed.facts import gather_facts
-    from testbed.jsonable import jsonable
+    from foundation.jsonable import jsonable
+    from testbed.transport.facts import gather_facts
 
     lab = campaign.inventory
 

@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from testbed.errors import NodeError, TestbedError
+from foundation.errors import NodeError, TestbedError
 
 T = TypeVar("T")
 

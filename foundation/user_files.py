@@ -12,7 +12,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.constructor import DuplicateKeyError
 from ruamel.yaml.error import MarkedYAMLError
 
-from testbed.errors import InputError, InputProblem
+from foundation.errors import InputError, InputProblem
 
 FieldPath = Sequence[str | int]
 

@@ -1,10 +1,10 @@
 """``inventory.yaml``: the lab's nodes, groups, link profiles and links, validated before any node
 is touched.
 
-Loading is two passes over a :class:`~testbed.yaml_source.YamlSource`: pydantic checks shapes,
+Loading is two passes over a :class:`~foundation.user_files.YamlSource`: pydantic checks shapes,
 types and units; :func:`_cross_check` checks what spans fields (names, references, kinds). Every
 problem is reported as ``FILE:LINE: field: what is wrong; hint`` and raised as one
-:class:`~testbed.errors.InputError`.
+:class:`~foundation.errors.InputError`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 from pydantic_core import PydanticCustomError
 
-from testbed import units
-from testbed.errors import InputError, InputProblem, TestbedError
-from testbed.yaml_source import YamlSource
+from foundation import units
+from foundation.errors import InputError, InputProblem, TestbedError
+from foundation.user_files import YamlSource
 
 # --------------------------------------------------------------------------------------------
 # Scalars that end up in commands: a strict character set, so nothing a user writes can reach a

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from foundation.errors import TestbedError
 from nodes.emulated.cgroup import CpuCgroup
-from testbed.errors import TestbedError
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
 

@@ -28,17 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed import manifest as manifest_mod
-from testbed.campaign import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
-from testbed.errors import NodeError, TestbedError
-from testbed.fanout import fan_out
+from foundation.errors import NodeError, TestbedError
+from foundation.jsonable import jsonable
+from testbed.campaign import manifest as manifest_mod
+from testbed.campaign.results import write_results
+from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
 from testbed.inventory import Inventory, links_from_file
-from testbed.jsonable import jsonable
 from testbed.provision import compare_records, load_record
-from testbed.run_results import write_results
 from testbed.split_run import SplitRunSpec, mpiexec_pidfile, run_split
 from testbed.transport import open_transport
 from testbed.transport.base import quote_path
+from testbed.transport.fanout import fan_out
 from workloads.schedule import build_schedules, write_schedule
 
 PHASES = ("preflight", "configure", "telemetry", "workers", "drain", "collect", "restore", "record")
@@ -213,9 +213,9 @@ def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, even
 
 
 def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
-    from netem.apply import apply_plans, apply_trace, show_nodes
     from netem.plan import compile_plan
-    from netem.verify import verify_links
+    from testbed.links.apply import apply_plans, apply_trace, show_nodes
+    from testbed.links.verify import verify_links
 
     lab, link = campaign.inventory, settings.link
     started = None
@@ -361,7 +361,7 @@ def _collect(campaign: Campaign, directory: Path, state: _RunState) -> None:
 
 def _restore(lab: Inventory, state: _RunState) -> None:
     """Undo what the run changed, from the nodes' journals: samplers, shaping, power modes."""
-    from netem.apply import clear_nodes
+    from testbed.links.apply import clear_nodes
     from testbed.power import restore_power
 
     problems = []

@@ -11,7 +11,7 @@ import shlex
 import time
 from dataclasses import dataclass
 
-from testbed.errors import NodeError
+from foundation.errors import NodeError
 from testbed.transport.base import LineSession, Transport
 
 # The node's Python if it has one (-S -E: no site packages, fast start), else a date loop. Either
