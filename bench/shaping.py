@@ -16,9 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emulated_lab, write
-from netem.plan import compile_plan
-from testbed.inventory import DirectedLink, LinkProfile
+from netem.profile import DirectedLink, LinkProfile
 from testbed.links.apply import apply_plans, clear_nodes
+from testbed.links.plans import compile_plan
 from testbed.links.verify import verify_links
 
 RATES_MBIT = (1, 5, 10, 40, 100)

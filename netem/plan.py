@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass
 
 from foundation.errors import TestbedError
-from testbed.inventory import DirectedLink, Inventory, LinkProfile
+from netem.profile import DirectedLink, LinkProfile
+from netem.topology import LinkTopology
 
 HTB_HANDLE = "1f7b"  # major handle of every qdisc we own (hex); tc shows it as 1f7b:
 INGRESS_HANDLE = "ffff"
@@ -152,42 +153,41 @@ def ifb_name(node_index: int) -> str:
     return f"ifbtb{node_index}"
 
 
-def compile_plan(inventory: Inventory, links: tuple[DirectedLink, ...] | None = None) -> tuple[TcPlan, ...]:
+def compile_plan(topology: LinkTopology, links: tuple[DirectedLink, ...] | None = None) -> tuple[TcPlan, ...]:
     """One plan per shaped interface: egress on the sender, or ingress (ifb) on the receiver when
-    the sender is a phone. Nodes need a ``data`` interface and address (the emulated testbed's
-    resolved inventory has them)."""
-    links = inventory.links if links is None else links
+    the sender cannot run tc (a phone). Nodes need a data interface and address (the emulated
+    testbed's resolved inventory has them). ``links`` default to the topology's."""
+    links = topology.links if links is None else links
     egress: dict[str, list[DirectedLink]] = {}
     ingress: dict[str, list[DirectedLink]] = {}
     for link in links:
-        sender = inventory.node(link.source)
-        if sender.kind == "android":
+        sender = topology.node(link.source)
+        if not sender.runs_tc:
             ingress.setdefault(link.destination, []).append(link)
         else:
             egress.setdefault(link.source, []).append(link)
     plans = []
-    names = [n.name for n in inventory.nodes]
     for direction, table in (("egress", egress), ("ingress", ingress)):
-        for node_name in sorted(table, key=names.index):
-            node = inventory.node(node_name)
-            if node.data is None:
+        for node_name in sorted(table, key=topology.index):
+            node = topology.node(node_name)
+            if node.data_interface is None or node.data_address is None:
                 raise TestbedError(
-                    f"{inventory.path}: node {node_name!r} has no data interface to shape "
+                    f"{topology.source}: node {node_name!r} has no data interface to shape "
                     "(give data: {interface, address}, or start the emulated testbed)"
                 )
             peers = []
             for minor, link in enumerate(table[node_name], start=1):
-                peer = inventory.node(link.source if direction == "ingress" else link.destination)
-                if peer.data is None:
-                    raise TestbedError(f"{inventory.path}: node {peer.name!r} has no data address to shape traffic to")
-                peers.append(ShapedPeer(peer.name, peer.data.address, link.profile_name, link.profile, minor))
+                peer = topology.node(link.source if direction == "ingress" else link.destination)
+                if peer.data_address is None:
+                    raise TestbedError(f"{topology.source}: node {peer.name!r} has no data address to shape traffic to")
+                peers.append(ShapedPeer(peer.name, peer.data_address, link.profile_name, link.profile, minor))
             plans.append(
                 TcPlan(
                     node=node_name,
-                    interface=node.data.interface,
+                    interface=node.data_interface,
                     direction=direction,
                     peers=tuple(peers),
-                    ifb=ifb_name(names.index(node_name)) if direction == "ingress" else None,
+                    ifb=ifb_name(topology.index(node_name)) if direction == "ingress" else None,
                 )
             )
     return tuple(plans)

@@ -19,7 +19,8 @@ from pathlib import Path
 from foundation import units
 from foundation.errors import InputError, InputProblem, TestbedError
 from netem.plan import HTB_HANDLE, TcPlan, burst_bytes, netem_args, quantum_bytes, queue_limit_packets
-from testbed.inventory import DirectedLink, Inventory, LinkProfile
+from netem.profile import DirectedLink, LinkProfile
+from netem.topology import LinkTopology
 
 COLUMNS = ("t_s", "up_rate", "down_rate", "delay_ms", "loss_pct")
 MB_S = 8e6  # bit/s in one MB/s (SI), the unit HAT reports
@@ -165,19 +166,15 @@ def scale_trace(trace: BandwidthTrace, rate_scale: float) -> BandwidthTrace:
     return BandwidthTrace(f"{trace.source} x {rate_scale:g}", steps)
 
 
-def _server_nodes(inventory: Inventory) -> set[str]:
-    return {n.name for n in inventory.nodes if "server" in n.roles}
-
-
 def traced_links(
-    inventory: Inventory, traces: dict[str, BandwidthTrace]
+    topology: LinkTopology, traces: dict[str, BandwidthTrace]
 ) -> tuple[tuple[DirectedLink, ...], dict[tuple[str, str], tuple[BandwidthTrace, str]]]:
-    """The inventory's links with the traced ones set to their first step, and which trace column
+    """The topology's links with the traced ones set to their first step, and which trace column
     (``up`` or ``down``) drives each traced direction. ``traces`` maps device node names."""
-    servers = _server_nodes(inventory)
+    servers = topology.servers
     driven: dict[tuple[str, str], tuple[BandwidthTrace, str]] = {}
     links = []
-    for link in inventory.links:
+    for link in topology.links:
         if link.source in traces and link.destination in servers:
             driven[(link.source, link.destination)] = (traces[link.source], "up")
         elif link.destination in traces and link.source in servers:
@@ -202,7 +199,7 @@ def traced_links(
         for column, pairs in (("up", [(device, s) for s in servers]), ("down", [(s, device) for s in servers])):
             if not any(pair in driven for pair in pairs):
                 raise TestbedError(
-                    f"the trace for {device!r} has {column}_rate, but {inventory.path} has no {column}link between "
+                    f"the trace for {device!r} has {column}_rate, but {topology.source} has no {column}link between "
                     f"{device!r} and a server-role node for it to drive; add one under links:"
                 )
     return tuple(links), driven

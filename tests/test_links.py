@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from foundation.errors import TestbedError
-from netem.plan import compile_plan
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import links_from_file
 from testbed.links.apply import apply_plans, clear_nodes, show_nodes
+from testbed.links.plans import compile_plan
 from testbed.links.verify import verify_links
 from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 

@@ -9,8 +9,12 @@ import time
 
 import pytest
 
-from netem.plan import compile_plan, queue_limit_packets
+from netem import plan as netem_plan
+from netem.plan import queue_limit_packets
+from netem.profile import DirectedLink, LinkProfile
+from netem.topology import LinkNode, LinkTopology
 from testbed.inventory import load_inventory
+from testbed.links.plans import compile_plan
 from testbed.links.verify import iperf3_goodput
 
 LAB = """
@@ -105,6 +109,24 @@ def test_a_node_without_a_data_interface_cannot_be_shaped(tmp_path):
     )
     with pytest.raises(Exception, match="no data interface to shape"):
         compile_plan(load_inventory(path))
+
+
+def test_netem_compiles_a_topology_without_an_inventory(plans):
+    """netem needs names, data planes, who runs tc and the links: the same plans as the inventory's."""
+    up, down = LinkProfile(rate="5MBps"), LinkProfile(rate="40mbit")
+    nodes = (
+        LinkNode("s", "eth1", "10.250.0.1", runs_tc=True),
+        LinkNode("d", "eth1", "10.250.0.2", runs_tc=True),
+        LinkNode("p", "wlan0", "10.250.0.3", runs_tc=False),
+    )
+    links = (DirectedLink("d", "s", "up", up), DirectedLink("s", "d", "down", down), DirectedLink("p", "s", "up", up))
+    compiled = {(p.node, p.direction): p for p in netem_plan.compile_plan(LinkTopology("a lab", nodes, links))}
+    assert set(compiled) == {("s", "egress"), ("d", "egress"), ("s", "ingress")}
+    for key in (("d", "egress"), ("s", "ingress")):
+        assert lines(compiled[key].apply_commands()) == lines(plans[key].apply_commands())
+    unshaped = LinkTopology("a lab", (nodes[0], LinkNode("d", None, None, runs_tc=True)), links[:1])
+    with pytest.raises(Exception, match=r"^a lab: node 'd' has no data interface to shape"):
+        netem_plan.compile_plan(unshaped)
 
 
 REAL_PAIR = """

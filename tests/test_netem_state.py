@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from foundation.errors import InputError, TestbedError
-from netem.plan import compile_plan
 from netem.tc_state import differences, parse_htb_classes, parse_read, parse_tc_rate_bit_s, read_script
-from netem.trace import HAT_DISTANCE_GROUPS, hat_trace, load_trace, schedules, traced_links, write_trace
+from netem.trace import HAT_DISTANCE_GROUPS, hat_trace, load_trace, schedules, write_trace
 from testbed.inventory import links_from_file, load_inventory
 from testbed.links.node_journal import DeviceSnapshot, LinkJournal
+from testbed.links.plans import compile_plan, traced_links
 from testbed.links.verify import iperf3_goodput, parse_ping
 
 REPO = Path(__file__).resolve().parent.parent

@@ -213,8 +213,8 @@ def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, even
 
 
 def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
-    from netem.plan import compile_plan
     from testbed.links.apply import apply_plans, apply_trace, show_nodes
+    from testbed.links.plans import compile_plan
     from testbed.links.verify import verify_links
 
     lab, link = campaign.inventory, settings.link
@@ -260,7 +260,7 @@ def run_links(campaign: Campaign, settings: RunSettings) -> tuple:
     """The directed links a run shapes: a trace's first row on every device's links, a links file,
     one profile on every link of the inventory, or the inventory's own links; every rate multiplied
     by ``link.rate_scale``."""
-    from netem.trace import traced_links
+    from testbed.links.plans import traced_links
 
     lab, link = campaign.inventory, settings.link
     if link.trace:  # the traced links come scaled with the trace; the others are scaled below

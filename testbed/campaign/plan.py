@@ -48,7 +48,7 @@ def planned_commands(campaign: Campaign, run: PlannedRun) -> dict[str, list[str]
 
 
 def _plans(campaign: Campaign, run: PlannedRun) -> tuple:
-    from netem.plan import compile_plan
+    from testbed.links.plans import compile_plan
 
     if not run.settings.link.shaped:
         return ()

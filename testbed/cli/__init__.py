@@ -444,8 +444,9 @@ def link_apply(
     sch_netem, or when a foreign qdisc is in the way (exit 2). Each node journals its interfaces
     before the first tc command; tc is read back and compared with the plan; if any node fails,
     every node is undone (exit 1). Applying again replaces the shaping in place."""
-    from netem.plan import compile_plan, queue_limit_packets
+    from netem.plan import queue_limit_packets
     from testbed.links.apply import apply_plans, apply_trace
+    from testbed.links.plans import compile_plan
 
     inv = load_lab(inventory)
     if sum(x is not None for x in (profile, links_file, trace)) > 1:

@@ -7,7 +7,7 @@ from typing import Any
 
 from ruamel.yaml import YAML
 
-from testbed.inventory import Inventory
+from testbed.inventory.model import Inventory
 
 
 def ansible_inventory(inventory: Inventory) -> tuple[dict[str, Any], list[str]]:

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from foundation.errors import NodeError, TestbedError
-from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan, compile_plan
+from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan
 from netem.tc_state import InterfaceState, differences, parse_read, read_script, split_sections
-from netem.trace import BandwidthTrace, NodeSchedule, schedules, traced_links
+from netem.trace import BandwidthTrace, NodeSchedule, schedules
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
 from testbed.links.node_journal import DeviceSnapshot, LinkJournal
+from testbed.links.plans import compile_plan, traced_links
 from testbed.transport import Transport, open_transport
 from testbed.transport.base import prefix_words, quote_path
 from testbed.transport.fanout import FanOutResult, NodeOutcome, fan_out

@@ -1,0 +1,348 @@
+"""What is wrong in an inventory, said so the user can fix it: pydantic's errors translated to
+``FILE:LINE: field: problem; hint``, secrets refused, and the checks that span fields (unique names,
+references, kinds, address clashes, profiles that shape nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from foundation.errors import InputProblem
+from foundation.user_files import YamlSource
+from netem.profile import LinkProfile
+from testbed.inventory.expansion import expand_groups, link_pairs
+from testbed.inventory.schema import JETSON_MODELS, EmulatedSpec, InventorySpec, NodeSpec
+
+RESERVED_NAMES = ("all", "controller")
+SECRET_KEYS = ("password", "passphrase", "sudo_password", "key_passphrase")
+NAMED_BY_USER = (("groups",), ("link_profiles",))  # mappings whose keys are names, not fields
+
+
+def secret_problems(source: YamlSource, data: Any, path: tuple[str | int, ...]) -> Iterable[InputProblem]:
+    """Every key, at any depth, that would hold a secret: secrets never go in the inventory."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if isinstance(key, str) and key.lower() in SECRET_KEYS and path not in NAMED_BY_USER:
+                yield source.problem(
+                    path + (key,),
+                    "secrets must not be written in the inventory",
+                    "use the SSH agent, an identity_file, or password_env naming an "
+                    "environment variable that holds the password",
+                )
+            else:
+                yield from secret_problems(source, value, path + (key,))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            yield from secret_problems(source, value, path + (i,))
+
+
+def spec_problems(source: YamlSource, errors: list[Any]) -> list[InputProblem]:
+    """pydantic's errors for an inventory as problems, without the secrets :func:`secret_problems`
+    reported already (with a better hint)."""
+    problems = []
+    for err in errors:
+        secret = (
+            err["type"] == "extra_forbidden"
+            and str(err["loc"][-1]).lower() in SECRET_KEYS
+            and tuple(err["loc"][:-1]) not in NAMED_BY_USER
+        )
+        # A list whose items failed is also reported as too short: say only what is wrong inside.
+        echo = err["type"] == "too_short" and any(
+            len(o["loc"]) > len(err["loc"]) and o["loc"][: len(err["loc"])] == err["loc"] for o in errors
+        )
+        if not secret and not echo:
+            problems.append(pydantic_problem(source, err))
+    return problems
+
+
+def pydantic_problem(source: YamlSource, err: Any) -> InputProblem:
+    """One pydantic error as ``FILE:LINE: field: problem; hint`` (also for campaign files)."""
+    loc = tuple(part for part in err["loc"] if isinstance(part, (str, int)))
+    ctx = err.get("ctx") or {}
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return source.problem(
+            loc, f"unknown key {loc[-1]!r}", "check the spelling; examples/inventories/lab.yaml shows every key"
+        )
+    if kind == "missing":
+        return source.problem(loc, "required field is missing", f"add '{loc[-1]}:'")
+    if kind == "string_pattern_mismatch":
+        value = err.get("input")
+        return source.problem(
+            loc,
+            f"{value!r} contains characters that are not allowed",
+            "use letters, digits and . _ - only (no spaces or shell characters)",
+        )
+    if "hint" in ctx:
+        return source.problem(loc, str(ctx.get("problem", err["msg"])), str(ctx["hint"]))
+    value = err.get("input")
+    shown = f"{value!r}: " if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
+    unit = _UNIT_OF_FIELD.get(str(loc[-1]) if loc else "", "")
+    message = err["msg"] + (f" ({unit})" if unit and kind in _RANGE_ERRORS else "")
+    hint = _HINTS.get(kind, "examples/inventories/lab.yaml shows a valid inventory")
+    return source.problem(loc, shown + message, hint)
+
+
+_UNIT_OF_FIELD = {
+    "rate": "in bit/s",
+    "delay": "in seconds",
+    "jitter": "in seconds",
+    "connect_timeout": "in seconds",
+    "keepalive": "in seconds",
+}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+_HINTS = {
+    "greater_than": "use a value in the allowed range",
+    "greater_than_equal": "use a value in the allowed range",
+    "less_than": "use a value in the allowed range",
+    "less_than_equal": "use a value in the allowed range",
+    "literal_error": "use one of the listed values",
+    "int_parsing": "write a whole number",
+    "int_type": "write a whole number (no quotes, not true/false)",
+    "bool_type": "write true or false",
+    "float_type": "write a number",
+    "finite_number": "write a finite number",
+    "int_from_float": "write a whole number",
+    "float_parsing": "write a number",
+    "bool_parsing": "write true or false",
+    "dict_type": "write a mapping (key: value lines)",
+    "list_type": "write a list ([a, b] or '- a' lines)",
+    "tuple_type": "write a list ([a, b] or '- a' lines)",
+    "string_type": "write text",
+}
+
+
+def cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
+    """Checks that span fields: unique names, references, kind rules, address clashes."""
+    first_line: dict[str, int | None] = {}
+    names = set()
+    for i, node in enumerate(spec.nodes):
+        at = ("nodes", i)
+        if node.name in first_line:
+            yield src.problem(
+                at + ("name",),
+                f"duplicate node name {node.name!r}",
+                f"first defined on line {first_line[node.name]}; names must be unique",
+            )
+        else:
+            first_line[node.name] = src.line_of(at + ("name",))
+        names.add(node.name)
+        if node.name in RESERVED_NAMES:
+            yield src.problem(at + ("name",), f"{node.name!r} is reserved", "choose another name")
+        yield from _node_kind_problems(node, src, at, resolved=spec.emulation.instance is not None)
+
+    node_names = {n.name for n in spec.nodes}
+    for i, node in enumerate(spec.nodes):
+        if node.adb is not None and node.adb.usb_host != "controller":
+            host = next((n for n in spec.nodes if n.name == node.adb.usb_host), None)
+            if host is None:
+                yield src.problem(
+                    ("nodes", i, "adb", "usb_host"),
+                    f"unknown node {node.adb.usb_host!r}",
+                    "name an inventory node, or 'controller' for this machine",
+                )
+            elif host.kind == "android":
+                yield src.problem(
+                    ("nodes", i, "adb", "usb_host"),
+                    f"{host.name!r} is a phone",
+                    "the USB host must be a Linux node or 'controller'",
+                )
+    yield from _clash_problems(spec, src)
+
+    for group, members in spec.groups.items():
+        if group in node_names or group in RESERVED_NAMES:
+            yield src.problem(
+                ("groups", group),
+                f"group name {group!r} is already a node name or reserved",
+                "nodes and groups share one namespace",
+            )
+        for j, member in enumerate(members):
+            if member not in node_names and member not in spec.groups:
+                yield src.problem(
+                    ("groups", group, j), f"unknown node or group {member!r}", "list node names or other group names"
+                )
+    cycle = _group_cycle(spec.groups)
+    if cycle:
+        yield src.problem(
+            ("groups", cycle[0]), "groups include each other: " + " -> ".join(cycle), "remove one of the references"
+        )
+
+    for name, profile in spec.link_profiles.items():
+        yield from profile_problems(name, profile, src)
+    yield from link_problems(spec, src, node_names, cycle is None)
+
+    em = spec.emulation
+    if em.management_subnet.overlaps(em.data_subnet):
+        yield src.problem(
+            ("emulation", "data_subnet"), "overlaps the management subnet", "the two planes need separate subnets"
+        )
+    emulated = sum(1 for n in spec.nodes if n.emulated is not None)
+    for field, net in (("management_subnet", em.management_subnet), ("data_subnet", em.data_subnet)):
+        if net.num_addresses - 3 < emulated:
+            yield src.problem(
+                ("emulation", field),
+                f"{net} is too small for {emulated} emulated nodes",
+                "use a larger subnet, e.g. a /24",
+            )
+
+
+def link_problems(
+    spec: InventorySpec, src: YamlSource, node_names: set[str], groups_ok: bool
+) -> Iterable[InputProblem]:
+    """Links naming unknown nodes, groups or profiles; two profiles for one direction."""
+    selectable = node_names | set(spec.groups) | {"all"}
+    for i, link in enumerate(spec.links):
+        for field, value in (("from", link.source), ("to", link.destination)):
+            if value not in selectable:
+                yield src.problem(
+                    ("links", i, field), f"unknown node or group {value!r}", "name a node, a group, or 'all'"
+                )
+        if link.profile not in spec.link_profiles:
+            yield src.problem(
+                ("links", i, "profile"), f"unknown link profile {link.profile!r}", "define it under link_profiles"
+            )
+    if groups_ok:
+        yield from _link_conflicts(spec, src)
+
+
+def _node_kind_problems(
+    node: NodeSpec, src: YamlSource, at: tuple[str | int, ...], *, resolved: bool
+) -> Iterable[InputProblem]:
+    if node.kind == "jetson" and node.model not in JETSON_MODELS:
+        yield src.problem(at + ("model",), f"unknown Jetson model {node.model!r}", "one of " + ", ".join(JETSON_MODELS))
+    if node.kind == "android":
+        if node.adb is None:
+            yield src.problem(at, "a phone needs an 'adb:' section", "give its serial and usb_host")
+        for field in ("ssh", "address"):
+            if getattr(node, field) is not None:
+                yield src.problem(
+                    at + (field,),
+                    f"a phone is reached through adb, not '{field}'",
+                    "remove it; put the phone's WLAN address under data.address",
+                )
+        if node.transport != "ssh":
+            yield src.problem(at + ("transport",), "a phone is reached through adb", "remove transport")
+        if node.emulated is not None:
+            yield src.problem(
+                at + ("emulated",), "emulated phones are not supported yet", "emulate a Jetson or server instead"
+            )
+    elif node.adb is not None:
+        yield src.problem(at + ("adb",), "only phones (kind: android) have an adb section", "remove it")
+    if node.emulated is not None and not resolved:
+        for field in ("address", "data"):
+            if getattr(node, field) is not None:
+                yield src.problem(
+                    at + (field,),
+                    "an emulated node gets its addresses from 'emulation'",
+                    f"remove {field} (or the emulated section)",
+                )
+    if node.emulated is not None and resolved and node.address is None:
+        yield src.problem(at, "a resolved emulated node needs its address", "run testbed emulate up again")
+    if node.emulated is not None:
+        if node.transport == "local":
+            yield src.problem(at + ("transport",), "an emulated node is reached over SSH", "remove transport")
+        yield from _power_mode_problems(node.emulated, src, at + ("emulated",))
+    elif node.kind != "android" and node.transport == "ssh" and node.address is None:
+        yield src.problem(
+            at,
+            "required field 'address' is missing",
+            "give the management address that SSH reaches, or add 'emulated:'",
+        )
+    for field in ("roles", "tags"):
+        values = getattr(node, field)
+        if len(set(values)) != len(values):
+            yield src.problem(at + (field,), f"repeated entries in {field}", "list each once")
+
+
+def _power_mode_problems(spec: EmulatedSpec, src: YamlSource, at: tuple[str | int, ...]) -> Iterable[InputProblem]:
+    seen_ids: set[int] = set()
+    seen_names: set[str] = set()
+    for i, mode in enumerate(spec.power_modes):
+        here = at + ("power_modes", i)
+        if mode.id in seen_ids:
+            yield src.problem(here + ("id",), f"duplicate power mode id {mode.id}", "ids must be unique")
+        if mode.name in seen_names:
+            yield src.problem(here + ("name",), f"duplicate power mode name {mode.name!r}", "names must be unique")
+        if mode.idle_w > mode.busy_w:
+            yield src.problem(
+                here + ("idle_w",),
+                f"idle power {mode.idle_w:g} W exceeds busy power {mode.busy_w:g} W",
+                "idle_w must be at most busy_w",
+            )
+        seen_ids.add(mode.id)
+        seen_names.add(mode.name)
+    if spec.initial_mode is not None and spec.initial_mode not in seen_ids:
+        yield src.problem(
+            at + ("initial_mode",),
+            f"no power mode with id {spec.initial_mode}",
+            "name one of the ids under power_modes",
+        )
+
+
+def _clash_problems(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
+    seen: dict[tuple[str, int | None], str] = {}
+    data_seen: dict[str, str] = {}
+    for i, node in enumerate(spec.nodes):
+        if node.address is not None and node.transport == "ssh":
+            port = (node.ssh.port if node.ssh and node.ssh.port else None) or spec.defaults.ssh.port or 22
+            key = (node.address, port)
+            if key in seen:
+                yield src.problem(
+                    ("nodes", i, "address"),
+                    f"{node.address}:{port} is also node {seen[key]!r}",
+                    "each node needs its own address or SSH port",
+                )
+            seen.setdefault(key, node.name)
+        if node.data is not None:
+            if node.data.address in data_seen:
+                yield src.problem(
+                    ("nodes", i, "data", "address"),
+                    f"{node.data.address} is also the data address of {data_seen[node.data.address]!r}",
+                    "data addresses must be unique",
+                )
+            data_seen.setdefault(node.data.address, node.name)
+
+
+def profile_problems(name: str, p: LinkProfile, src: YamlSource) -> Iterable[InputProblem]:
+    at = ("link_profiles", name)
+    if all(v is None for v in (p.rate_bit_s, p.delay_s, p.loss_pct)):
+        yield src.problem(at, "the profile shapes nothing", "give at least one of rate, delay, loss")
+    if p.jitter_s is not None and not p.delay_s:
+        yield src.problem(at + ("jitter",), "jitter needs a delay", "add delay: (jitter varies around it)")
+    if p.distribution is not None and not p.jitter_s:
+        yield src.problem(at + ("distribution",), "a delay distribution needs jitter", "add jitter:")
+    if p.loss_correlation_pct is not None and not p.loss_pct:
+        yield src.problem(at + ("loss_correlation",), "loss correlation needs loss", "add loss:")
+
+
+def _group_cycle(groups: dict[str, tuple[str, ...]]) -> list[str] | None:
+    def visit(name: str, trail: list[str]) -> list[str] | None:
+        if name in trail:
+            return trail[trail.index(name) :] + [name]
+        for member in groups.get(name, ()):
+            if member in groups:
+                found = visit(member, trail + [name])
+                if found:
+                    return found
+        return None
+
+    for group in groups:
+        found = visit(group, [])
+        if found:
+            return found
+    return None
+
+
+def _link_conflicts(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
+    groups = expand_groups(spec)
+    seen: dict[tuple[str, str], int] = {}
+    for i, s, d in link_pairs(spec, groups):
+        j = seen.setdefault((s, d), i)
+        if j != i and spec.links[j].profile != spec.links[i].profile:
+            yield src.problem(
+                ("links", i),
+                f"{s} -> {d} is also shaped by the link on line {src.line_of(('links', j))} with another profile",
+                "each direction between two nodes may have one profile",
+            )
+            return
