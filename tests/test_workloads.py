@@ -26,6 +26,7 @@ from workloads.corpus import corpus_sha256, is_held_out, stdlib_root, training_t
 from workloads.prompts import LENGTH_MODELS, context_tokens, draw_prompt_lengths, draw_prompts
 from workloads.qoe import READING, SPEAKING, QoeExpectation, qoe_expectation
 from workloads.schedule import WorkloadSpec, build_schedules, schedule_digest, write_schedule
+from workloads.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "models" / "tiny"
@@ -190,6 +191,18 @@ def test_prompts_follow_their_length_model_and_carry_tokenizer_ids(tokenizer):
         assert p.prompt_ids[0] == tokenizer.bos_id and len(p.prompt_ids) == p.prompt_tokens
         assert tokenizer.decode(list(p.prompt_ids)) == p.text
         assert p.max_new_tokens == 32 and p.source.startswith("sharegpt:")
+
+
+def test_the_controllers_tokenizer_gives_the_nodes_ids(tokenizer, tmp_path):
+    """Schedules are tokenized on the controller (workloads) and decoded on the nodes (nodes.inference)."""
+    ours = load_tokenizer(TINY)
+    assert (ours.bos_id, ours.add_bos) == (tokenizer.bos_id, tokenizer.add_bos)
+    for text in ("import os\n", "def f(x):\n    return x ** 2  # é ü", ""):
+        assert ours.encode(text) == tokenizer.encode(text)
+        assert ours.encode(text, bos=False) == tokenizer.encode(text, bos=False)
+        assert ours.decode(ours.encode(text)) == tokenizer.decode(tokenizer.encode(text))
+    with pytest.raises(TestbedError, match=r"cannot load the tokenizer .*tokenizer\.json: no such file"):
+        load_tokenizer(tmp_path)
 
 
 def test_prompts_are_cut_to_the_context(tmp_path):

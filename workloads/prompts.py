@@ -50,9 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from foundation.errors import InputError, InputProblem, TestbedError
-from nodes.inference.config import ConfigError
-from nodes.inference.tokenizer import Tokenizer
 from workloads.corpus import Corpus, held_out_corpus, held_out_every
+from workloads.tokenizer import PromptTokenizer, load_tokenizer
 
 MAX_PROMPTS = 100_000
 TINY_PYTHON_TOKENS = (32, 256)  # inclusive range of the tiny-python snippets' lengths
@@ -226,7 +225,7 @@ def load_prompt_file(path: str | Path) -> list[FilePrompt]:
 @dataclass(frozen=True)
 class _Model:
     directory: str
-    tokenizer: Tokenizer
+    tokenizer: PromptTokenizer
     context_tokens: int
     held_out_every: int
 
@@ -247,11 +246,7 @@ def _model(directory: str) -> _Model:
         context = int(config["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise TestbedError(f"{config_path}: cannot read max_position_embeddings ({error})") from None
-    try:
-        tokenizer = Tokenizer(directory)
-    except (ConfigError, OSError, ValueError) as error:
-        raise TestbedError(f"{directory}: cannot load the tokenizer ({error})") from None
-    return _Model(directory, tokenizer, context, held_out_every(directory))
+    return _Model(directory, load_tokenizer(directory), context, held_out_every(directory))
 
 
 def _check_count(count: int) -> None:
