@@ -36,6 +36,7 @@ demo: $(STAMP) system-packages
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/vermin -q -t=3.8- --violations --no-tips --eval-annotations nodes
 
 test: $(STAMP) system-packages lint
