@@ -7,14 +7,13 @@ change, also after the controller was killed.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from foundation.errors import NodeError, TestbedError
 from testbed.inventory import Inventory, NodeSpec
-from testbed.node_code import ensure_node_code
-from testbed.transport import open_transport, usb_host_transport
-from testbed.transport.base import Transport
+from testbed.node_context import NodeContext, ensure_node_code, resolve_context, transport_for
 from testbed.transport.fanout import FanOutResult, fan_out
 
 
@@ -45,22 +44,32 @@ def _journal_path(inventory: Inventory, node: NodeSpec) -> str:
     return f"{base}/journal.json"
 
 
-def _transport(inventory: Inventory, node: NodeSpec) -> Transport:
-    return usb_host_transport(inventory, node) if node.kind == "android" else open_transport(inventory, node)
+def driver_command(inventory: Inventory, node: NodeSpec, context: NodeContext, action: Sequence[str]) -> list[str]:
+    """The exact command line (environment included) that runs the node's power driver for ``action``."""
+    argv = [context.base_python, "-m", "nodes.power", "--kind", driver_kind(node)]
+    argv += ["--journal", context.path(_journal_path(inventory, node))]
+    if inventory.spec.defaults.sudo:
+        argv.append("--sudo")
+    if node.kind == "android":
+        assert node.adb is not None
+        argv += ["--serial", node.adb.serial]
+    return ["env", f"PYTHONPATH={context.code_path}", *argv, *action]
 
 
-def run_driver(inventory: Inventory, node: NodeSpec, action: list[str], *, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Run ``python -m nodes.power ... ACTION`` for ``node`` and return its JSON answer."""
-    with _transport(inventory, node) as t:
-        code = ensure_node_code(t, inventory.spec.defaults.workdir)
-        argv = [inventory.spec.defaults.python, "-m", "nodes.power", "--kind", driver_kind(node)]
-        argv += ["--journal", t.expand_path(_journal_path(inventory, node))]
-        if inventory.spec.defaults.sudo:
-            argv.append("--sudo")
-        if node.kind == "android":
-            assert node.adb is not None
-            argv += ["--serial", node.adb.serial]
-        result = t.run([*argv, *action], env={"PYTHONPATH": code}, timeout_s=timeout_s)
+def run_driver(
+    inventory: Inventory,
+    node: NodeSpec,
+    action: list[str],
+    *,
+    timeout_s: float = 120.0,
+    context: NodeContext | None = None,
+) -> dict[str, Any]:
+    """Run ``python -m nodes.power ... ACTION`` for ``node`` and return its JSON answer. With
+    ``context`` (a run plan's), nothing is looked up on the node first."""
+    with transport_for(inventory, node) as t:
+        context = context or resolve_context(inventory, node, t)
+        ensure_node_code(t, context)
+        result = t.run(driver_command(inventory, node, context, action), timeout_s=timeout_s)
     try:
         answer = json.loads(result.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -69,6 +78,17 @@ def run_driver(inventory: Inventory, node: NodeSpec, action: list[str], *, timeo
     if "error" in answer:
         raise NodeError(node.name, str(answer["error"]))
     return dict(answer)
+
+
+def set_action(mode: str, *, lock_clocks: bool = False) -> list[str]:
+    """The driver's words that set ``mode`` (an id or a name)."""
+    return ["set", mode, *(["--lock-clocks"] if lock_clocks else [])]
+
+
+def _drive(
+    inventory: Inventory, node: NodeSpec, action: list[str], contexts: Mapping[str, NodeContext] | None
+) -> dict[str, Any]:
+    return run_driver(inventory, node, action, context=contexts.get(node.name) if contexts else None)
 
 
 def _reading(node: NodeSpec, answer: dict[str, Any], state_key: str = "state") -> PowerReading:
@@ -86,18 +106,25 @@ def _reading(node: NodeSpec, answer: dict[str, Any], state_key: str = "state") -
     )
 
 
-def show_power(inventory: Inventory, nodes: list[str] | None = None) -> FanOutResult[PowerReading]:
+def show_power(
+    inventory: Inventory, nodes: list[str] | None = None, *, contexts: Mapping[str, NodeContext] | None = None
+) -> FanOutResult[PowerReading]:
     selected = inventory.select(nodes)
     by_name = {n.name: n for n in selected}
     return fan_out(
         list(by_name),
-        lambda name: _reading(by_name[name], run_driver(inventory, by_name[name], ["show"])),
+        lambda name: _reading(by_name[name], _drive(inventory, by_name[name], ["show"], contexts)),
         description="reading power modes",
     )
 
 
 def set_power(
-    inventory: Inventory, targets: list[str], mode: str, *, lock_clocks: bool = False
+    inventory: Inventory,
+    targets: list[str],
+    mode: str,
+    *,
+    lock_clocks: bool = False,
+    contexts: Mapping[str, NodeContext] | None = None,
 ) -> FanOutResult[PowerReading]:
     """Set ``mode`` (an id or name) on every selected node and read it back; each node's journal
     records its state before the first change. Nothing is changed anywhere when a node cannot be
@@ -106,7 +133,7 @@ def set_power(
     if not selected:
         raise TestbedError("no node selected")
     by_name = {n.name: n for n in selected}
-    shown = show_power(inventory, list(by_name))
+    shown = show_power(inventory, list(by_name), contexts=contexts)
     if not shown.ok:
         return FanOutResult(shown.failed, shown.wall_s)
     lacking = {
@@ -120,21 +147,23 @@ def set_power(
         )
         names = ", ".join(lacking)
         raise TestbedError(f"power mode {mode!r} is not a mode of {names} ({listing}); nothing was changed")
-    action = ["set", mode, *(["--lock-clocks"] if lock_clocks else [])]
+    action = set_action(mode, lock_clocks=lock_clocks)
     return fan_out(
         list(by_name),
-        lambda name: _reading(by_name[name], run_driver(inventory, by_name[name], action)),
+        lambda name: _reading(by_name[name], _drive(inventory, by_name[name], action, contexts)),
         description=f"setting power mode {mode}",
     )
 
 
-def restore_power(inventory: Inventory, nodes: list[str] | None = None) -> FanOutResult[PowerReading | None]:
+def restore_power(
+    inventory: Inventory, nodes: list[str] | None = None, *, contexts: Mapping[str, NodeContext] | None = None
+) -> FanOutResult[PowerReading | None]:
     """Put every selected node back as its journal recorded it (None where there was no journal)."""
     selected = inventory.select(nodes)
     by_name = {n.name: n for n in selected}
 
     def restore(name: str) -> PowerReading | None:
-        answer = run_driver(inventory, by_name[name], ["restore"])
+        answer = _drive(inventory, by_name[name], ["restore"], contexts)
         return _reading(by_name[name], answer, "restored") if answer.get("restored") else None
 
     return fan_out(list(by_name), restore, description="restoring power modes")

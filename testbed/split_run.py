@@ -19,15 +19,15 @@ import json
 import os
 import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from foundation.errors import NodeError, TestbedError
 from testbed.inventory import Inventory, NodeSpec
-from testbed.node_code import ensure_node_code
-from testbed.provision import compare_records, load_record, provisioned_python
+from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
+from testbed.provision import compare_records, load_record
 from testbed.transport import open_transport
 from testbed.transport.base import Transport
 from testbed.transport.fanout import fan_out
@@ -199,24 +199,27 @@ def run_split(
     *,
     say: Say = lambda _: None,
     on_wait: Callable[[float], None] = lambda _: None,
+    contexts: Mapping[str, NodeContext] | None = None,
+    mpiexec: str | None = None,
 ) -> SplitRunResult:
     """Stage the run on every node, launch it, wait (bounded; ``on_wait`` is called with the
-    seconds elapsed every few seconds), and collect every rank's files (also after a failure)."""
+    seconds elapsed every few seconds), and collect every rank's files (also after a failure).
+    A run plan passes the nodes' ``contexts`` and the launch node's ``mpiexec`` it resolved."""
     server, devices = check_spec(inventory, spec)
     nodes = [server, *devices]
     records = {n.name: load_record(inventory, n.name) for n in nodes}
     differences = compare_records({name: r for name, r in records.items() if r})
     if differences:
         raise TestbedError("the run's nodes cannot run together:\n" + "\n".join(differences))
-    workdir = inventory.spec.defaults.workdir
-    python = {n.name: provisioned_python(inventory, records[n.name]) for n in nodes}
+    if contexts is None:
+        contexts = resolve_contexts(inventory, [n.name for n in nodes]).require("reading the nodes' home directories")
     model_dirs = {n.name: _model_dir_on(records[n.name], "server" if n is server else "device", spec) for n in nodes}
 
     def stage(name: str) -> dict[str, str]:
         node = inventory.node(name)
         with open_transport(inventory, node) as t:
-            code = ensure_node_code(t, workdir)
-            run_dir = t.expand_path(f"{workdir.rstrip('/')}/runs/{spec.run_id}")
+            code = ensure_node_code(t, contexts[name])
+            run_dir = run_dir_on(contexts[name], spec.run_id)
             t.run(["rm", "-rf", f"{run_dir}/out"], timeout_s=60.0).check()
             info = {"code": code, "run_dir": run_dir}
             if name in spec.devices:
@@ -251,17 +254,12 @@ def run_split(
             t.store(path, (json.dumps(config, indent=1) + "\n").encode())
         return path
 
-    configs = fan_out([n.name for n in nodes], write_config).require("writing the run config")
-    groups = []
-    for node, count in [(server, spec.stages), *[(d, 1) for d in devices]]:
-        assert node.data is not None and node.address is not None
-        env = {**data_plane_env(node.data.interface), "PYTHONPATH": info[node.name]["code"]}
-        argv = (python[node.name], "-m", "nodes.workers", configs[node.name])
-        groups.append(RankGroup(node.name, node.address, count, argv, tuple(sorted(env.items()))))
+    fan_out([n.name for n in nodes], write_config).require("writing the run config")
     run_dir = info[server.name]["run_dir"]
     with open_transport(inventory, server) as t:
-        mpiexec = _mpiexec_on(t, python[server.name])
-        plan = MpiLaunchPlan(server.name, mpiexec, tuple(groups), spec.timeout_s)
+        mpiexec = mpiexec or find_mpiexec(t, contexts[server.name].python)
+        plan = launch_plan(inventory, spec, contexts, mpiexec)
+        groups = plan.groups
         say(f"launching {sum(g.ranks for g in groups)} ranks from {server.name}: {plan.hosts_argument()}")
         started = time.monotonic()
         exit_code, log = _launch_and_wait(t, plan, run_dir, spec.timeout_s, on_wait)
@@ -274,6 +272,27 @@ def run_split(
         culprit = failed_node(log, groups) or server.name
         raise NodeError(culprit, f"mpiexec {status}: {hydra_summary(log)} (see {out_dir}/mpiexec.log)")
     return SplitRunResult(out_dir, plan, seconds, tuple(rank_dirs))
+
+
+def run_dir_on(context: NodeContext, run_id: str) -> str:
+    """The run's directory on a node (its config, schedules and the ranks' ``out/``)."""
+    return context.under_workdir("runs", run_id)
+
+
+def launch_plan(
+    inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, NodeContext], mpiexec: str
+) -> MpiLaunchPlan:
+    """The ``mpiexec`` launch of ``spec``: P stage ranks on the server, one rank per device, each with
+    its node's workers' Python, the node code bundle and the data-plane environment."""
+    server, devices = check_spec(inventory, spec)
+    groups = []
+    for node, count in [(server, spec.stages), *[(d, 1) for d in devices]]:
+        assert node.data is not None and node.address is not None
+        context = contexts[node.name]
+        env = {**data_plane_env(node.data.interface), "PYTHONPATH": context.code_path}
+        argv = (context.python, "-m", "nodes.workers", f"{run_dir_on(context, spec.run_id)}/run.json")
+        groups.append(RankGroup(node.name, node.address, count, argv, tuple(sorted(env.items()))))
+    return MpiLaunchPlan(server.name, mpiexec, tuple(groups), spec.timeout_s)
 
 
 def _model_dir_on(record: dict, role: str, spec: SplitRunSpec) -> str:
@@ -298,27 +317,55 @@ def mpiexec_pidfile(run_dir: str) -> str:
     return f"{run_dir}/mpiexec.pid"
 
 
+def launch_files(run_dir: str) -> tuple[str, str]:
+    """(exit status file, output log) of a run's detached ``mpiexec`` on the launch node."""
+    return f"{run_dir}/mpiexec.status", f"{run_dir}/mpiexec.log"
+
+
+def launch_argv(plan: MpiLaunchPlan, status: str) -> list[str]:
+    """``mpiexec`` wrapped so that its exit status lands in ``status`` when it ends."""
+    return ["sh", "-c", '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"', status, *plan.argv()]
+
+
+def launch_env(timeout_s: float) -> dict[str, str]:
+    return {"MPIEXEC_TIMEOUT": str(int(timeout_s))}
+
+
+def launch_wait_script(status: str) -> str:
+    """sh that waits up to WAIT_POLL_S for the exit status and prints it (nothing while still running)."""
+    return (
+        f"i=0; while [ ! -s {shlex.quote(status)} ] && [ $i -lt {int(WAIT_POLL_S / 0.1)} ]; do sleep 0.1; i=$((i+1)); "
+        f"done; cat {shlex.quote(status)} 2>/dev/null || true"
+    )
+
+
+def mpiexec_search_script(python: str) -> str:
+    """sh that prints the mpiexec beside ``python`` (the mpich wheel's), else the one on PATH."""
+    return (
+        f"p=$({shlex.quote(python)} -c 'import os,sys; print(os.path.dirname(sys.executable))')/mpiexec; "
+        '[ -x "$p" ] && echo "$p" || command -v mpiexec'
+    )
+
+
+def rank_listing_script(out: str) -> str:
+    """sh that lists the files under a node's ``out/`` (relative, ``./``-prefixed)."""
+    return f"cd {shlex.quote(out)} 2>/dev/null && find . -type f"
+
+
 def _launch_and_wait(
     t: Transport, plan: MpiLaunchPlan, run_dir: str, timeout_s: float, on_wait: Callable[[float], None]
 ) -> tuple[int | None, str]:
     """Start ``mpiexec`` detached on the launch node (so a controller that dies leaves a pidfile to
     end it by, and MPIEXEC_TIMEOUT bounds it meanwhile), wait for its exit status, and return it
     (None after a timeout, when it is stopped) with its output."""
-    status, log = f"{run_dir}/mpiexec.status", f"{run_dir}/mpiexec.log"
+    status, log = launch_files(run_dir)
     t.run(["rm", "-f", status], timeout_s=30.0).check()
-    record_status = '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"'
     t.start_background(
-        ["sh", "-c", record_status, status, *plan.argv()],
-        pidfile=mpiexec_pidfile(run_dir),
-        logfile=log,
-        env={"MPIEXEC_TIMEOUT": str(int(timeout_s))},
+        launch_argv(plan, status), pidfile=mpiexec_pidfile(run_dir), logfile=log, env=launch_env(timeout_s)
     )
     started = time.monotonic()
     deadline = started + timeout_s + LAUNCH_MARGIN_S
-    wait_script = (
-        f"i=0; while [ ! -s {shlex.quote(status)} ] && [ $i -lt {int(WAIT_POLL_S / 0.1)} ]; do sleep 0.1; i=$((i+1)); "
-        f"done; cat {shlex.quote(status)} 2>/dev/null || true"
-    )
+    wait_script = launch_wait_script(status)
     exit_code: int | None = None
     try:
         while time.monotonic() < deadline:
@@ -356,13 +403,9 @@ def hydra_summary(log: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def _mpiexec_on(t: Transport, python: str) -> str:
+def find_mpiexec(t: Transport, python: str) -> str:
     """The mpiexec beside the node's Python (the mpich wheel's), else the one on PATH."""
-    script = (
-        f"p=$({shlex.quote(python)} -c 'import os,sys; print(os.path.dirname(sys.executable))')/mpiexec; "
-        '[ -x "$p" ] && echo "$p" || command -v mpiexec'
-    )
-    found = t.run_script(script, timeout_s=30.0).stdout.strip()
+    found = t.run_script(mpiexec_search_script(python), timeout_s=30.0).stdout.strip()
     if not found:
         raise NodeError(t.node, "no mpiexec beside its Python or on PATH (pip install mpich mpi4py)")
     return found.splitlines()[-1]
@@ -379,7 +422,7 @@ def _collect(
         got: list[Path] = []
         with open_transport(inventory, node) as t:
             out = f"{info[name]['run_dir']}/out"
-            listing = t.run_script(f"cd {shlex.quote(out)} 2>/dev/null && find . -type f", timeout_s=30.0).stdout
+            listing = t.run_script(rank_listing_script(out), timeout_s=30.0).stdout
             for relative in sorted(line[2:] for line in listing.split() if line.startswith("./")):
                 rank_dir = relative.split("/")[0]
                 if not rank_dir.endswith("-" + name):

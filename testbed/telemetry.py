@@ -18,7 +18,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +28,8 @@ import pandas as pd
 from foundation.errors import NodeError, TestbedError
 from nodes.telemetry.source import SensorStatus
 from testbed.inventory import Inventory, NodeSpec
-from testbed.node_code import ensure_node_code, node_code
-from testbed.transport import open_transport, usb_host_transport
-from testbed.transport.base import Transport
+from testbed.node_code import node_code
+from testbed.node_context import NodeContext, ensure_node_code, resolve_context, transport_for
 from testbed.transport.clock import ClockOffset, measure_clock_offset
 from testbed.transport.fanout import FanOutResult, fan_out
 
@@ -76,8 +75,7 @@ def sampler_plan(node: NodeSpec, jetson_source: str = "tegrastats") -> SamplerPl
     return SamplerPlan(node.name, node.name, ("nvml", "host") if node.gpus else ("host",))
 
 
-def _transport(inventory: Inventory, node: NodeSpec) -> Transport:
-    return usb_host_transport(inventory, node) if node.kind == "android" else open_transport(inventory, node)
+_transport = transport_for
 
 
 # -- probe ---------------------------------------------------------------------------------------
@@ -99,16 +97,34 @@ class ProbeResult:
         return tuple(s for s in self.sensors if not s.ok)
 
 
-def _sampler_command(inventory: Inventory, t: Transport, plan: SamplerPlan) -> tuple[list[str], dict[str, str]]:
-    code = ensure_node_code(t, inventory.spec.defaults.workdir)
-    return plan.argv(inventory.spec.defaults.python), {"PYTHONPATH": code}
+def sampler_command(plan: SamplerPlan, context: NodeContext) -> list[str]:
+    """The sampler's command line on the node (the node code bundle on its PYTHONPATH)."""
+    return ["env", f"PYTHONPATH={context.code_path}", *plan.argv(context.base_python)]
 
 
-def probe_node(inventory: Inventory, node: NodeSpec, jetson_source: str = "tegrastats") -> ProbeResult:
+def sampler_paths(context: NodeContext, session: str) -> tuple[str, str, str]:
+    """(data file, pidfile, logfile) of ``context``'s sampler in recording ``session``."""
+    base = context.under_workdir("telemetry", session, context.node)
+    return base + ".csv", base + ".pid", base + ".log"
+
+
+def sampler_start_command(
+    plan: SamplerPlan, context: NodeContext, session: str, *, interval_s: float, max_seconds: float
+) -> list[str]:
+    """The detached sampler's command line for a recording (its files under ``telemetry/<session>/``)."""
+    datafile = sampler_paths(context, session)[0]
+    return [*sampler_command(plan, context), "--interval-ms", str(round(interval_s * 1000)), "--out", datafile,
+            "--max-seconds", f"{max_seconds + STOP_MARGIN_S:g}"]  # fmt: skip
+
+
+def probe_node(
+    inventory: Inventory, node: NodeSpec, jetson_source: str = "tegrastats", *, context: NodeContext | None = None
+) -> ProbeResult:
     plan = sampler_plan(node, jetson_source)
     with _transport(inventory, node) as t:
-        argv, env = _sampler_command(inventory, t, plan)
-        result = t.run([*argv, "--probe"], env=env, timeout_s=60.0)
+        context = context or resolve_context(inventory, node, t)
+        ensure_node_code(t, context)
+        result = t.run([*sampler_command(plan, context), "--probe"], timeout_s=60.0)
     try:
         answer = json.loads(result.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -126,13 +142,14 @@ def probe_telemetry(
     *,
     require_energy: bool = False,
     jetson_source: str = "tegrastats",
+    contexts: Mapping[str, NodeContext] | None = None,
 ) -> FanOutResult[ProbeResult]:
     """Probe every selected node's sensors. With ``require_energy``, a node without a working power
     or energy sensor becomes that node's error, naming the sensors and why they gave nothing."""
     selected = {n.name: n for n in inventory.select(nodes)}
 
     def probe(name: str) -> ProbeResult:
-        found = probe_node(inventory, selected[name], jetson_source)
+        found = probe_node(inventory, selected[name], jetson_source, context=(contexts or {}).get(name))
         if require_energy and not found.energy_sensors:
             missing = [f"{s.sensor} {s.metric}: {s.problem or 'no reading'}" for s in found.sensors if s.energy]
             raise NodeError(
@@ -192,30 +209,32 @@ def start_recording(
     jetson_source: str = "tegrastats",
     session: str | None = None,
     say: Say = lambda _: None,
+    contexts: Mapping[str, NodeContext] | None = None,
 ) -> Recording:
     """Probe, measure clock offsets, and start a detached sampler for every selected node. The
     samplers' files go under ``<workdir>/telemetry/<session>/`` (default: a new timestamped name)."""
     selected = {n.name: n for n in inventory.select(nodes)}
     say(f"probing telemetry on {len(selected)} nodes")
-    probed = probe_telemetry(inventory, list(selected), require_energy=require_energy, jetson_source=jetson_source)
+    probed = probe_telemetry(
+        inventory, list(selected), require_energy=require_energy, jetson_source=jetson_source, contexts=contexts
+    )
     probes = _all_or_raise(probed, "probe")
     for probe in probes.values():
         for s in probe.problems:
             say(f"  {probe.node}: {s.sensor} {s.metric}: {s.problem or 'no reading'}")
     clock_start = _all_or_raise(fan_out(list(selected), lambda n: _clock(inventory, selected[n])), "clock offset")
     session = session or time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    workdir = inventory.spec.defaults.workdir.rstrip("/")
 
     def start(name: str) -> NodeRecording:
         node = selected[name]
         plan = sampler_plan(node, jetson_source)
         with _transport(inventory, node) as t:
-            argv, env = _sampler_command(inventory, t, plan)
-            base = t.expand_path(f"{workdir}/telemetry/{session}/{name}")
-            argv += ["--interval-ms", str(round(interval_s * 1000)), "--out", base + ".csv"]
-            argv += ["--max-seconds", f"{max_seconds + STOP_MARGIN_S:g}"]
-            t.start_background(argv, pidfile=base + ".pid", logfile=base + ".log", env=env)
-            return NodeRecording(name, plan.host, base + ".pid", base + ".csv", base + ".log")
+            context = (contexts or {}).get(name) or resolve_context(inventory, node, t)
+            ensure_node_code(t, context)
+            argv = sampler_start_command(plan, context, session, interval_s=interval_s, max_seconds=max_seconds)
+            datafile, pidfile, logfile = sampler_paths(context, session)
+            t.start_background(argv, pidfile=pidfile, logfile=logfile)
+            return NodeRecording(name, plan.host, pidfile, datafile, logfile)
 
     started = fan_out(list(selected), start, description="starting samplers")
     if not started.ok:

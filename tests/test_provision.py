@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from testbed.emulation.resolved import load_lab
 from testbed.node_wheel import node_wheel
 from testbed.transport import open_transport
 from testbed.weights import ModelSource, file_sha256, read_safetensors_header
-from tests.conftest import emulated_inventory, emulated_lab, run_cli
+from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
@@ -231,3 +233,66 @@ def test_a_run_refuses_nodes_whose_mpi_abis_differ(lab: Path) -> None:
         assert not (lab.parent / "refused").exists()
     finally:
         path.write_text(original)
+
+
+def test_a_run_sends_exactly_the_commands_its_dry_run_printed(lab: Path) -> None:
+    """The run plan is what runs: every shell line the controller sends during a real run (recorded
+    by the transports' command log) is a line of the plan ``--dry-run --json`` printed for the same
+    run, and every line the plan sends once is sent. The campaign has a bandwidth trace with
+    ``rate_scale``, a power mode and provisioned nodes (the workers' Python is each node's venv)."""
+    from testbed.campaign.plan import normalised_line
+    from testbed.transport.command_log import ENV_VARIABLE, read
+
+    directory = lab.parent / "plan-equals-run"
+    directory.mkdir()
+    campaign = directory / "traced.yaml"
+    campaign.write_text(f"""name: traced
+inventory: {lab}
+base:
+  model: {TINY}
+  partition: {{device_layers: 2, stages: 2}}
+  devices: [orin]
+  workload: {{arrival: constant, rate_per_s: 2.0, requests_per_device: 2, max_new_tokens: 6}}
+  link: {{trace: {TINY.parent.parent / "traces" / "hat-mid.csv"}, rate_scale: 0.125}}
+  power: {{orin: MODE_50W}}
+  drain_s: 0.2
+seed: 5
+run_timeout_s: 120
+""")
+
+    def testbed(log: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, ENV_VARIABLE: str(log)}
+        return subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True, env=env,
+                              cwd=REPO, timeout=300, check=False)  # fmt: skip
+
+    dry = testbed(directory / "dry.log", "run", str(campaign), "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    plan = json.loads(dry.stdout)["runs"][0]["plan"]
+    assert plan["live"] and not plan["unresolved"], plan["unresolved"]
+    planned: dict[tuple[str, str], list[dict]] = {}
+    for c in plan["commands"]:
+        planned.setdefault((c["host"], normalised_line(c["line"])), []).append(c)
+    # planning only reads: what the dry run sent are the plan's own read-backs
+    for entry in read(directory / "dry.log"):
+        phases = [c["phase"] for c in planned.get((entry["node"], normalised_line(entry["line"])), [])]
+        assert "plan" in phases, entry
+
+    out = directory / "out"
+    ran = testbed(directory / "run.log", "run", str(campaign), "--out", str(out))
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    sent = [(e["node"], normalised_line(e["line"])) for e in read(directory / "run.log")]
+    unplanned = [s for s in sent if s not in planned]
+    assert not unplanned, "sent but not in the plan:\n" + "\n".join(f"{n}: {line[:300]}" for n, line in unplanned)
+    once = {k for k, cs in planned.items() if any(c["when"] in ("once", "per-campaign") for c in cs)}
+    missing = once - set(sent)
+    assert not missing, "planned but never sent:\n" + "\n".join(f"{n}: {line[:300]}" for n, line in missing)
+
+    # what the plan says: the venvs' Python launches the workers; orin is set to MODE_50W; every rate is
+    # scaled, also on links the trace does not drive (xavier's: 8 MB/s x 0.125 = 8 Mbit/s)
+    launch = plan["launch"]
+    for node in ("server", "orin"):
+        assert str(home(lab, node) / "hil-testbed" / "venv" / "bin" / "python") in launch
+    assert any("set MODE_50W" in c["line"] and "--journal" in c["line"] for c in plan["commands"] if c["node"] == "orin")
+    shaped = [c["line"] for c in plan["commands"] if c["node"] == "xavier" and c["what"] == "shape the links"]
+    assert shaped and "rate 8000000bit" in shaped[0]
+    assert (out / "runs").is_dir() and json.loads(next(out.rglob("plan.json")).read_text())["live"]

@@ -31,18 +31,18 @@ from typing import Any
 from foundation.errors import NodeError, TestbedError
 from foundation.jsonable import jsonable
 from testbed.campaign import manifest as manifest_mod
+from testbed.campaign.plan import RunPlan, plan_run
 from testbed.campaign.results import write_results
-from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
-from testbed.inventory import Inventory, links_from_file
+from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, run_nodes
+from testbed.inventory import Inventory
 from testbed.provision import compare_records, load_record
-from testbed.split_run import SplitRunSpec, mpiexec_pidfile, run_split
+from testbed.split_run import mpiexec_pidfile, run_dir_on, run_split
 from testbed.transport import open_transport
 from testbed.transport.base import quote_path
 from testbed.transport.fanout import fan_out
-from workloads.schedule import build_schedules, write_schedule
+from workloads.schedule import write_schedule
 
 PHASES = ("preflight", "configure", "telemetry", "workers", "drain", "collect", "restore", "record")
-TELEMETRY_MARGIN_S = 60.0  # samplers stop themselves this long after the run's timeout at the latest
 Report = Callable[[str, dict[str, Any]], None]  # (event, details) for the progress display
 
 
@@ -88,11 +88,7 @@ class _RunState:
     restore: dict[str, Any] = field(default_factory=dict)
     completed: int = 0
     failure: tuple[str, str, str | None] | None = None  # phase, reason, node
-
-
-def node_run_id(run: PlannedRun, attempt: int) -> str:
-    """The run's directory name on the nodes: one per attempt, so attempts never share files."""
-    return f"{run.run_id}-a{attempt}"
+    plan: RunPlan | None = None  # made in preflight, with the nodes read back
 
 
 def execute_run(
@@ -112,10 +108,10 @@ def execute_run(
     started_unix = time.time()
     events.write("run_start", attempt=attempt, label=run.label())
     steps: list[tuple[str, Callable[[], None]]] = [
-        ("preflight", lambda: _preflight(campaign, run, directory, state)),
+        ("preflight", lambda: _preflight(campaign, run, attempt, directory, state)),
         ("configure", lambda: _configure(campaign, settings, state, events)),
-        ("telemetry", lambda: _start_telemetry(campaign, run, attempt, directory, state)),
-        ("workers", lambda: _workers(campaign, run, attempt, directory, state, report)),
+        ("telemetry", lambda: _start_telemetry(campaign, directory, state)),
+        ("workers", lambda: _workers(campaign, directory, state, report)),
         ("drain", lambda: time.sleep(settings.drain_s)),
     ]
     try:
@@ -171,7 +167,9 @@ def _phase(name: str, step: Callable[[], None], state: _RunState, events: EventL
 # Phases
 
 
-def _preflight(campaign: Campaign, run: PlannedRun, directory: Path, state: _RunState) -> None:
+def _preflight(campaign: Campaign, run: PlannedRun, attempt: int, directory: Path, state: _RunState) -> None:
+    """Reach the nodes, check their provisioning agrees, make the run plan with the nodes read back
+    (``plan.json``), and write the device schedules it carries."""
     lab, settings = campaign.inventory, run.settings
     names = [n.name for n in run_nodes(lab, settings)]
 
@@ -184,28 +182,28 @@ def _preflight(campaign: Campaign, run: PlannedRun, directory: Path, state: _Run
     differences = compare_records({name: r for name, r in state.records.items() if r})
     if differences:
         raise TestbedError("the run's nodes cannot run together: " + "; ".join(differences))
-    devices = device_names(lab, settings)
-    state.schedules = build_schedules(
-        workload_spec(settings), devices, seed=run.seed, model_dir=campaign.resolve(settings.model),
-        base_dir=campaign.base_dir,
-    )  # fmt: skip
+    plan = plan_run(campaign, run, attempt, live=True)
+    state.plan = plan
+    _write_json(directory / "plan.json", plan.to_json())
+    state.schedules = {device: [dict(r) for r in rows] for device, rows in plan.split.schedules}
     for device, rows in state.schedules.items():
         write_schedule(rows, directory / "schedules" / f"{device}.jsonl")
 
 
 def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
-    lab = campaign.inventory
-    for target, mode in settings.power.items():
-        from testbed.power import set_power
+    from testbed.power import set_power, show_power
 
-        result = set_power(lab, [target], mode)
+    lab, plan = campaign.inventory, _plan(state)
+    modes: dict[str, list[str]] = {}
+    for step in plan.power:
+        modes.setdefault(step.mode, []).append(step.node)
+    for mode, nodes in modes.items():
+        result = set_power(lab, nodes, mode, contexts=plan.contexts)
         state.power_set.update({name: mode for name in result.values()})
         _require(result, f"setting power mode {mode}")
-        events.write("power_set", target=target, mode=mode)
-    if settings.power:
-        from testbed.power import show_power
-
-        shown = show_power(lab, list(state.power_set))
+        events.write("power_set", nodes=nodes, mode=mode)
+    if plan.power:
+        shown = show_power(lab, list(state.power_set), contexts=plan.contexts)
         state.power_read_back = {name: dataclasses.asdict(r) for name, r in shown.values().items()}
         _require(shown, "reading power modes back")
     if settings.link.shaped:
@@ -214,17 +212,14 @@ def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, even
 
 def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
     from testbed.links.apply import apply_plans, apply_trace, show_nodes
-    from testbed.links.plans import compile_plan
     from testbed.links.verify import verify_links
 
-    lab, link = campaign.inventory, settings.link
+    lab, link, plan = campaign.inventory, settings.link, _plan(state)
     started = None
-    links = run_links(campaign, settings)
-    plans = compile_plan(lab, links)
+    plans = plan.tc_plans
     state.shaped_nodes = tuple(dict.fromkeys(p.node for p in plans))
-    if link.trace:
-        trace = run_trace(campaign, settings)
-        result, started = apply_trace(lab, {d: trace for d in device_names(lab, settings)})
+    if plan.trace is not None:
+        result, started = apply_trace(lab, {d: plan.trace for d in plan.devices}, plans=plans)
     else:
         result = apply_plans(lab, plans)
     state.links["applied"] = [
@@ -240,7 +235,7 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
     shown = show_nodes(lab, list(state.shaped_nodes))
     state.links["read_back"] = {name: jsonable(v) for name, v in shown.values().items()}
     if link.verify_s > 0:
-        rows = verify_links(lab, links, duration_s=link.verify_s)
+        rows = verify_links(lab, plan.links, duration_s=link.verify_s)
         state.links["verification"] = [jsonable(r) for r in rows]
         off = [r for r in rows if not r.within_tolerance]
         if off:
@@ -249,91 +244,38 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
                             f"({jsonable(worst)})")  # fmt: skip
 
 
-def run_trace(campaign: Campaign, settings: RunSettings):
-    """The run's bandwidth trace, its rates multiplied by ``link.rate_scale``."""
-    from netem.trace import load_trace, scale_trace
-
-    return scale_trace(load_trace(campaign.resolve(settings.link.trace)), settings.link.rate_scale)
-
-
-def run_links(campaign: Campaign, settings: RunSettings) -> tuple:
-    """The directed links a run shapes: a trace's first row on every device's links, a links file,
-    one profile on every link of the inventory, or the inventory's own links; every rate multiplied
-    by ``link.rate_scale``."""
-    from testbed.links.plans import traced_links
-
-    lab, link = campaign.inventory, settings.link
-    if link.trace:  # the traced links come scaled with the trace; the others are scaled below
-        links, driven = traced_links(lab, {d: run_trace(campaign, settings) for d in device_names(lab, settings)})
-    elif link.links:
-        links = links_from_file(lab, campaign.resolve(link.links))
-    elif link.profile:
-        profile = lab.spec.link_profiles[link.profile]
-        links = tuple(dataclasses.replace(lk, profile_name=link.profile, profile=profile) for lk in lab.links)
-    else:
-        links = lab.links
-    if link.rate_scale == 1.0:
-        return links
-    scale, driven = link.rate_scale, driven if link.trace else {}
-    return tuple(
-        dataclasses.replace(lk, profile=lk.profile.model_copy(update={"rate_bit_s": lk.profile.rate_bit_s * scale}))
-        if lk.profile.rate_bit_s and (lk.source, lk.destination) not in driven else lk
-        for lk in links
-    )  # fmt: skip
-
-
-def _start_telemetry(campaign: Campaign, run: PlannedRun, attempt: int, directory: Path, state: _RunState) -> None:
-    settings = run.settings
-    if not settings.telemetry.enabled:
+def _start_telemetry(campaign: Campaign, directory: Path, state: _RunState) -> None:
+    plan = _plan(state)
+    if plan.telemetry is None:
         return
     from testbed.telemetry import start_recording
 
-    names = [n.name for n in run_nodes(campaign.inventory, settings)]
+    tel = plan.telemetry
     recording = start_recording(
-        campaign.inventory, names, interval_s=settings.telemetry.interval_ms / 1000.0,
-        max_seconds=campaign.spec.run_timeout_s + settings.drain_s + TELEMETRY_MARGIN_S,
-        jetson_source=settings.telemetry.jetson_source, session=node_run_id(run, attempt),
+        campaign.inventory, [s.node for s in tel.samplers], interval_s=tel.interval_s, max_seconds=tel.max_seconds,
+        jetson_source=tel.jetson_source, session=tel.session, contexts=plan.contexts,
     )  # fmt: skip
     state.recording = recording
     _note_processes(directory, [{"node": r.node, "host": r.host, "pidfile": r.pidfile} for r in recording.nodes])
 
 
-def _workers(
-    campaign: Campaign, run: PlannedRun, attempt: int, directory: Path, state: _RunState, report: Report
-) -> None:
-    lab, settings = campaign.inventory, run.settings
-    devices = device_names(lab, settings)
-    run_id = node_run_id(run, attempt)
-    workdir = lab.spec.defaults.workdir.rstrip("/")
-    run_dir = f"{workdir}/runs/{run_id}"
-    launched = {"node": settings.server, "host": settings.server, "pidfile": mpiexec_pidfile(run_dir)}
+def _workers(campaign: Campaign, directory: Path, state: _RunState, report: Report) -> None:
+    lab, plan = campaign.inventory, _plan(state)
+    spec = plan.split
+    run_dir = run_dir_on(plan.contexts[spec.server], spec.run_id)
+    launched = {"node": spec.server, "host": spec.server, "pidfile": mpiexec_pidfile(run_dir)}
     _note_processes(directory, [launched])
-    spec = SplitRunSpec(
-        method=settings.method, model=str(campaign.resolve(settings.model)), server=settings.server,
-        devices=devices, stages=settings.partition.stages, device_layers=settings.partition.device_layers,
-        chunk_tokens=settings.chunk_tokens, dtype=settings.dtype,
-        schedules=tuple((d, tuple(state.schedules[d])) for d in devices), run_id=run_id,
-        timeout_s=campaign.spec.run_timeout_s, threads_per_rank=settings.threads_per_rank,
-        extra={"draft": _draft_config(campaign, settings)},
-    )  # fmt: skip
     scheduled = sum(len(rows) for rows in state.schedules.values())
 
     def served(_elapsed_s: float) -> None:
-        report("served", {"served": _count_served(lab, devices, run_dir), "scheduled": scheduled})
+        report("served", {"served": _count_served(lab, plan), "scheduled": scheduled})
 
+    mpiexec = plan.mpiexec if plan.mpiexec != "mpiexec" else None  # not found when planning: looked up again
     try:
-        run_split(lab, spec, directory / "workers", on_wait=served)
+        run_split(lab, spec, directory / "workers", on_wait=served, contexts=plan.contexts, mpiexec=mpiexec)
     finally:
         state.completed = _count_rows(directory / "workers" / "ranks")
         report("served", {"served": state.completed, "scheduled": scheduled})
-
-
-def _draft_config(campaign: Campaign, settings: RunSettings) -> dict[str, Any]:
-    """The run config's ``draft`` mapping, the adapter's path resolved against the campaign file (by
-    default the checkpoint's ``draft/``, where the model is, also when devices run a placed part)."""
-    draft = settings.draft.model_dump()
-    draft["adapter"] = str(campaign.resolve(draft["adapter"] or f"{settings.model}/draft"))
-    return draft
 
 
 def _collect(campaign: Campaign, directory: Path, state: _RunState) -> None:
@@ -357,6 +299,12 @@ def _collect(campaign: Campaign, directory: Path, state: _RunState) -> None:
     write_results(directory / "workers" / "ranks", state.schedules, directory)
     if errors:
         raise TestbedError("; ".join(errors))
+
+
+def _plan(state: _RunState) -> RunPlan:
+    if state.plan is None:
+        raise TestbedError("the run has no plan (preflight did not finish)")
+    return state.plan
 
 
 def _restore(lab: Inventory, state: _RunState) -> None:
@@ -384,7 +332,7 @@ def _restore(lab: Inventory, state: _RunState) -> None:
         problems += [f"{o.node}: not as before: {'; '.join(o.value.leftovers)}"
                      for o in cleared.outcomes if o.value and o.value.leftovers]  # fmt: skip
     if state.power_set:
-        restored = restore_power(lab, list(state.power_set))
+        restored = restore_power(lab, list(state.power_set), contexts=state.plan.contexts if state.plan else None)
         state.restore["power"] = {
             o.node: {"ok": o.ok, "error": o.error, "mode": (o.value.mode_name if o.value else None)}
             for o in restored.outcomes
@@ -409,24 +357,29 @@ def _note_processes(directory: Path, entries: list[dict[str, str]]) -> None:
     """Add processes about to be started on nodes to ``processes.json`` (synced before they start)."""
     path = directory / "processes.json"
     known = json.loads(path.read_text()) if path.exists() else []
+    _write_json(path, known + entries)
+
+
+def _write_json(path: Path, data: Any) -> None:
     temporary = path.with_suffix(".tmp")
     with temporary.open("w") as handle:
-        json.dump(known + entries, handle, indent=1)
+        json.dump(data, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
     temporary.replace(path)
 
 
-def _count_served(lab: Inventory, devices: tuple[str, ...], run_dir: str) -> int:
+def _count_served(lab: Inventory, plan: RunPlan) -> int:
     """Requests the devices have finished so far (lines in their requests.jsonl on the nodes)."""
 
     def count(name: str) -> int:
-        pattern = f"{quote_path(run_dir + '/out')}/device-*-{shlex.quote(name)}/requests.jsonl"
+        out_dir = run_dir_on(plan.contexts[name], plan.split.run_id) + "/out"
+        pattern = f"{quote_path(out_dir)}/device-*-{shlex.quote(name)}/requests.jsonl"
         with open_transport(lab, lab.node(name)) as t:
             out = t.run_script(f"cat {pattern} 2>/dev/null | grep -c request_id || true", timeout_s=20.0).stdout
         return int(out.strip() or 0)
 
-    return sum(v for v in fan_out(list(devices), count).values().values() if isinstance(v, int))
+    return sum(v for v in fan_out(list(plan.devices), count).values().values() if isinstance(v, int))
 
 
 def _count_rows(ranks: Path) -> int:

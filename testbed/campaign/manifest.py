@@ -25,7 +25,7 @@ from testbed import __version__
 from testbed.campaign.spec import Campaign, PlannedRun
 from testbed.inventory import Inventory
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("hil-testbed", "pandas", "pyarrow", "numpy", "pydantic", "paramiko", "fabric", "tokenizers", "rich")
 SECRET_FIELDS = ("password_env", "identity_file")
 STAND_INS = {

@@ -796,7 +796,7 @@ def telemetry_import_tegrastats(
     out.print(f"wrote {path}")
 
 
-TINY_MODEL = Path(__file__).resolve().parent.parent / "examples" / "models" / "tiny"
+TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "models" / "tiny"
 
 
 @workers_app.command("run")
@@ -1030,25 +1030,24 @@ def _interrupt_on_sigterm() -> None:
 
 
 def _print_dry_run(campaign: Any, as_json: bool) -> None:
-    from testbed.campaign.plan import planned_commands
+    from testbed.campaign.plan import plan_run
     from testbed.campaign.runner import describe_run
 
-    runs = [{**describe_run(r), "commands": planned_commands(campaign, r)} for r in campaign.runs]
+    plans = [plan_run(campaign, r, 1, live=True) for r in campaign.runs]
+    runs = [{**describe_run(r), "commands": plan.actions(), "plan": plan.to_json()}
+            for r, plan in zip(campaign.runs, plans, strict=True)]  # fmt: skip
     if as_json:
         out.print_json(data={"campaign": campaign.spec.name, "inventory": str(campaign.inventory.path), "runs": runs})
         return
-    table = Table(title=f"{campaign.spec.name}: {len(runs)} runs (dry run: nothing was touched)")
+    table = Table(title=f"{campaign.spec.name}: {len(runs)} runs (dry run: nodes were only read, nothing changed)")
     for column in ("#", "run id", "rep", "seed", "settings"):
         table.add_column(column, overflow="fold")
     for r in campaign.runs:
         table.add_row(str(r.position + 1), r.run_id, str(r.repetition), str(r.seed), escape(r.label()))
     out.print(table)
-    for r, described in zip(campaign.runs, runs, strict=True):
+    for r, plan in zip(campaign.runs, plans, strict=True):
         out.print(f"[bold]run {r.position + 1} {r.run_id}[/] ({escape(r.label())})")
-        for node, lines in described["commands"].items():
-            out.print(f"  [cyan]{escape(node)}[/]")
-            for line in lines:
-                out.print("    " + escape(line), highlight=False, soft_wrap=True)
+        out.print(escape(plan.render()), highlight=False, soft_wrap=True)
 
 
 def _print_campaign_summary(summary: Any, as_json: bool) -> None:
@@ -1129,7 +1128,7 @@ def report_command(
     out.print(f"report: {path}", soft_wrap=True)
 
 
-EXAMPLE_CAMPAIGNS = Path(__file__).resolve().parent.parent / "examples" / "campaigns"
+EXAMPLE_CAMPAIGNS = Path(__file__).resolve().parents[2] / "examples" / "campaigns"
 
 
 @app.command("demo")

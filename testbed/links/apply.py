@@ -71,8 +71,9 @@ def _interface_of(addr_json: str, address: str | None) -> str | None:
     return None
 
 
-def probe_node(transport: Transport, node: NodeSpec, devices: Sequence[str], workdir: str) -> NodeProbe:
-    script = "\n".join(
+def probe_script(devices: Sequence[str], workdir: str) -> str:
+    """sh that reads, in sections, everything :func:`refusals` and the apply need to know of a node."""
+    return "\n".join(
         [
             'echo "#### ssh"; echo "${SSH_CONNECTION:-}"',
             'echo "#### addr"; ip -j addr show 2>/dev/null || echo "[]"',
@@ -81,7 +82,10 @@ def probe_node(transport: Transport, node: NodeSpec, devices: Sequence[str], wor
             read_script(devices),
         ]
     )
-    output = transport.run_script(script, timeout_s=30.0).check().stdout
+
+
+def probe_node(transport: Transport, node: NodeSpec, devices: Sequence[str], workdir: str) -> NodeProbe:
+    output = transport.run_script(probe_script(devices, workdir), timeout_s=30.0).check().stdout
     sections = split_sections(output)
     ssh = sections.get("ssh", "").split()
     addr_json = sections.get("addr", "")
@@ -161,7 +165,7 @@ def _journal_for(probe: NodeProbe, plans: Sequence[TcPlan]) -> LinkJournal:
     return probe.journal.merged_with(new) if probe.journal else new
 
 
-def _commands_for(plan: TcPlan, states: dict[str, InterfaceState]) -> list[list[str]]:
+def commands_for(plan: TcPlan, states: dict[str, InterfaceState]) -> list[list[str]]:
     """The plan's commands, taking what is already there into account: our root is kept (HTB's
     root cannot be replaced in place) and classes it no longer plans are removed."""
     dev = plan.shaped_device
@@ -207,7 +211,7 @@ def apply_on_node(transport: Transport, probe: NodeProbe, plans: Sequence[TcPlan
     if journal.trace_pidfile:  # a trace still playing would overwrite the new rates
         transport.stop_background(journal.trace_pidfile, sudo=True)
         journal = journal.with_trace(None)
-    commands = [c for p in plans for c in _commands_for(p, probe.states)]
+    commands = [c for p in plans for c in commands_for(p, probe.states)]
     sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
     node_journal.write(transport, workdir, journal)
     transport.run_script(node_journal.commands_script(commands, sudo_words), timeout_s=60.0).check()
@@ -355,7 +359,7 @@ def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanO
     return fan_out(names, show, description="reading tc")
 
 
-PLAYER_SOURCE = Path(__file__).resolve().parent.parent / "nodes" / "link_trace_player.py"
+PLAYER_SOURCE = Path(__file__).resolve().parents[2] / "nodes" / "link_trace_player.py"
 
 
 @dataclass(frozen=True)
@@ -370,13 +374,18 @@ class TraceStarted:
 
 
 def apply_trace(
-    inventory: Inventory, traces: dict[str, BandwidthTrace], *, say: Say = lambda _: None
+    inventory: Inventory,
+    traces: dict[str, BandwidthTrace],
+    *,
+    say: Say = lambda _: None,
+    plans: Sequence[TcPlan] | None = None,
 ) -> tuple[ApplyResult, TraceStarted | None]:
     """Apply the traces' first rows as a plan (a transaction, as :func:`apply_plans`), then start a
     player on every shaped node for the later rows. The journal names each player before it starts,
-    so ``testbed link clear`` stops it."""
+    so ``testbed link clear`` stops it. ``plans`` (a run plan's, e.g. with links the trace does not
+    drive scaled) replace the plans compiled from the inventory's links and the traces' first rows."""
     links, driven = traced_links(inventory, traces)
-    plans = compile_plan(inventory, links)
+    plans = tuple(plans) if plans is not None else compile_plan(inventory, links)
     result = apply_plans(inventory, plans, say=say)
     if not result.ok:
         return result, None

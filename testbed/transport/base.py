@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Any, BinaryIO
 
 from foundation.errors import NodeError
+from testbed.transport import command_log
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 KILL_GRACE_S = 2.0
@@ -271,7 +272,7 @@ class Transport(ABC):
     def get(self, remote: str, local: str | Path) -> None: ...
 
     @abstractmethod
-    def open_line_session(self, argv: Sequence[str]) -> LineSession: ...
+    def _open_line_session(self, argv: Sequence[str]) -> LineSession: ...
 
     def close(self) -> None:  # noqa: B027 - optional for transports without a connection
         """Release the connection, if any."""
@@ -291,7 +292,13 @@ class Transport(ABC):
         """Run ``argv`` and return its result (a non-zero exit is a result, not an exception)."""
         privileged = sudo and self.use_sudo
         line = command_line(argv, sudo=privileged, env=env, cwd=cwd)
+        command_log.record(self.node, line)
         return self._execute(line, timeout_s=timeout_s, stdin=stdin, privileged=privileged)
+
+    def open_line_session(self, argv: Sequence[str]) -> LineSession:
+        """Start ``argv`` with its stdin and stdout kept open for an exchange of lines."""
+        command_log.record(self.node, command_line(argv))
+        return self._open_line_session(argv)
 
     def run_script(self, script: str, *, timeout_s: float = 60.0, sudo: bool = False) -> CommandResult:
         """Run a POSIX sh script (passed as one quoted argument)."""

@@ -157,11 +157,15 @@ def first_value(values: dict[str, list[str]], key: str) -> str:
     return (values.get(key) or [""])[0]
 
 
+def facts_script(python: str) -> str:
+    """sh that prints a node's facts, then answers clock-offset exchanges (one command for both:
+    each command a node runs costs a login shell, whose rc files can be slow)."""
+    return _FACTS_SCRIPT + echo_script(python)
+
+
 def gather_facts(inventory: Inventory, node: NodeSpec, transport: Transport, *, timeout_s: float = 30.0) -> NodeFacts:
     """Facts of a Linux node (Jetson, server, USB host) reached through ``transport``."""
-    python = inventory.spec.defaults.python
-    # One command for both: each command a node runs costs a login shell (whose rc files can be slow).
-    script = _FACTS_SCRIPT + echo_script(python)
+    script = facts_script(inventory.spec.defaults.python)
     lines: list[str] = []
     try:
         with transport.open_line_session(["sh", "-c", script]) as session:

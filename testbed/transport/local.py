@@ -145,7 +145,7 @@ class LocalTransport(Transport):
         except OSError as exc:
             raise NodeError(self.node, f"cannot copy {remote} from the node: {exc}") from None
 
-    def open_line_session(self, argv: Sequence[str]) -> LineSession:
+    def _open_line_session(self, argv: Sequence[str]) -> LineSession:
         return _LocalLineSession(argv)
 
 

@@ -293,7 +293,7 @@ class SshTransport(Transport):
         except OSError as exc:
             raise NodeError(self.node, f"cannot copy {remote} from the node: {exc}") from None
 
-    def open_line_session(self, argv: Sequence[str]) -> LineSession:
+    def _open_line_session(self, argv: Sequence[str]) -> LineSession:
         chan = self._channel()
         chan.exec_command(_reporting_pid("exec " + shlex.join(argv)))
         session = _SshLineSession(chan, lambda pid: self._kill_group(pid, privileged=False))
