@@ -297,6 +297,28 @@ def test_unknown_device_in_a_block_list_is_reported_at_its_item(tmp_path: Path) 
     assert [p[0] for p in problems] == [line_of(text, "- ghost")], problems
 
 
+def test_roles_are_checked_against_the_inventory(tmp_path: Path) -> None:
+    # the inventory gives the server the server role and the Jetsons the device role
+    as_server = BASE.replace("server: server", "server: orin")
+    problems = problems_of(write(tmp_path, as_server, "orin-server.yaml"))
+    assert any(f == "base.server" and "orin does not have the server role" in m for _, f, m in problems), problems
+    assert any(f == "base.devices" and "orin is the run's server" in m for _, f, m in problems), problems
+    text = BASE.replace("devices: [orin, xavier]", "devices: [orin, server]")
+    problems = problems_of(write(tmp_path, text, "server-device.yaml"))
+    assert [(line, field) for line, field, _ in problems] == [(line_of(text, "devices: [orin, server]"), "base.devices")]
+    assert "server is the run's server" in problems[0][2]
+
+
+def test_a_trace_needs_links_between_the_devices_and_a_server(tmp_path: Path) -> None:
+    inventory = tmp_path / "no-downlinks.yaml"
+    inventory.write_text(INVENTORY.read_text().replace("  - {from: server, to: devices, profile: wifi-down}\n", ""))
+    text = BASE.replace(str(INVENTORY), str(inventory)).replace(
+        "link: {profile: wifi-up}", f"link: {{trace: {REPO / 'examples' / 'traces' / 'hat-mid.csv'}}}")
+    problems = problems_of(write(tmp_path, text))
+    assert [(line, field) for line, field, _ in problems] == [(line_of(text, "link: {trace:"), "base.link.trace")]
+    assert "has no downlink between 'orin' and a server-role node" in problems[0][2]
+
+
 # --------------------------------------------------------------------------------------------
 # Ledger
 

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
-from foundation.errors import InputError, InputProblem
+from foundation.errors import InputError, InputProblem, TestbedError
 from foundation.user_files import FieldPath, YamlSource, field_name
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import Inventory, Name, NodeSpec, pydantic_problem
@@ -388,6 +388,9 @@ class _SettingsChecker:
             yield "server", f"no node named {s.server!r} in {lab.path}", f"known: {known}"
         elif server.kind == "android":
             yield "server", f"{s.server} is a phone; the server stages need a Linux node", ""
+        elif "server" not in server.roles:
+            yield "server", f"{s.server} does not have the server role in {lab.path}", \
+                f"add 'server' to its roles, or name a node that has it: {_with_role(lab, 'server')}"
         for i, name in enumerate(s.devices):
             if name not in self.names:
                 yield f"devices.{i}", f"no node or group named {name!r} in {lab.path}", f"known: {known}"
@@ -398,6 +401,11 @@ class _SettingsChecker:
             for node in chosen:
                 if node.kind == "android":
                     yield "devices", f"{node.name} is a phone: phones run no MPI ranks", "choose Jetson or server nodes"
+                elif node.name == s.server:
+                    yield "devices", f"{node.name} is the run's server; a node is either the server or a device", ""
+                elif "device" not in node.roles:
+                    yield "devices", f"{node.name} does not have the device role in {lab.path}", \
+                        f"add 'device' to its roles, or choose nodes that have it: {_with_role(lab, 'device')}"
                 if node.data is None and node.emulated is None:  # emulated nodes get one at 'emulate up'
                     yield "devices", f"{node.name} has no 'data:' interface for MPI traffic", f"add one in {lab.path}"
         for name, mode in s.power.items():
@@ -434,8 +442,22 @@ class _SettingsChecker:
             value = getattr(link, field)
             if value and not _relative(self.source.path, value).is_file():
                 yield f"link.{field}", f"{value}: no such file", "paths are relative to the campaign file"
+        if link.trace and _relative(self.source.path, link.trace).is_file() and self.lab.links:
+            yield from self._trace_problems(s)
         if link.shaped and not chosen and not self.lab.links:
             yield "link", f"{self.lab.path} has no links to shape", "add 'links:' to it, or set link.shaped: false"
+
+    def _trace_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
+        """A trace drives the links between the run's devices and its server: they must exist."""
+        from netem.trace import load_trace
+        from testbed.links.plans import traced_links
+
+        try:
+            trace = load_trace(_relative(self.source.path, s.link.trace))
+            devices = [n.name for n in self.lab.select(list(s.devices))] if set(s.devices) <= self.names else []
+            traced_links(self.lab, {d: trace for d in devices})
+        except TestbedError as exc:
+            yield "link.trace", str(exc), ""
 
     def _model_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
         directory = _relative(self.source.path, s.model)
@@ -477,6 +499,10 @@ class _SettingsChecker:
         if trained_for != s.partition.device_layers:
             yield "partition.device_layers", (f"the draft adapter in {directory} was trained on {trained_for} device "
                                               f"layers, not {s.partition.device_layers}"), train  # fmt: skip
+
+
+def _with_role(lab: Inventory, role: str) -> str:
+    return ", ".join(n.name for n in lab.nodes if role in n.roles) or "none has it"
 
 
 def workload_spec(settings: RunSettings) -> WorkloadSpec:
