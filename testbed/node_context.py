@@ -1,6 +1,12 @@
 """Where things are on a node, resolved once: its home directory, the Python that runs our code,
-and the path of the node code bundle, so that every command sent to the node is written out in
-full by a plan before it runs (no ``~`` left for a later command to expand).
+and how our code reaches it, so that every command sent to the node is written out in full by a
+plan before it runs (no ``~`` left for a later command to expand).
+
+Node code reaches a node one way, named by one hash (the digest of ``nodes/``'s sources, which is
+also the local part of the node wheel's version): a provisioned node runs it from the wheel in its
+venv (drivers, samplers and workers alike, with no ``PYTHONPATH``); a node that was never
+provisioned runs it from the content-hashed bundle on ``PYTHONPATH`` with the inventory's Python.
+A venv whose wheel is not this checkout's is refused: provision the node again.
 
 ``resolve_contexts`` asks each node for ``$HOME`` (one read-only command). A plan made without
 reaching the nodes uses ``unresolved_context``: its paths keep ``~`` and are marked as depending
@@ -13,8 +19,10 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from foundation.errors import TestbedError
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import node_code
+from testbed.node_wheel import node_wheel
 from testbed.provision import load_record, provisioned_python
 from testbed.transport import Transport, open_transport, usb_host_transport
 from testbed.transport.fanout import FanOutResult, fan_out
@@ -30,8 +38,10 @@ class NodeContext:
     host: str
     home: str | None  # None: not read back, paths keep their "~"
     python: str  # the workers' Python: the provisioned venv's, else the inventory's defaults.python
-    base_python: str  # the drivers' and samplers' Python: defaults.python (standard library only)
+    base_python: str  # the drivers' and samplers': the venv's, else defaults.python (standard library only)
     workdir: str  # as written in the inventory ("~/hil-testbed")
+    code_via: str = "bundle"  # "venv": the provisioned wheel; "bundle": the zip on PYTHONPATH
+    code_version: str = ""  # the digest of the node code that runs (the same for both ways)
 
     @property
     def resolved(self) -> bool:
@@ -51,6 +61,19 @@ class NodeContext:
         """The node code bundle of this checkout, as the node names it."""
         return self.path(node_code().path_on(self.workdir))
 
+    @property
+    def uses_bundle(self) -> bool:
+        return self.code_via == "bundle"
+
+    def code_env(self) -> dict[str, str]:
+        """The environment our code needs on the node: the bundle on PYTHONPATH, or nothing (venv)."""
+        return {"PYTHONPATH": self.code_path} if self.uses_bundle else {}
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` with the environment our code needs (``env PYTHONPATH=...`` for the bundle)."""
+        env = self.code_env()
+        return [*(["env", *(f"{k}={v}" for k, v in env.items())] if env else []), *argv]
+
 
 def transport_for(inventory: Inventory, node: NodeSpec) -> Transport:
     """The transport that runs ``node``'s commands (a phone's are run on its USB host)."""
@@ -64,10 +87,45 @@ def host_of(node: NodeSpec) -> str:
     return node.name
 
 
+class StaleNodeCode(TestbedError):
+    """A provisioned node's venv holds another version of the node code than this checkout."""
+
+
 def unresolved_context(inventory: Inventory, node: NodeSpec) -> NodeContext:
-    python = provisioned_python(inventory, load_record(inventory, node.name))
+    """``node``'s context from the inventory and its provisioning record alone."""
+    record = load_record(inventory, node.name)
     defaults = inventory.spec.defaults
-    return NodeContext(node.name, host_of(node), None, python, defaults.python, defaults.workdir)
+    installed = record.get("installed_wheel")
+    if node.kind != "android" and installed:
+        current = node_wheel().version
+        if installed != current:
+            raise StaleNodeCode(
+                f"{node.name}: its venv has hil-testbed-nodes {installed}, and this checkout's node code is "
+                f"{current}; provision it again (testbed provision -i {inventory.path} --nodes {node.name})"
+            )
+        python = provisioned_python(inventory, record)
+        return NodeContext(node.name, host_of(node), None, python, python, defaults.workdir, "venv",
+                           node_code().digest)  # fmt: skip
+    python = defaults.python
+    return NodeContext(node.name, host_of(node), None, python, python, defaults.workdir, "bundle", node_code().digest)
+
+
+def restoring_context(inventory: Inventory, node: NodeSpec) -> NodeContext:
+    """The context that undoes a change: the usual one, or, where the venv holds another checkout's
+    code, the bundle with the inventory's Python (an undo never waits for provisioning)."""
+    try:
+        return unresolved_context(inventory, node)
+    except StaleNodeCode:
+        python = inventory.spec.defaults.python
+        return NodeContext(node.name, host_of(node), None, python, python, inventory.spec.defaults.workdir,
+                           "bundle", node_code().digest)  # fmt: skip
+
+
+def require_current_code(inventory: Inventory, names: Sequence[str]) -> None:
+    """Raise :class:`StaleNodeCode` (a user error: nothing was touched) when a named node's venv holds
+    node code other than this checkout's."""
+    for name in names:
+        unresolved_context(inventory, inventory.node(name))
 
 
 def read_home(transport: Transport) -> str:
@@ -91,9 +149,10 @@ def resolve_contexts(inventory: Inventory, names: Sequence[str]) -> FanOutResult
                    description="reading the nodes' home directories")  # fmt: skip
 
 
-def ensure_node_code(transport: Transport, context: NodeContext) -> str:
-    """The bundle's path on the node, stored first when the node does not have it yet."""
+def ensure_node_code(transport: Transport, context: NodeContext) -> None:
+    """Store the bundle on the node when it uses the bundle and does not have it yet."""
+    if not context.uses_bundle:
+        return
     path = context.code_path
     if not transport.run(["test", "-s", path], timeout_s=30.0).ok:
         transport.store(path, node_code().data)
-    return path

@@ -6,6 +6,7 @@ change, also after the controller was killed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -13,7 +14,15 @@ from typing import Any
 
 from foundation.errors import NodeError, TestbedError
 from testbed.inventory import Inventory, NodeSpec
-from testbed.node_context import NodeContext, ensure_node_code, resolve_context, transport_for
+from testbed.node_context import (
+    NodeContext,
+    ensure_node_code,
+    read_home,
+    require_current_code,
+    resolve_context,
+    restoring_context,
+    transport_for,
+)
 from testbed.transport.fanout import FanOutResult, fan_out
 
 
@@ -53,7 +62,7 @@ def driver_command(inventory: Inventory, node: NodeSpec, context: NodeContext, a
     if node.kind == "android":
         assert node.adb is not None
         argv += ["--serial", node.adb.serial]
-    return ["env", f"PYTHONPATH={context.code_path}", *argv, *action]
+    return context.command([*argv, *action])
 
 
 def run_driver(
@@ -111,6 +120,7 @@ def show_power(
 ) -> FanOutResult[PowerReading]:
     selected = inventory.select(nodes)
     by_name = {n.name: n for n in selected}
+    require_current_code(inventory, list(by_name))
     return fan_out(
         list(by_name),
         lambda name: _reading(by_name[name], _drive(inventory, by_name[name], ["show"], contexts)),
@@ -163,7 +173,12 @@ def restore_power(
     by_name = {n.name: n for n in selected}
 
     def restore(name: str) -> PowerReading | None:
-        answer = _drive(inventory, by_name[name], ["restore"], contexts)
+        node = by_name[name]
+        context = contexts.get(name) if contexts else None
+        if context is None:  # restoring must work also where the venv is stale: the bundle then
+            with transport_for(inventory, node) as t:
+                context = dataclasses.replace(restoring_context(inventory, node), home=read_home(t))
+        answer = run_driver(inventory, node, ["restore"], context=context)
         return _reading(by_name[name], answer, "restored") if answer.get("restored") else None
 
     return fan_out(list(by_name), restore, description="restoring power modes")

@@ -218,10 +218,10 @@ def run_split(
     def stage(name: str) -> dict[str, str]:
         node = inventory.node(name)
         with open_transport(inventory, node) as t:
-            code = ensure_node_code(t, contexts[name])
+            ensure_node_code(t, contexts[name])
             run_dir = run_dir_on(contexts[name], spec.run_id)
             t.run(["rm", "-rf", f"{run_dir}/out"], timeout_s=60.0).check()
-            info = {"code": code, "run_dir": run_dir}
+            info = {"run_dir": run_dir}
             if name in spec.devices:
                 index = spec.devices.index(name)
                 rows = device_schedule(spec, index)
@@ -289,7 +289,7 @@ def launch_plan(
     for node, count in [(server, spec.stages), *[(d, 1) for d in devices]]:
         assert node.data is not None and node.address is not None
         context = contexts[node.name]
-        env = {**data_plane_env(node.data.interface), "PYTHONPATH": context.code_path}
+        env = {**data_plane_env(node.data.interface), **context.code_env()}
         argv = (context.python, "-m", "nodes.workers", f"{run_dir_on(context, spec.run_id)}/run.json")
         groups.append(RankGroup(node.name, node.address, count, argv, tuple(sorted(env.items()))))
     return MpiLaunchPlan(server.name, mpiexec, tuple(groups), spec.timeout_s)

@@ -29,7 +29,13 @@ from foundation.errors import NodeError, TestbedError
 from nodes.telemetry.source import SensorStatus
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import node_code
-from testbed.node_context import NodeContext, ensure_node_code, resolve_context, transport_for
+from testbed.node_context import (
+    NodeContext,
+    ensure_node_code,
+    require_current_code,
+    resolve_context,
+    transport_for,
+)
 from testbed.transport.clock import ClockOffset, measure_clock_offset
 from testbed.transport.fanout import FanOutResult, fan_out
 
@@ -98,8 +104,8 @@ class ProbeResult:
 
 
 def sampler_command(plan: SamplerPlan, context: NodeContext) -> list[str]:
-    """The sampler's command line on the node (the node code bundle on its PYTHONPATH)."""
-    return ["env", f"PYTHONPATH={context.code_path}", *plan.argv(context.base_python)]
+    """The sampler's command line on the node (with the node code bundle on PYTHONPATH where it needs one)."""
+    return context.command(plan.argv(context.base_python))
 
 
 def sampler_paths(context: NodeContext, session: str) -> tuple[str, str, str]:
@@ -147,6 +153,7 @@ def probe_telemetry(
     """Probe every selected node's sensors. With ``require_energy``, a node without a working power
     or energy sensor becomes that node's error, naming the sensors and why they gave nothing."""
     selected = {n.name: n for n in inventory.select(nodes)}
+    require_current_code(inventory, list(selected))
 
     def probe(name: str) -> ProbeResult:
         found = probe_node(inventory, selected[name], jetson_source, context=(contexts or {}).get(name))

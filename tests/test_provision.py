@@ -296,3 +296,24 @@ run_timeout_s: 120
     shaped = [c["line"] for c in plan["commands"] if c["node"] == "xavier" and c["what"] == "shape the links"]
     assert shaped and "rate 8000000bit" in shaped[0]
     assert (out / "runs").is_dir() and json.loads(next(out.rglob("plan.json")).read_text())["live"]
+    # node code reaches a provisioned node one way: its venv's wheel, never a bundle on PYTHONPATH
+    for node, line in sent:
+        assert "PYTHONPATH" not in line and "hil-nodes-" not in line, (node, line[:300])
+    manifest = json.loads(next(out.rglob("manifest.json")).read_text())
+    assert {c["via"] for c in manifest["node_code"].values()} == {"venv"}
+    assert {c["version"] for c in manifest["node_code"].values()} == {node_wheel().version.split("+")[1]}
+
+
+def test_a_venv_with_another_checkouts_node_code_is_refused_before_anything_runs(lab: Path) -> None:
+    path = lab.parent / "state" / "provisioned" / "orin.json"
+    original = path.read_text()
+    record = json.loads(original)
+    record["installed_wheel"] = "0.1.0+0123456789abcdef"  # as if orin was provisioned from another checkout
+    path.write_text(json.dumps(record))
+    try:
+        result = run_cli("power", "show", "-i", str(lab), "--nodes", "orin")
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "orin: its venv has hil-testbed-nodes 0.1.0+0123456789abcdef" in result.stderr
+        assert "testbed provision" in result.stderr
+    finally:
+        path.write_text(original)

@@ -159,6 +159,10 @@ def build_manifest(
         "inventory": inventory_snapshot(lab),
         "node_facts": {name: facts.get(name) for name in names},
         "provisioned": records,
+        "node_code": {  # how our code reached each node, and the digest of what ran there
+            name: {"via": c.code_via, "version": c.code_version, "python": c.python}
+            for name, c in (state.plan.contexts.items() if getattr(state, "plan", None) else ())
+        },
         "schedules": {
             device: {"requests": len(rows), "sha256": _digest(rows), "file": f"schedules/{device}.jsonl"}
             for device, rows in state.schedules.items()
