@@ -13,8 +13,9 @@ import pytest
 
 from foundation.errors import InputError, TestbedError
 from testbed.campaign.ledger import Ledger
+from testbed.campaign.load import load_campaign
 from testbed.campaign.results import read_tokens, requests_table, write_results
-from testbed.campaign.spec import Campaign, device_names, load_campaign, workload_spec
+from testbed.campaign.spec import Campaign, device_names, workload_spec
 from tests.conftest import REPO, run_cli
 from workloads.schedule import build_schedules
 

@@ -997,7 +997,7 @@ def run_command(
     run's state, so --resume finishes a campaign whose controller died, doing no run twice. Exit
     status 0 when every run is done, 1 when a run failed or was skipped, 2 for a bad campaign file
     (nothing is touched then)."""
-    from testbed.campaign.spec import load_campaign
+    from testbed.campaign.load import load_campaign
 
     if retry_failed and not resume:
         raise TestbedError("--retry-failed goes with --resume")
@@ -1148,8 +1148,8 @@ def demo_command(
     import shutil
 
     from testbed.campaign.display import CampaignDisplay
+    from testbed.campaign.load import load_campaign
     from testbed.campaign.runner import LEDGER, run_campaign
-    from testbed.campaign.spec import load_campaign
     from testbed.emulation.lifecycle import down, status, up
 
     root = os.geteuid() == 0
