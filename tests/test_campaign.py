@@ -643,3 +643,21 @@ def test_cli_status_without_a_ledger_exits_2(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "ledger" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_manifest_names_only_modeled_sensors_that_gave_a_reading() -> None:
+    """Probes are stored as serialised SensorStatus rows (value and problem, no ``ok``): a modeled sensor
+    that gave nothing is not claimed as a modeled reading."""
+    from types import SimpleNamespace
+
+    from foundation.jsonable import jsonable
+    from nodes.telemetry.source import SensorStatus
+    from testbed.campaign.manifest import modeled_statements
+    from testbed.inventory import load_inventory
+
+    lab = load_inventory(INVENTORY)
+    working = SensorStatus("power_mw", "cgroup-model", "mW", "modeled", 5200.0)
+    silent = SensorStatus("energy_j", "cgroup-model", "J", "modeled", None, "no cgroup to read")
+    probes = {"server": {"sensors": jsonable([silent])}, "orin": {"sensors": jsonable([working])}}
+    statements = modeled_statements(lab, [], SimpleNamespace(telemetry={"probes": probes}))
+    assert statements == ["orin: cgroup-model power_mw is modeled"]

@@ -88,7 +88,8 @@ def modeled_statements(lab: Inventory, names: list[str], state: Any) -> list[str
             out.append(f"{name}: emulated {node.kind} ({node.model}): {what}; its power readings are modeled")
     for name, telemetry in (state.telemetry.get("probes") or {}).items():
         for sensor in telemetry.get("sensors", []):
-            if sensor.get("kind") == "modeled" and sensor.get("ok", True):
+            # a serialised SensorStatus carries its value and problem, not its ``ok`` property
+            if sensor.get("kind") == "modeled" and sensor.get("value") is not None and not sensor.get("problem"):
                 out.append(f"{name}: {sensor.get('sensor')} {sensor.get('metric')} is modeled")
                 break
     if lab.spec.emulation.instance is not None and lab.spec.emulation.instance.mode == "local":
