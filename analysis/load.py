@@ -8,7 +8,7 @@
 - ``requests``, ``tokens``: the runs' tables with ``run_id`` in front; request times (``arrival_s``,
   ``first_token_s``, ...) are seconds on the device's clock from the run's start barrier, and
   ``arrival_ts_s``, ``first_token_ts_s``, ``last_token_ts_s`` are the same instants on the
-  controller's clock (the device's wall clock at the barrier, minus its measured clock offset);
+  controller's clock (the device's wall clock, aligned as telemetry is: offset and drift);
 - ``telemetry``: every node's samples (long format, ``ts_s`` on the controller's clock, ``t_s``
   seconds from the run's start barrier, the axis request times use);
 - ``events``: the orchestration events.
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+
+from foundation.clock_alignment import ClockAlignment
 
 
 @dataclass(frozen=True)
@@ -63,14 +65,20 @@ def _with_run(frame: pd.DataFrame, run_id: str) -> pd.DataFrame:
 
 def _aligned_requests(frame: pd.DataFrame, manifest: dict) -> pd.DataFrame:
     """Add the controller-clock instants of each request (NaN where the rank files carry no wall
-    clock origin). Controller time = node time - offset, as telemetry is aligned."""
-    offsets = {node: (entry.get("start") or {}).get("offset_s", 0.0)
-               for node, entry in (manifest.get("clock_offsets") or {}).items()}  # fmt: skip
+    clock origin), aligned as telemetry is: the node's offset at the start and the end of the run,
+    drift included (:class:`foundation.clock_alignment.ClockAlignment`)."""
+    alignments = {node: ClockAlignment.from_manifest(entry)
+                  for node, entry in (manifest.get("clock_offsets") or {}).items()}  # fmt: skip
     origin = frame.get("clock_origin_unix_s", pd.Series(float("nan"), index=frame.index))
-    base = origin - frame["node"].map(offsets).fillna(0.0)
     for column in ("arrival_s", "first_token_s", "last_token_s"):
-        if column in frame:
-            frame[column.removesuffix("_s") + "_ts_s"] = base + frame[column]
+        if column not in frame:
+            continue
+        node_s = origin + frame[column]
+        aligned = pd.Series(node_s, index=frame.index, dtype=float)
+        for node, alignment in alignments.items():
+            mine = frame["node"] == node
+            aligned[mine] = alignment.to_controller(node_s[mine])
+        frame[column.removesuffix("_s") + "_ts_s"] = aligned
     return frame
 
 

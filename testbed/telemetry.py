@@ -25,6 +25,7 @@ from typing import Any
 
 import pandas as pd
 
+from foundation.clock_alignment import ClockAlignment
 from foundation.errors import NodeError, TestbedError
 from nodes.telemetry.source import SensorStatus
 from testbed.inventory import Inventory, NodeSpec
@@ -270,6 +271,8 @@ class NodeTelemetry:
     clock_start: ClockOffset
     clock_end: ClockOffset
     drift_ppm: float
+    clock_start_unix_s: float = 0.0  # the controller's time of each offset measurement
+    clock_end_unix_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -295,13 +298,14 @@ def read_sampler_file(path: Path) -> pd.DataFrame:
 def align(frame: pd.DataFrame, start: tuple[float, ClockOffset], end: tuple[float, ClockOffset]) -> pd.DataFrame:
     """Add ``ts_s`` on the controller's clock: node time minus the offset, interpolated between the
     offsets measured at the start and the end (a constant offset when both are at one instant)."""
-    (c0, o0), (c1, o1) = start, end
-    node_ts = frame["ts_s"].astype(float)
-    slope = (o1.offset_s - o0.offset_s) / (c1 - c0) if c1 > c0 else 0.0
-    offset = o0.offset_s + slope * (node_ts - o0.offset_s - c0)
     out = frame.rename(columns={"ts_s": "node_ts_s"})
-    out["ts_s"] = node_ts - offset
+    out["ts_s"] = alignment_of(start, end).to_controller(frame["ts_s"].astype(float))
     return out
+
+
+def alignment_of(start: tuple[float, ClockOffset], end: tuple[float, ClockOffset]) -> ClockAlignment:
+    (c0, o0), (c1, o1) = start, end
+    return ClockAlignment(c0, o0.offset_s, c1, o1.offset_s)
 
 
 def max_gap_s(frame: pd.DataFrame) -> float | None:
@@ -343,10 +347,11 @@ def finish_recording(
         frame = frame[COLUMNS].sort_values(["ts_s", "metric", "sensor"], kind="stable")
         path = out_dir / f"{name}.parquet"
         frame.to_parquet(path, index=False)
-        drift = (end[1].offset_s - start[1].offset_s) / (end[0] - start[0]) * 1e6 if end[0] > start[0] else 0.0
+        drift = alignment_of(start, end).drift_ppm
         results.append(
             NodeTelemetry(
-                name, len(frame), path, stopped.values().get(name, "?"), max_gap_s(frame), start[1], end[1], drift
+                name, len(frame), path, stopped.values().get(name, "?"), max_gap_s(frame), start[1], end[1], drift,
+                start[0], end[0],
             )
         )
         say(f"  {name}: {len(frame)} rows -> {path}")

@@ -44,3 +44,33 @@ def test_a_node_that_answers_nonsense_is_an_error_naming_the_node():
     with pytest.raises(NodeError, match="clock offset not measurable"):
         measure_clock_offset(Broken("odd-node"))
     assert time.monotonic() - started < 5
+
+
+def test_one_alignment_corrects_offset_and_drift_for_samples_and_requests():
+    """A node 2 s ahead at t=1000 and 2.010 s ahead at t=1100 (100 ppm of drift): an instant the node
+    stamps at 1052 (its clock) is 1052 - (2 + 1e-4 * (1052 - 2 - 1000)) = 1049.995 on the controller's."""
+    import pandas as pd
+
+    from analysis.load import _aligned_requests
+    from foundation.clock_alignment import ClockAlignment
+    from testbed.telemetry import alignment_of
+    from testbed.transport.clock import ClockOffset
+
+    alignment = ClockAlignment(1000.0, 2.0, 1100.0, 2.010)
+    assert alignment.drift_ppm == pytest.approx(100.0)
+    assert alignment.to_controller(1052.0) == pytest.approx(1049.995)
+    assert ClockAlignment.constant(2.0).to_controller(1052.0) == pytest.approx(1050.0)
+    # telemetry: the sampler's rows
+    start, end = (1000.0, ClockOffset(2.0, 0.001, 8, "python")), (1100.0, ClockOffset(2.010, 0.001, 8, "python"))
+    assert alignment_of(start, end) == alignment
+    # requests: the device's wall clock at the start barrier plus seconds since it, from the manifest's offsets
+    manifest = {"clock_offsets": {"orin": {"start": {"offset_s": 2.0}, "end": {"offset_s": 2.010},
+                                           "start_unix_s": 1000.0, "end_unix_s": 1100.0}}}  # fmt: skip
+    frame = pd.DataFrame({"node": ["orin"], "clock_origin_unix_s": [1050.0], "arrival_s": [0.5],
+                          "first_token_s": [2.0], "last_token_s": [4.0]})  # fmt: skip
+    aligned = _aligned_requests(frame, manifest)
+    assert aligned["first_token_ts_s"].iloc[0] == pytest.approx(1049.995)
+    assert aligned["arrival_ts_s"].iloc[0] == pytest.approx(alignment.to_controller(1050.5))
+    # an older manifest without the measurement times: the start offset alone
+    old = {"clock_offsets": {"orin": {"start": {"offset_s": 2.0}, "end": {"offset_s": 2.010}}}}
+    assert _aligned_requests(frame.copy(), old)["first_token_ts_s"].iloc[0] == pytest.approx(1050.0)

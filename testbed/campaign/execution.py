@@ -288,7 +288,8 @@ def _collect(campaign: Campaign, directory: Path, state: _RunState) -> None:
             state.telemetry = {
                 "nodes": {n.node: {"rows": n.rows, "sampler": n.stopped, "max_gap_s": n.max_gap_s,
                                    "clock_start": dataclasses.asdict(n.clock_start),
-                                   "clock_end": dataclasses.asdict(n.clock_end), "drift_ppm": n.drift_ppm}
+                                   "clock_end": dataclasses.asdict(n.clock_end), "drift_ppm": n.drift_ppm,
+                                   "clock_start_unix_s": n.clock_start_unix_s, "clock_end_unix_s": n.clock_end_unix_s}
                           for n in result.nodes},
                 "errors": result.errors,
                 "probes": {name: jsonable(p) for name, p in state.recording.probes.items()},

@@ -122,7 +122,8 @@ def build_manifest(
         for name, r in state.records.items() if r
     }  # fmt: skip
     clocks = {
-        name: {"start": n["clock_start"], "end": n["clock_end"], "drift_ppm": n["drift_ppm"]}
+        name: {"start": n["clock_start"], "end": n["clock_end"], "drift_ppm": n["drift_ppm"],
+               "start_unix_s": n.get("clock_start_unix_s"), "end_unix_s": n.get("clock_end_unix_s")}
         for name, n in (state.telemetry.get("nodes") or {}).items()
     }
     return {
