@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.cost_model import ModelShape, api_price_usd, request_flops
+from nodes.contracts.speculative_metrics import acceptance_length as contract_acceptance_length
 
 REQUEST_KEY = ["run_id", "node", "request_id"]
 PERCENTILES = (50, 90, 99)
@@ -262,11 +263,24 @@ def capacity_per_s(rates_per_s: Sequence[float], mean_qoe: Sequence[float],
 
 def acceptance_length(accepted_per_step: Sequence[int]) -> float:
     """Mean tokens emitted per verification step, the bonus (corrected) token counted:
-    1 + accepted / steps, as vLLM reports "mean acceptance length"."""
-    a = np.asarray(accepted_per_step, dtype="float64")
-    if not len(a):
-        return float("nan")
-    return 1.0 + float(a.mean())
+    1 + accepted / steps, as vLLM reports "mean acceptance length" (the formula is the contract's,
+    :mod:`nodes.contracts.speculative_metrics`, which the device workers use too)."""
+    length = pooled_acceptance_length(float(np.sum(accepted_per_step)), len(accepted_per_step))
+    return float("nan") if length is None else length
+
+
+def pooled_acceptance_length(accepted_tokens: float, rounds: float) -> float | None:
+    """The acceptance length of many requests together: their accepted draft tokens over their rounds."""
+    return contract_acceptance_length(accepted_tokens, rounds)
+
+
+def acceptance_length_by(frame: pd.DataFrame, by: Sequence[str]) -> pd.Series:
+    """Per group of ``by``, the pooled acceptance length of the requests' ``speculative_accepted`` and
+    ``speculative_rounds`` (NaN where no request of the group drafted)."""
+    sums = frame.groupby(list(by))[["speculative_accepted", "speculative_rounds"]].sum(min_count=1)
+    lengths = [pooled_acceptance_length(a, r) if pd.notna(r) else None
+               for a, r in zip(sums["speculative_accepted"], sums["speculative_rounds"], strict=True)]  # fmt: skip
+    return pd.Series(lengths, index=sums.index, dtype="float64", name="acceptance_length")
 
 
 def per_position_acceptance(accepted_per_step: Sequence[int], drafted_per_step: Sequence[int]) -> np.ndarray:

@@ -167,9 +167,8 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
     table = table.merge(pooled.rename("tokens_per_decode_step").reset_index(), on=table_by)
     if {"speculative_accepted", "speculative_rounds"} <= set(requests.columns):
         spec = requests[requests["completed"]].merge(done[["run_id", *table_by]], on="run_id")
-        sums = spec.groupby(table_by)[["speculative_accepted", "speculative_rounds"]].sum(min_count=1)
-        length = 1 + sums["speculative_accepted"] / sums["speculative_rounds"].where(sums["speculative_rounds"] > 0)
-        table = table.merge(length.rename("acceptance_length").reset_index(), on=table_by, how="left")
+        length = metrics.acceptance_length_by(spec, table_by)
+        table = table.merge(length.reset_index(), on=table_by, how="left")
     report.table("latency_by_method", table,
                  "TTFT and TBT in ms (mean and percentiles over all requests and token gaps of the method's runs), "
                  "per prompt set (HAT's dataset column) and method. `tokens_per_decode_step` is the decode tokens "

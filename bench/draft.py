@@ -21,13 +21,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from analysis.metrics import acceptance_length
 from bench._common import summary, write
 from nodes.inference.checkpoint import load_part, load_whole
 from nodes.inference.config import LlamaConfig
 from nodes.inference.draft import DraftAdapter, adapter_dir, load_adapter
 from nodes.inference.generate import greedy_generate
 from nodes.inference.model import ModelPart, Segment
-from nodes.inference.speculative import LocalVerifier, SpeculativeDevice, acceptance_length, speculative_generate
+from nodes.inference.speculative import LocalVerifier, SpeculativeDevice, speculative_generate
 from workloads.prompts import draw_prompts
 
 MODEL = Path(__file__).resolve().parent.parent / "examples" / "models" / "tiny"
@@ -80,7 +81,7 @@ def main() -> None:
             tokens += len(out) - 1
         drafted = sum(r.drafted for r in rounds)
         by_eta[str(eta)] = {
-            "acceptance_length": round(acceptance_length(rounds), 3),
+            "acceptance_length": round(acceptance_length([r.accepted for r in rounds]), 3),
             "draft_tokens_per_round": round(drafted / len(rounds), 3),
             "accepted_share_of_drafted": round(sum(r.accepted for r in rounds) / drafted, 3) if drafted else None,
             "rounds_per_decode_token": round(len(rounds) / tokens, 3),

@@ -25,6 +25,8 @@ from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tup
 
 import torch
 
+from nodes.contracts.speculative_metrics import acceptance_length as contract_acceptance_length
+
 from .draft import DraftAdapter
 from .kv_cache import BranchCache, KVCache
 from .model import ModelPart, Segment
@@ -334,5 +336,7 @@ def speculative_generate(
 
 
 def acceptance_length(rounds: Sequence[RoundLog]) -> float:
-    """vLLM's mean acceptance length: 1 + accepted draft tokens / rounds (the bonus token counted)."""
-    return 1.0 + sum(r.accepted for r in rounds) / len(rounds) if rounds else float("nan")
+    """vLLM's mean acceptance length of ``rounds`` (see :mod:`nodes.contracts.speculative_metrics`); NaN
+    without a round."""
+    length = contract_acceptance_length(sum(r.accepted for r in rounds), len(rounds))
+    return float("nan") if length is None else length

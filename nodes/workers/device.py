@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from mpi4py import MPI
 
+from nodes.contracts.speculative_metrics import acceptance_length
 from nodes.inference.checkpoint import load_part
 from nodes.inference.config import LlamaConfig
 from nodes.inference.draft import adapter_dir, load_adapter
@@ -362,8 +363,7 @@ class DeviceWorker:
             "rounds": len(rounds),
             "drafted": sum(r["drafted"] for r in rounds),
             "accepted": accepted,
-            # vLLM's definition: 1 + accepted / rounds, the bonus (or corrected) token counted
-            "acceptance_length": round(1 + accepted / len(rounds), 4) if rounds else None,
+            "acceptance_length": _rounded(acceptance_length(accepted, len(rounds))),
             "parallel_rounds": len(with_branches),
             "reused": sum(1 for r in rounds if r["reused"]),
             "reuse_rate": round(sum(1 for r in rounds if r["adopted"]) / len(with_branches), 4) if with_branches
@@ -404,3 +404,7 @@ class _MpiVerifier(Verifier):
         )
         self.trip = self.worker._receive(self.request_id, self.trip, not waited_unseen, self.arrived_s)
         return self.trip["reply"].payload
+
+
+def _rounded(value: Optional[float], digits: int = 4) -> Optional[float]:
+    return None if value is None else round(value, digits)

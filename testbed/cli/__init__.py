@@ -861,9 +861,13 @@ def workers_run(
     columns = ["node", "request", "prompt tok", "chunks", "out tok", "TTFT ms", "mean TBT ms", "network ms"]
     for column in [*columns, *(["accept len"] if speculative else []), "text"]:
         table.add_column(column, overflow="fold")
-    for r in requests:
-        gaps = r["output_tokens"] - 1
-        tbt = (r["last_token_s"] - r["first_token_s"]) / gaps * 1e3 if gaps else float("nan")
+    import pandas as pd
+
+    from analysis.metrics import request_latencies
+
+    latencies = request_latencies(pd.DataFrame(requests)) if requests else None
+    for index, r in enumerate(requests):
+        tbt = latencies["tpot_s"].iloc[index] * 1e3  # the mean gap between tokens: vLLM's TPOT
         length = (r.get("speculative") or {}).get("acceptance_length")
         table.add_row(
             r["node"], str(r["request_id"]), str(r["prompt_tokens"]), str(len(r["prefill"]["chunks_tokens"])),
