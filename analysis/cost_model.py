@@ -112,9 +112,14 @@ def head_flops(shape: ModelShape) -> float:
     return 2.0 * shape.vocab * shape.d_model + 5 * shape.d_model
 
 
-def flops_per_token(shape: ModelShape, context_tokens: np.ndarray | float, phase: str) -> np.ndarray:
-    """DiSCo Eq. 7: one token's FLOPs through the whole model at sequence length L."""
-    return shape.n_layers * layer_flops(shape, context_tokens, phase) + head_flops(shape)
+def flops_per_token(
+    shape: ModelShape, context_tokens: np.ndarray | float, phase: str, *, layers: int | None = None,
+    with_head: bool = True,
+) -> np.ndarray:
+    """DiSCo Eq. 7: one token's FLOPs at sequence length L through the whole model, or through
+    ``layers`` decoder layers (with or without embedding and head: one side of a split model)."""
+    layers = shape.n_layers if layers is None else layers
+    return layers * layer_flops(shape, context_tokens, phase) + (head_flops(shape) if with_head else 0.0)
 
 
 def request_flops(shape: ModelShape, prompt_tokens: np.ndarray, output_tokens: np.ndarray,
@@ -126,7 +131,7 @@ def request_flops(shape: ModelShape, prompt_tokens: np.ndarray, output_tokens: n
     L = np.asarray(prompt_tokens, dtype="float64")
     n = np.maximum(np.asarray(output_tokens, dtype="float64") - 1, 0)
     head = head_flops(shape) if with_head else 0.0
-    prefill = L * (layers * layer_flops(shape, L, "prefill") + head)
+    prefill = L * flops_per_token(shape, L, "prefill", layers=layers, with_head=with_head)
     # decode layer FLOPs are affine in L: a + b L, so the sum over L + 1 .. L + n is closed-form
     a = layer_flops(shape, 0.0, "decode")
     b = layer_flops(shape, 1.0, "decode") - a

@@ -283,25 +283,15 @@ def acceptance_length_by(frame: pd.DataFrame, by: Sequence[str]) -> pd.Series:
     return pd.Series(lengths, index=sums.index, dtype="float64", name="acceptance_length")
 
 
-def per_position_acceptance(accepted_per_step: Sequence[int], drafted_per_step: Sequence[int]) -> np.ndarray:
-    """Acceptance rate of draft position k = 1, 2, ...: of the steps that drafted at least k tokens,
-    the share whose first k draft tokens were all accepted."""
-    a = np.asarray(accepted_per_step, dtype="int64")
-    d = np.asarray(drafted_per_step, dtype="int64")
-    if np.any(a > d) or np.any(a < 0):
-        raise ValueError("accepted draft tokens must be between 0 and the tokens drafted in that step")
-    positions = np.arange(1, (d.max() if len(d) else 0) + 1)
-    drafted = (d[None, :] >= positions[:, None]).sum(axis=1)
-    accepted = (a[None, :] >= positions[:, None]).sum(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(drafted > 0, accepted / drafted, np.nan)
-
-
-def tokens_per_decode_step(requests: pd.DataFrame) -> pd.Series:
-    """Per request, decode tokens per decode step: (output tokens - 1) / decode steps. For a method
-    whose decode steps are verification steps this is its acceptance length; plain decoding gives 1."""
-    steps = requests["decode_steps"].where(requests["decode_steps"] > 0)
-    return (requests["output_tokens"] - 1) / steps
+def tokens_per_decode_step(requests: pd.DataFrame, by: Sequence[str] | None = None) -> pd.Series:
+    """Decode tokens per decode step, (output tokens - 1) / decode steps: per request, or with ``by``
+    pooled over each group's requests (their decode tokens over their steps). For a method whose decode
+    steps are verification steps this is its acceptance length; plain decoding gives 1."""
+    frame = requests.assign(decode_tokens=requests["output_tokens"] - 1)
+    if by:
+        frame = frame.groupby(list(by))[["decode_tokens", "decode_steps"]].sum()
+    steps = frame["decode_steps"].where(frame["decode_steps"] > 0)
+    return (frame["decode_tokens"] / steps).rename("tokens_per_decode_step")
 
 
 # -- energy -----------------------------------------------------------------------------------------
@@ -399,12 +389,6 @@ def request_energy(requests: pd.DataFrame, power: pd.DataFrame) -> pd.DataFrame:
     out["energy_j"] = out["prefill_energy_j"] + out["decode_energy_j"]
     out["energy_per_token_j"] = out["energy_j"] / out["output_tokens"].where(out["output_tokens"] > 0)
     return out[columns]
-
-
-def energy_totals(energy: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
-    """Sum ``energy_j`` within ``by`` and ``kind`` only: measured and modeled energy end up in
-    separate rows, never in one number."""
-    return energy.groupby([*by, "kind"], dropna=False)["energy_j"].sum().reset_index()
 
 
 # -- cost (DiSCo App. E) ----------------------------------------------------------------------------

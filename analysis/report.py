@@ -161,10 +161,7 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
     table_by = [c for c in ("workload.prompts", "method") if c in done.columns]
     table = metrics.latency_table(requests, tokens, done, by=table_by, gaps=gaps)
     steps = requests[requests["completed"]].merge(done[["run_id", *table_by]], on="run_id")
-    steps = steps.assign(decode_tokens=steps["output_tokens"] - 1).groupby(table_by)[
-        ["decode_tokens", "decode_steps"]].sum()
-    pooled = (steps["decode_tokens"] / steps["decode_steps"].where(steps["decode_steps"] > 0))
-    table = table.merge(pooled.rename("tokens_per_decode_step").reset_index(), on=table_by)
+    table = table.merge(metrics.tokens_per_decode_step(steps, by=table_by).reset_index(), on=table_by)
     if {"speculative_accepted", "speculative_rounds"} <= set(requests.columns):
         spec = requests[requests["completed"]].merge(done[["run_id", *table_by]], on="run_id")
         length = metrics.acceptance_length_by(spec, table_by)

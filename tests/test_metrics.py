@@ -261,26 +261,15 @@ def test_acceptance_length_counts_the_bonus_token():
     assert math.isnan(metrics.acceptance_length([]))
 
 
-def test_per_position_acceptance_by_hand():
-    # drafted [3,3,2,1], accepted [3,1,0,1]:
-    # position 1: steps drafting >= 1: all 4; first draft accepted in steps 0, 1, 3 -> 3/4
-    # position 2: steps drafting >= 2: 0, 1, 2; first two accepted only in step 0 -> 1/3
-    # position 3: steps drafting >= 3: 0, 1; all three accepted only in step 0 -> 1/2
-    rates = metrics.per_position_acceptance([3, 1, 0, 1], [3, 3, 2, 1])
-    assert rates.tolist() == pytest.approx([3 / 4, 1 / 3, 1 / 2], **EXACT)
-    assert len(metrics.per_position_acceptance([], [])) == 0
-    with pytest.raises(ValueError):
-        metrics.per_position_acceptance([2], [1])  # more accepted than drafted
-    with pytest.raises(ValueError):
-        metrics.per_position_acceptance([-1], [1])
-
-
 def test_tokens_per_decode_step():
     requests = pd.DataFrame({"output_tokens": [9, 5, 1, 3], "decode_steps": [4, 4, 0, 0]})
     out = metrics.tokens_per_decode_step(requests)
     # (9-1)/4 = 2, (5-1)/4 = 1, no decode steps: NaN
     assert out.iloc[0] == 2.0 and out.iloc[1] == 1.0
     assert out.iloc[2:].isna().all()
+    # pooled per group: (8 + 4) / (4 + 4) for "a"; "b" decoded nothing
+    pooled = metrics.tokens_per_decode_step(requests.assign(method=["a", "a", "b", "b"]), by=["method"])
+    assert pooled["a"] == 1.5 and np.isnan(pooled["b"])
 
 
 # -- tables -----------------------------------------------------------------------------------------
@@ -459,14 +448,6 @@ def test_request_energy_needs_controller_clock_windows():
     requests = pd.DataFrame([request_row("r1", "d1", 0, arrival=0.0, first=0.5, last=1.0, output=2)])
     out = metrics.request_energy(requests, power)  # only device-clock columns
     assert out.empty and "energy_per_token_j" in out.columns
-
-
-def test_energy_totals_never_add_measured_and_modeled():
-    energy = pd.DataFrame({"run_id": ["r1", "r1", "r1", "r2"], "kind": ["measured", "measured", "modeled", "measured"],
-                           "energy_j": [1.0, 2.0, 10.0, 5.0]})  # fmt: skip
-    out = metrics.energy_totals(energy, ["run_id"])
-    got = sorted((r.run_id, r.kind, r.energy_j) for r in out.itertuples())
-    assert got == [("r1", "measured", 3.0), ("r1", "modeled", 10.0), ("r2", "measured", 5.0)]
 
 
 # -- cost model (DiSCo App. E) ----------------------------------------------------------------------

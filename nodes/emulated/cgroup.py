@@ -119,19 +119,6 @@ class CpuCgroup:
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(d)
 
-    @classmethod
-    def of_process(cls, pid: str = "self", root: str = CGROUP_ROOT) -> Optional["CpuCgroup"]:
-        """The CPU cgroup that process ``pid`` is in (None when it is the root group)."""
-        version = cgroup_version(root)
-        if version is None:
-            return None
-        for line in _read("/proc/%s/cgroup" % pid).splitlines():
-            _, controllers, path = line.split(":", 2)
-            wanted = controllers == "" if version == 2 else "cpu" in controllers.split(",")
-            if wanted and path not in ("", "/"):
-                return cls(path.lstrip("/"), root, version)
-        return None
-
 
 def process_stat(pid: int) -> Optional[List[str]]:
     """Fields 3 onwards of /proc/PID/stat (state, ppid, ...), or None when there is no such process.

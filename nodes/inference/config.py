@@ -46,21 +46,6 @@ class LlamaConfig:
     def rope_scaling_dict(self) -> Dict[str, Any]:
         return dict(self.rope_scaling or ())
 
-    @property
-    def kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    def parameter_count(self) -> int:
-        """Parameters of the whole model (the LM head counted once when tied)."""
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attention = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
-        if self.attention_bias:
-            attention += d * (self.num_attention_heads + 2 * self.num_key_value_heads) + h
-        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        per_layer = attention + mlp + 2 * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_hidden_layers * per_layer + h + head
-
     def to_hf_dict(self) -> Dict[str, Any]:
         """The config.json transformers writes for LlamaForCausalLM (4.x spelling, read by 4.x and 5.x)."""
         out: Dict[str, Any] = {

@@ -23,12 +23,3 @@ def greedy_generate(
             break
         hidden = model.run_layers(model.embed(torch.tensor([token])), [Segment(cache, 1)])
     return out
-
-
-@torch.inference_mode()
-def mean_cross_entropy(model: ModelPart, token_ids: torch.Tensor) -> float:
-    """Mean next-token cross-entropy (nats) of ``token_ids`` [batch, seq]; exp() of it is the perplexity."""
-    logits = model.forward_full(token_ids[:, :-1])
-    return float(
-        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), token_ids[:, 1:].reshape(-1))
-    )
