@@ -118,6 +118,24 @@ def _utilisation(telemetry: pd.DataFrame) -> pd.DataFrame:
     return aggregate if not aggregate.empty else cpu.groupby(["node", "t_s"], as_index=False)["value"].mean()
 
 
+def method_lines(directory: Path) -> list[str]:
+    """What each method of the campaign is and what to read for it, as its plugin described it in the
+    runs' manifests (nodes/workers/methods)."""
+    described: dict[str, dict] = {}
+    for path in sorted((directory / "runs").glob("*/manifest.json")):
+        method = json.loads(path.read_text()).get("method")
+        if isinstance(method, dict) and method.get("name"):
+            described.setdefault(method["name"], method)
+    if not described:
+        return []
+    lines = ["## Methods", ""]
+    for name, m in described.items():
+        notes = "; ".join(m.get("report_notes") or [])
+        lines.append(f"- **{name}**: {m.get('summary', '')} (prefill: {m.get('prefill')}, decode: {m.get('decode')})"
+                     + (f". Read: {notes}." if notes else ""))  # fmt: skip
+    return [*lines, ""]
+
+
 def build_report(campaign_dir: str | Path, options: ReportOptions | None = None) -> Path:
     """Compute every metric of the campaign, write the report's tables, figures and markdown into
     ``<campaign>/report/`` and return the markdown file's path."""
@@ -141,6 +159,7 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
     if modeled:
         r += [f"Modeled telemetry (not measured): {', '.join(modeled)}. Energy figures for these nodes come from "
               "the emulated power model, and are never added to measured energy.", ""]  # fmt: skip
+    r += method_lines(directory)
     if requests.empty or done.empty:
         r += ["No completed run with requests: nothing to report.", ""]
         r += attention_lines(directory)

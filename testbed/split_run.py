@@ -25,6 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import NodeError, TestbedError
+from nodes.contracts.draft import default_adapter_dir
+from nodes.contracts.rank_dirs import parse_rank_dir
+from nodes.workers.methods import method_named
+from nodes.workers.methods import names as method_names
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
 from testbed.provision import compare_records, load_record
@@ -33,7 +37,6 @@ from testbed.transport.base import Transport
 from testbed.transport.fanout import fan_out
 
 Say = Callable[[str], None]
-METHODS = ("centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat")
 LAUNCH_MARGIN_S = 60.0
 WAIT_POLL_S = 3.0  # how long one remote wait for the exit status lasts
 
@@ -133,8 +136,8 @@ class SplitRunResult:
 
 
 def check_spec(inventory: Inventory, spec: SplitRunSpec) -> tuple[NodeSpec, list[NodeSpec]]:
-    if spec.method not in METHODS:
-        raise TestbedError(f"method {spec.method!r}: choose one of {', '.join(METHODS)}")
+    if spec.method not in method_names():
+        raise TestbedError(f"method {spec.method!r}: choose one of {', '.join(method_names())}")
     known = {n.name: n for n in inventory.nodes}
     unknown = [name for name in (spec.server, *spec.devices) if name not in known]
     if unknown:
@@ -248,7 +251,7 @@ def run_split(
             **spec.extra,
         }
         # the draft adapter stays with the checkpoint, also when the node runs a part provision placed
-        config["draft"] = {"adapter": f"{spec.model.rstrip('/')}/draft", **(spec.extra.get("draft") or {})}
+        config["draft"] = {"adapter": default_adapter_dir(spec.model), **(spec.extra.get("draft") or {})}
         path = f"{info[name]['run_dir']}/run.json"
         with open_transport(inventory, node) as t:
             t.store(path, (json.dumps(config, indent=1) + "\n").encode())
@@ -299,7 +302,7 @@ def _model_dir_on(record: dict, role: str, spec: SplitRunSpec) -> str:
     """The directory of the part ``testbed provision`` placed on the node (``record``) for this model and m, else
     ``spec.model`` (the checkpoint at the same path on every node). ``centralized`` needs the whole
     model on the server, which no part holds."""
-    if spec.method == "centralized":
+    if method_named(spec.method).token_ids_only:
         return spec.model
     wanted = os.path.realpath(spec.model)
     for placed in record.get("weights", []):
@@ -424,8 +427,8 @@ def _collect(
             out = f"{info[name]['run_dir']}/out"
             listing = t.run_script(rank_listing_script(out), timeout_s=30.0).stdout
             for relative in sorted(line[2:] for line in listing.split() if line.startswith("./")):
-                rank_dir = relative.split("/")[0]
-                if not rank_dir.endswith("-" + name):
+                rank = parse_rank_dir(relative.split("/")[0])
+                if rank is None or rank.node != name:
                     continue  # a shared file system shows other nodes' ranks too
                 local = into / relative
                 local.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,8 @@ from typing import Dict, Sequence, Tuple
 import torch
 from torch import nn
 
+from nodes.contracts.draft import default_adapter_dir
+
 from .config import LlamaConfig
 from .kv_cache import KVCache
 from .model import Attention, RMSNorm, Segment
@@ -75,8 +77,8 @@ class DraftAdapter(nn.Module):
 
 
 def adapter_dir(model_dir: str) -> str:
-    """Where a checkpoint's draft adapter lives by default."""
-    return os.path.join(model_dir, "draft")
+    """Where a checkpoint's draft adapter lives by default (:mod:`nodes.contracts.draft`)."""
+    return default_adapter_dir(model_dir)
 
 
 def save_adapter(adapter: DraftAdapter, directory: str, extra: Dict[str, object]) -> None:

@@ -6,7 +6,7 @@ to server stage 0, receive the deep hidden state (or the next token id) from the
 the LM head, and repeat for every generated token. ``ushape`` and ``usarathi`` send the prompt
 whole; ``usarathi`` differs on the server, which chunks it.
 
-HAT's methods (``run_config.HAT_FEATURES``) change the device's side:
+HAT's methods (``methods/hat.py``) change the device's side:
 
 - ``pc`` (prompt chunking, Sec. 3.3): the prompt goes up in chunks sized by Eq. 3
   (``hat_sizing``), each sent as soon as its shallow states are computed, so the next chunk's
@@ -55,7 +55,7 @@ class DeviceWorker:
         self.schedule = load_schedule(spec.schedule)
         self.tokenizer = Tokenizer(config.model)
         model_config = LlamaConfig.load(config.model)
-        self.centralized = config.method == "centralized"
+        self.centralized = config.method_spec.token_ids_only
         self.part = None
         self.speculative: Optional[SpeculativeDevice] = None
         if not self.centralized:

@@ -17,15 +17,9 @@ import json
 import os
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-# HAT (Sec. 3.3-3.5) and its ablations: speculative decoding (sd), prompt chunking (pc), parallel drafting (pd)
-HAT_FEATURES = {
-    "sd": ("sd",),
-    "pc": ("pc",),
-    "sd_pc": ("sd", "pc"),
-    "sd_pd": ("sd", "pd"),
-    "hat": ("sd", "pc", "pd"),
-}
-METHODS = ("centralized", "ushape", "usarathi") + tuple(HAT_FEATURES)
+from nodes.contracts.rank_dirs import RankDir
+
+from .methods import Method, method_named, names
 
 
 class RunConfigError(ValueError):
@@ -64,14 +58,19 @@ class RunConfig(NamedTuple):
     seed: int = 0
     draft: DraftSettings = DraftSettings()
 
+    @property
+    def method_spec(self) -> Method:
+        """The registered method (:mod:`nodes.workers.methods`): the behaviours the workers compose."""
+        return method_named(self.method)
+
     def uses(self, feature: str) -> bool:
         """Whether the method has HAT's ``sd``, ``pc`` or ``pd``."""
-        return feature in HAT_FEATURES.get(self.method, ())
+        return self.method_spec.uses(feature)
 
     @property
     def server_state_in_replies(self) -> bool:
         """HAT's methods size chunks and parallel drafts from the server's state (Eq. 3, Eq. 6)."""
-        return self.method in HAT_FEATURES
+        return self.method_spec.server_state_in_replies
 
     @property
     def device_ranks(self) -> List[int]:
@@ -79,12 +78,12 @@ class RunConfig(NamedTuple):
 
     @property
     def server_device_layers(self) -> int:
-        """m as the server sees it: 0 for ``centralized`` (the server runs every layer)."""
-        return 0 if self.method == "centralized" else self.device_layers
+        """m as the server sees it: 0 when the device sends token ids (the server runs every layer)."""
+        return 0 if self.method_spec.token_ids_only else self.device_layers
 
     def rank_dir(self, rank: int) -> str:
         spec = self.ranks[rank]
-        return os.path.join(self.out_dir, "%s-%d-%s" % (spec.role, spec.index, spec.node))
+        return os.path.join(self.out_dir, RankDir(spec.role, spec.index, spec.node).name)
 
 
 def load(path: str) -> RunConfig:
@@ -115,8 +114,8 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
         return raw[name]
 
     method = need("method", str)
-    if method not in METHODS:
-        raise RunConfigError("%s: field 'method' is %r; choose one of %s" % (source, method, ", ".join(METHODS)))
+    if method not in names():
+        raise RunConfigError("%s: field 'method' is %r; choose one of %s" % (source, method, ", ".join(names())))
     partition = need("partition", dict)
     stages = int(partition.get("stages", 1))
     device_layers = int(partition.get("device_layers", 0))
@@ -147,7 +146,7 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
         )
     if not counters["device"]:
         raise RunConfigError("%s: no device ranks" % source)
-    if method != "centralized" and device_layers < 0:
+    if not method_named(method).token_ids_only and device_layers < 0:
         raise RunConfigError("%s: partition.device_layers must be >= 0" % source)
     chunk = int(raw.get("chunk_tokens", 128))
     if chunk < 1:

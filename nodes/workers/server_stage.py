@@ -3,12 +3,13 @@
 Stage 0 gathers what devices have sent (prefill hidden states or token ids, decode steps, cache
 releases), forms one iteration from all of it, runs its layers on the packed batch and passes the
 result on; later stages run theirs on what they receive; the last stage returns deep hidden states
-(or, for ``centralized``, the next token id) to each device. Methods differ only in how stage 0
-forms an iteration:
+(or, for a method whose device sends token ids, the next token id) to each device. Methods
+(``nodes/workers/methods``) differ only in how stage 0 forms an iteration, by their ``prefill``:
 
-- ``centralized`` and ``ushape``: every pending prompt is taken whole, beside all decode steps.
-- ``usarathi``: decode steps first, then prompt chunks filling a token budget of ``chunk_tokens``
-  (128 by default), so that a long prompt is spread over iterations mixed with decodes.
+- ``whole`` and ``device_chunks`` (``centralized``, ``ushape``, HAT's): every pending prompt (or
+  chunk) is taken whole, beside all decode steps.
+- ``server_chunks`` (``usarathi``): decode steps first, then prompt chunks filling a token budget of
+  ``chunk_tokens`` (128 by default), so that a long prompt is spread over iterations mixed with decodes.
 
 Every iteration is logged with its batched tokens, compute time and queue wait, and feeds HAT's
 state monitor (Eq. 1-2).
@@ -95,7 +96,7 @@ class ServerStage:
         self.last = self.stage == config.stages - 1
         model_config = LlamaConfig.load(config.model)
         partition = UShapePartition.make(model_config.num_hidden_layers, config.server_device_layers, config.stages)
-        centralized = config.method == "centralized"
+        centralized = config.method_spec.token_ids_only
         self.part: ModelPart = load_part(
             config.model,
             partition.stage_layer_ids()[self.stage],
@@ -179,7 +180,7 @@ class ServerStage:
 
     def _form_batch(self, pending: List[_Pending]) -> Tuple[List[Tuple[_Pending, wire.Segment]], List[_Pending]]:
         """(items taken this iteration with the piece of each, items left for later)."""
-        if self.config.method != "usarathi":
+        if self.config.method_spec.prefill != "server_chunks":
             return [(item, item.segment) for item in pending], []
         budget = self.config.chunk_tokens
         taken: List[Tuple[_Pending, wire.Segment]] = []

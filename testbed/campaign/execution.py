@@ -30,6 +30,7 @@ from typing import Any
 
 from foundation.errors import NodeError, TestbedError
 from foundation.jsonable import jsonable
+from nodes.contracts.rank_dirs import device_glob
 from testbed.campaign import manifest as manifest_mod
 from testbed.campaign.plan import RunPlan, plan_run
 from testbed.campaign.results import write_results
@@ -375,7 +376,7 @@ def _count_served(lab: Inventory, plan: RunPlan) -> int:
 
     def count(name: str) -> int:
         out_dir = run_dir_on(plan.contexts[name], plan.split.run_id) + "/out"
-        pattern = f"{quote_path(out_dir)}/device-*-{shlex.quote(name)}/requests.jsonl"
+        pattern = f"{quote_path(out_dir)}/{device_glob(shlex.quote(name))}/requests.jsonl"
         with open_transport(lab, lab.node(name)) as t:
             out = t.run_script(f"cat {pattern} 2>/dev/null | grep -c request_id || true", timeout_s=20.0).stdout
         return int(out.strip() or 0)
@@ -385,6 +386,6 @@ def _count_served(lab: Inventory, plan: RunPlan) -> int:
 
 def _count_rows(ranks: Path) -> int:
     total = 0
-    for path in ranks.glob("device-*/requests.jsonl"):
+    for path in ranks.glob(device_glob() + "/requests.jsonl"):
         total += sum(1 for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
     return total

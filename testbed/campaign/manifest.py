@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from nodes.workers.methods import method_named
 from testbed import __version__
 from testbed.campaign.spec import Campaign, PlannedRun
 from testbed.inventory import Inventory
@@ -145,6 +146,7 @@ def build_manifest(
         "seed": run.seed,
         "overrides": dict(run.overrides),
         "settings": run.settings.model_dump(mode="json"),
+        "method": method_named(run.settings.method).describe(),
         "model_directory": str(campaign.resolve(run.settings.model)),
         "model_config": model_config(campaign.resolve(run.settings.model)),
         "started_unix_s": started_unix_s,

@@ -26,6 +26,7 @@ from typing import Any
 from foundation.errors import TestbedError
 from netem.plan import TcPlan
 from netem.trace import BandwidthTrace
+from nodes.contracts.draft import default_adapter_dir
 from testbed.campaign.plan_commands import PlannedCommand, normalised_line, plan_commands
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
 from testbed.inventory import DirectedLink, Inventory, links_from_file
@@ -92,7 +93,7 @@ def draft_config(campaign: Campaign, settings: RunSettings) -> dict[str, Any]:
     """The run config's ``draft`` mapping, the adapter's path resolved against the campaign file (by
     default the checkpoint's ``draft/``, where the model is, also when devices run a placed part)."""
     draft = settings.draft.model_dump()
-    draft["adapter"] = str(campaign.resolve(draft["adapter"] or f"{settings.model}/draft"))
+    draft["adapter"] = str(campaign.resolve(draft["adapter"] or default_adapter_dir(settings.model)))
     return draft
 
 

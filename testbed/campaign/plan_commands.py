@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from netem.plan import TcPlan
+from nodes.contracts.rank_dirs import device_glob
 from testbed.campaign.spec import Campaign
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
@@ -164,7 +165,7 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
                    [*words, *launch_argv(plan.launch, status)], mpiexec_pidfile(server_dir), log)  # fmt: skip
     lines.add(server, "workers", "wait for mpiexec's exit status", _sh(launch_wait_script(status)), "polled")
     for device in settings.devices:
-        pattern = f"{quote_path(run_dir_on(ctx[device], settings.run_id) + '/out')}/device-*-{shlex.quote(device)}"
+        pattern = f"{quote_path(run_dir_on(ctx[device], settings.run_id) + '/out')}/{device_glob(shlex.quote(device))}"
         lines.add(device, "workers", "count the requests served so far",
                   _sh(f"cat {pattern}/requests.jsonl 2>/dev/null | grep -c request_id || true"), "polled")  # fmt: skip
     lines.add(server, "workers", "end mpiexec (timed out or interrupted)",

@@ -20,6 +20,8 @@ from typing import Any
 
 import pandas as pd
 
+from nodes.contracts.rank_dirs import device_glob, parse_rank_dir
+
 SCHEDULE_COLUMNS = ("expected_ttft_s", "expected_tds_tok_s", "prompt_source")
 TOKEN_COLUMNS = ["node", "request_id", "index", "token_id", "ts_s"]
 
@@ -56,16 +58,16 @@ def read_header(path: Path) -> dict[str, Any]:
 def clock_origins_unix_s(ranks: Path) -> dict[str, float]:
     """Each device's wall clock at the start barrier, by node, from its rank files' headers."""
     origins = {}
-    for path in sorted(ranks.glob("device-*/requests.jsonl")):
+    for path in sorted(ranks.glob(device_glob() + "/requests.jsonl")):
         header = read_header(path)
         if "clock_origin_unix_s" in header:
-            origins[str(header.get("node", path.parent.name.split("-", 2)[2]))] = float(header["clock_origin_unix_s"])
+            origins[str(header.get("node", _node_of(path.parent)))] = float(header["clock_origin_unix_s"])
     return origins
 
 
 def read_requests(ranks: Path) -> pd.DataFrame:
     rows = []
-    for path in sorted(ranks.glob("device-*/requests.jsonl")):
+    for path in sorted(ranks.glob(device_glob() + "/requests.jsonl")):
         for line in _lines(path):
             try:
                 rows.append(_flatten(json.loads(line)))
@@ -76,8 +78,8 @@ def read_requests(ranks: Path) -> pd.DataFrame:
 
 def read_tokens(ranks: Path) -> pd.DataFrame:
     frames = []
-    for path in sorted(ranks.glob("device-*/tokens.csv")):
-        node = path.parent.name.split("-", 2)[2]
+    for path in sorted(ranks.glob(device_glob() + "/tokens.csv")):
+        node = _node_of(path.parent)
         body = "\n".join(_lines(path))
         if body.count("\n") < 1:
             continue  # the column header alone
@@ -117,3 +119,8 @@ def write_results(ranks: Path, schedules: Mapping[str, Sequence[Mapping[str, Any
     requests_table(ranks, schedules).to_parquet(directory / "requests.parquet", index=False)
     tokens = read_tokens(ranks) if ranks.is_dir() else read_tokens(Path("/nonexistent"))
     tokens.to_parquet(directory / "tokens.parquet", index=False)
+
+
+def _node_of(rank_dir: Path) -> str:
+    rank = parse_rank_dir(rank_dir.name)
+    return rank.node if rank is not None else rank_dir.name

@@ -33,12 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from nodes.workers.methods import names as method_names
 from testbed.inventory import Inventory, Name, NodeSpec
 from workloads.schedule import WorkloadSpec
-
-SPECULATIVE_METHODS = ("sd", "sd_pc", "sd_pd", "hat")  # the methods that draft (HAT Sec. 3.4)
 
 
 class _Strict(BaseModel):
@@ -98,7 +97,7 @@ class TelemetrySettings(_Strict):
 class RunSettings(_Strict):
     """One run's configuration: what a matrix key may override (``link.profile``, ``power.orin``)."""
 
-    method: Literal["centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat"] = "ushape"
+    method: str = "ushape"  # a registered method (nodes/workers/methods)
     model: str = "examples/models/tiny"
     partition: PartitionSettings = PartitionSettings()
     server: Name = "server"
@@ -112,6 +111,13 @@ class RunSettings(_Strict):
     dtype: Literal["float32", "float16", "bfloat16", "auto"] = "float32"
     threads_per_rank: StrictInt = Field(1, ge=1, le=256)
     drain_s: float = Field(1.0, ge=0, le=600)  # telemetry kept running after the last token
+
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in method_names():
+            raise ValueError(f"unknown method {name!r}; one of {', '.join(method_names())}")
+        return name
 
 
 class FailurePolicy(_Strict):

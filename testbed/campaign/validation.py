@@ -15,7 +15,8 @@ from pydantic import BaseModel
 
 from foundation.errors import InputProblem, TestbedError
 from foundation.user_files import FieldPath, YamlSource, field_name
-from testbed.campaign.spec import SPECULATIVE_METHODS, CampaignSpec, RunSettings, workload_spec
+from nodes.workers.methods import MethodCheck, method_named
+from testbed.campaign.spec import CampaignSpec, RunSettings, workload_spec
 from testbed.inventory import Inventory
 
 
@@ -165,35 +166,9 @@ class SettingsChecker:
         except (ValueError, KeyError, TypeError):
             yield "model", f"{config}: no num_hidden_layers", ""
             return
-        m, stages = s.partition.device_layers, s.partition.stages
-        server_layers = layers if s.method == "centralized" else layers - m  # the device runs layers 0..m-1
-        if s.method != "centralized" and server_layers < 1:
-            yield "partition.device_layers", f"{m} device layers leave the server none of {layers}", \
-                f"use at most {layers - 1}"
-        elif stages > server_layers:
-            yield "partition.stages", f"{stages} stages for {server_layers} server layers", \
-                f"use at most {server_layers}"
-        if s.method in SPECULATIVE_METHODS:
-            yield from self._draft_problems(s, directory)
-
-    def _draft_problems(self, s: RunSettings, model_dir: Path) -> Iterable[tuple[str, str, str]]:
-        """A speculative method needs a draft adapter trained on the output of the run's m device layers."""
-        field = "draft.adapter" if s.draft.adapter else "method"
-        directory = relative_path(self.source.path, s.draft.adapter) if s.draft.adapter else model_dir / "draft"
-        config = directory / "adapter_config.json"
-        m = s.partition.device_layers
-        train = f"train one: python scripts/train_draft.py --model {s.model} --device-layers {m}"
-        if not config.is_file():
-            yield field, f"{s.method} drafts with an adapter, and {directory} has no adapter_config.json", train
-            return
-        try:
-            trained_for = int(json.loads(config.read_text())["device_layers"])
-        except (ValueError, KeyError, TypeError):
-            yield field, f"{config}: no device_layers", train
-            return
-        if trained_for != s.partition.device_layers:
-            yield "partition.device_layers", (f"the draft adapter in {directory} was trained on {trained_for} device "
-                                              f"layers, not {s.partition.device_layers}"), train  # fmt: skip
+        check = MethodCheck(s.model, str(directory), layers, s.partition.device_layers, s.partition.stages,
+                            str(relative_path(self.source.path, s.draft.adapter)) if s.draft.adapter else None)
+        yield from method_named(s.method).problems(check)
 
 
 def _with_role(lab: Inventory, role: str) -> str:

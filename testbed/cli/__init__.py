@@ -22,6 +22,8 @@ from rich.table import Table
 from foundation.errors import NodeError, TestbedError
 from foundation.jsonable import jsonable
 from foundation.units import format_duration, format_rate
+from nodes.workers.methods import method_named
+from nodes.workers.methods import names as method_names
 from testbed import __version__
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import Inventory, NodeSpec, load_inventory
@@ -799,18 +801,18 @@ def telemetry_import_tegrastats(
 TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "models" / "tiny"
 
 
+METHODS_HELP = "One of the registered methods (nodes/workers/methods): " + "; ".join(
+    f"{m.name} ({m.summary})" for m in map(method_named, method_names())
+) + ". Drafting methods use the adapter in MODEL/draft."
+
+
 @workers_app.command("run")
 def workers_run(
     schedule: Annotated[Path, typer.Argument(help="JSON lines of requests: request_id, arrival_s (from the "
                                              "start), prompt or prompt_ids, max_new_tokens. Every device "
                                              "replays it.")],
     inventory: InventoryOption = Path("inventory.yaml"),
-    method: Annotated[str, typer.Option(help="centralized (device sends token ids, the server runs the whole "
-                                        "model), ushape (HAT's U-shape: prompt hidden states sent whole), "
-                                        "usarathi (U-shape, the server chunks prompts beside decodes), or HAT "
-                                        "with some of its strategies: pc (prompt chunking, Eq. 3), sd "
-                                        "(speculative decoding with the draft adapter in MODEL/draft), sd_pc, "
-                                        "sd_pd (sd + parallel drafting, Eq. 6), hat (all three).")] = "ushape",
+    method: Annotated[str, typer.Option(help=METHODS_HELP)] = "ushape",
     model: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory, as seen on the nodes.")] = TINY_MODEL,
     server: Annotated[str, typer.Option(help="Node that runs the pipeline stages and mpiexec.")] = "server",
     devices: Annotated[str, typer.Option(help="Comma-separated device nodes or groups.")] = "devices",

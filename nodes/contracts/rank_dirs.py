@@ -1,0 +1,31 @@
+"""The layout of a run's output on a node: one directory per MPI rank under the run's ``out/``, named
+``<role>-<index>-<node>`` (``stage-0-server``, ``device-1-orin``), holding the rank's records
+(``requests.jsonl``, ``tokens.csv``, ``iterations.csv``). Built and read here only.
+"""
+
+from typing import NamedTuple, Optional
+
+ROLES = ("stage", "device")
+
+
+class RankDir(NamedTuple):
+    role: str  # stage | device
+    index: int  # stage index or device index
+    node: str
+
+    @property
+    def name(self) -> str:
+        return "%s-%d-%s" % (self.role, self.index, self.node)
+
+
+def parse_rank_dir(name: str) -> Optional[RankDir]:
+    """The rank a directory name stands for; None for a name that is not a rank directory."""
+    parts = name.split("-", 2)
+    if len(parts) != 3 or parts[0] not in ROLES or not parts[1].isdigit() or not parts[2]:
+        return None
+    return RankDir(parts[0], int(parts[1]), parts[2])
+
+
+def device_glob(node: str = "*") -> str:
+    """A shell/pathlib glob for the device rank directories (of ``node``, or of every node)."""
+    return "device-*-%s" % node
