@@ -27,6 +27,7 @@ from typing import Any
 from foundation.errors import NodeError, TestbedError
 from nodes.contracts.draft import default_adapter_dir
 from nodes.contracts.rank_dirs import parse_rank_dir
+from nodes.contracts.schedules import request_id
 from nodes.workers.methods import method_named
 from nodes.workers.methods import names as method_names
 from testbed.inventory import Inventory, NodeSpec
@@ -190,7 +191,7 @@ def device_schedule(spec: SplitRunSpec, device_index: int) -> list[dict[str, Any
     out = []
     for position, request in enumerate(spec.schedule):
         row = dict(request)
-        row["request_id"] = device_index * 1_000_000 + int(row.get("request_id", position))
+        row["request_id"] = request_id(device_index, int(row.get("request_id", position)))
         out.append(row)
     return out
 

@@ -10,7 +10,8 @@ Device workers read ``request_id``, ``arrival_s`` (seconds from the run's start 
 ``prompt_ids`` and ``max_new_tokens`` (``nodes/workers/run_config.py``); the rest is kept for
 analysis. Each device has its own random streams, seeded from (seed, device name, purpose) through
 SHA-256: a device's arrivals and prompts do not depend on the other devices, and changing the
-prompt set leaves the arrivals as they were. Request ids are ``device index * 1_000_000 + i``, the
+prompt set leaves the arrivals as they were (``foundation.seeds``). Request ids are ``device index * 1_000_000 + i``
+(``nodes.contracts.schedules``), the
 index being the device's position in the list given.
 The same spec, seed and devices give byte-identical files (for one model, one interpreter's
 standard library and one numpy version).
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import TestbedError
+from foundation.seeds import derive_seed
+from nodes.contracts.schedules import request_id
 from workloads.arrivals import (
     MAX_ARRIVALS,
     ArrivalProcess,
@@ -41,7 +44,6 @@ from workloads.prompts import draw_prompts, prompt_set_problem
 from workloads.qoe import qoe_expectation, qoe_problems
 
 ARRIVALS = ("poisson", "gamma", "constant", "trace")
-REQUEST_ID_STRIDE = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def build_schedules(
         )
         out[device] = [
             {
-                "request_id": index * REQUEST_ID_STRIDE + i,
+                "request_id": request_id(index, i),
                 "arrival_s": round(float(time_s), 6),
                 "prompt_ids": [int(t) for t in prompt.prompt_ids],
                 "prompt_tokens": prompt.prompt_tokens,
@@ -140,12 +142,6 @@ def build_schedules(
             for i, (time_s, prompt) in enumerate(zip(times, prompts, strict=True))
         ]
     return out
-
-
-def derive_seed(seed: int, device: str, purpose: str) -> int:
-    """A 64-bit seed for one device's stream (SHA-256 of the three, not Python's salted hash())."""
-    digest = hashlib.sha256(f"{int(seed)}\0{device}\0{purpose}".encode()).digest()
-    return int.from_bytes(digest[:8], "big")
 
 
 def schedule_bytes(rows: Sequence[dict[str, Any]]) -> bytes:

@@ -15,17 +15,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from foundation.errors import InputProblem
+from foundation.seeds import derive_seed
 from foundation.user_files import FieldPath, YamlSource, field_name
 from testbed.campaign.spec import CampaignSpec, PlannedRun, RunSettings
 from testbed.inventory import pydantic_problem
 
 if TYPE_CHECKING:
     from testbed.campaign.validation import SettingsChecker
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed from ``parts``, stable across Python processes (unlike ``hash``)."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big") >> 1
 
 
 def run_id_of(settings: RunSettings, repetition: int, seed: int) -> str:
