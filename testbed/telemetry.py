@@ -203,7 +203,8 @@ def _clock(inventory: Inventory, node: NodeSpec) -> tuple[float, ClockOffset]:
 
 def _all_or_raise(result: FanOutResult[Any], what: str) -> dict[str, Any]:
     if not result.ok:
-        raise TestbedError(f"{what} failed on " + "; ".join(f"{o.node}: {o.error}" for o in result.failed))
+        raise NodeError(result.failed[0].node,
+                        f"{what} failed on " + "; ".join(f"{o.node}: {o.error}" for o in result.failed))  # fmt: skip
     return {o.node: o.value for o in result.outcomes}
 
 

@@ -99,7 +99,7 @@ def apply_overrides(
     except ValidationError as exc:
         out = []
         for err in exc.errors():
-            problem = pydantic_problem(source, {**err, "loc": ()})
+            problem = pydantic_problem(source, {**err, "loc": ()}, "examples/campaigns/demo.yaml")
             field = field_name(tuple(p for p in err["loc"] if isinstance(p, (str, int))))
             out.append(InputProblem(str(source.path), source.line_of(at), field_name(at),
                                     f"{field}: {problem.problem}", problem.hint))  # fmt: skip

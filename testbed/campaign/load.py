@@ -17,6 +17,8 @@ from testbed.campaign.validation import SettingsChecker, matrix_key_problems, re
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import pydantic_problem
 
+CAMPAIGN_EXAMPLE = "examples/campaigns/demo.yaml"
+
 
 def load_campaign(path: str | Path, *, inventory: str | Path | None = None) -> Campaign:
     """Read, validate and expand a campaign file; every problem at once as :class:`InputError`."""
@@ -26,7 +28,7 @@ def load_campaign(path: str | Path, *, inventory: str | Path | None = None) -> C
     try:
         spec = CampaignSpec.model_validate(source.data)
     except ValidationError as exc:
-        raise InputError([pydantic_problem(source, err) for err in exc.errors()]) from None
+        raise InputError([pydantic_problem(source, err, CAMPAIGN_EXAMPLE) for err in exc.errors()]) from None
     inventory_path = Path(inventory) if inventory is not None else relative_path(source.path, spec.inventory)
     if not inventory_path.is_file():
         where = () if inventory is not None else ("inventory",)

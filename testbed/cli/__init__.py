@@ -1193,9 +1193,14 @@ def demo_command(
 
 
 def main() -> None:
-    """Entry point: user errors become a message and exit status 2, never a traceback."""
+    """Entry point, and the one error policy: user input is a message and exit status 2
+    (``FILE:LINE: field: problem; hint``); a node or a check that failed is a message naming the node
+    and exit status 1; never a traceback."""
     try:
         app()  # usage errors exit 2 (click's convention), typer.Exit(n) exits n
-    except TestbedError as exc:
+    except TestbedError as exc:  # the user's input or setup: nothing was changed on any node
         err.print("[red]error:[/] " + escape(str(exc)), highlight=False, soft_wrap=True)
         sys.exit(2)
+    except NodeError as exc:  # a node (or this machine, hosting an emulated testbed) failed
+        err.print("[red]error:[/] " + escape(str(exc)), highlight=False, soft_wrap=True)
+        sys.exit(1)

@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from foundation.errors import TestbedError
+from foundation.errors import NodeError, TestbedError
 from nodes.emulated.cgroup import CpuCgroup, process_stat
 from testbed.emulation.journal import Journal, JournalEntry
 
+HOST = "emulation host"  # what a failure of this machine's own commands is reported against (exit status 1)
 STOP_GRACE_S = 3.0
 GONE_WAIT_S = 10.0
 # down removes processes first, then what they live in, then the links between nodes.
@@ -27,7 +28,7 @@ UNDO_PHASES = ("process", "cgroup", "veth", "netns", "bridge")
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
     if check and proc.returncode != 0:
-        raise TestbedError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip() or proc.returncode}")
+        raise NodeError(HOST, f"`ip {' '.join(args)}` failed: {proc.stderr.strip() or proc.returncode}")
     return proc
 
 
@@ -175,7 +176,7 @@ def _undo_link(entry: JournalEntry) -> None:
     if link_exists(entry.name):
         ip("link", "del", entry.name, check=False)
     if not _wait_gone(lambda: link_exists(entry.name), GONE_WAIT_S):
-        raise TestbedError(f"interface {entry.name} is still there after `ip link del`")
+        raise NodeError(HOST, f"interface {entry.name} is still there after `ip link del`")
 
 
 def _undo_netns(entry: JournalEntry) -> None:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundation.errors import TestbedError
+from foundation.errors import NodeError, TestbedError
 from nodes.emulated.cgroup import CpuCgroup
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/sbin/sshd")
@@ -214,15 +214,16 @@ class SshdServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise TestbedError(
-                    f"sshd {self.name} exited with {self.process.returncode}: "
+                raise NodeError(
+                    self.name,
+                    f"sshd exited with {self.process.returncode}: "
                     f"{self.log_path.read_text(errors='replace')[-500:]}"
                 )
             if accepts_connections(self.address, self.port, timeout_s=0.2):
                 return
             time.sleep(0.02)
         self.stop()
-        raise TestbedError(f"sshd {self.name} did not listen on {self.address}:{self.port} in {timeout_s} s")
+        raise NodeError(self.name, f"sshd did not listen on {self.address}:{self.port} in {timeout_s} s")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

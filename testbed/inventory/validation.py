@@ -56,14 +56,18 @@ def spec_problems(source: YamlSource, errors: list[Any]) -> list[InputProblem]:
     return problems
 
 
-def pydantic_problem(source: YamlSource, err: Any) -> InputProblem:
-    """One pydantic error as ``FILE:LINE: field: problem; hint`` (also for campaign files)."""
+INVENTORY_EXAMPLE = "examples/inventories/lab.yaml"
+
+
+def pydantic_problem(source: YamlSource, err: Any, example: str = INVENTORY_EXAMPLE) -> InputProblem:
+    """One pydantic error as ``FILE:LINE: field: problem; hint``; ``example`` is the file the hints
+    point at (a campaign's problems point at a campaign example)."""
     loc = tuple(part for part in err["loc"] if isinstance(part, (str, int)))
     ctx = err.get("ctx") or {}
     kind = err["type"]
     if kind == "extra_forbidden":
         return source.problem(
-            loc, f"unknown key {loc[-1]!r}", "check the spelling; examples/inventories/lab.yaml shows every key"
+            loc, f"unknown key {loc[-1]!r}", f"check the spelling; {example} shows every key"
         )
     if kind == "missing":
         return source.problem(loc, "required field is missing", f"add '{loc[-1]}:'")
@@ -80,7 +84,7 @@ def pydantic_problem(source: YamlSource, err: Any) -> InputProblem:
     shown = f"{value!r}: " if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
     unit = _UNIT_OF_FIELD.get(str(loc[-1]) if loc else "", "")
     message = err["msg"] + (f" ({unit})" if unit and kind in _RANGE_ERRORS else "")
-    hint = _HINTS.get(kind, "examples/inventories/lab.yaml shows a valid inventory")
+    hint = _HINTS.get(kind, f"{example} shows a valid {'inventory' if example == INVENTORY_EXAMPLE else 'file'}")
     return source.problem(loc, shown + message, hint)
 
 
