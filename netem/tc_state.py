@@ -222,3 +222,12 @@ def differences(plan: TcPlan, states: dict[str, InterfaceState]) -> list[str]:
         if iface is None or iface.qdisc(f"{INGRESS_HANDLE}:") is None:
             problems.append(f"{plan.interface}: ingress qdisc is missing")
     return problems
+
+
+def u32_destination(tc_filter: dict) -> str | None:
+    """The IPv4 destination a u32 filter of ``tc -j filter show`` matches (its match value is the
+    address in hex, e.g. ``0a0e0003`` for 10.14.0.3), or None for a filter without one."""
+    value = (tc_filter.get("options") or {}).get("match", {}).get("value")
+    if not value:
+        return None
+    return str(ipaddress.IPv4Address(int(value, 16)))

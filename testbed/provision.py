@@ -115,6 +115,17 @@ class Readiness:
         return first_value(self.values, key)
 
 
+# what a node's change is, said once and many times
+CHANGE_KINDS = {
+    "system": ("system packages installed", "system packages installed {n} times"),
+    "venv": ("venv made", "venv made {n} times"),
+    "wheel": ("wheel installed", "wheel installed {n} times"),
+    "wheelhouse": ("wheelhouse pushed", "{n} wheelhouses pushed"),
+    "weights": ("weight file sent", "{n} weight files sent"),
+    "stale": ("stale file removed", "{n} stale files removed"),
+}
+
+
 @dataclass(frozen=True)
 class NodeProvision:
     """What provisioning found and did on one node."""
@@ -124,6 +135,17 @@ class NodeProvision:
     problems: tuple[str, ...]  # each says how to fix it
     warnings: tuple[str, ...]
     record: dict = field(default_factory=dict)
+    change_kinds: tuple[str, ...] = ()  # one of CHANGE_KINDS per change, in the same order
+
+    def summary(self) -> str:
+        """``venv made, wheel installed, 3 weight files sent`` (the printed lines and the record have
+        the details)."""
+        if not self.changes:
+            return "no changes"
+        counts: dict[str, int] = {}
+        for kind in self.change_kinds:
+            counts[kind] = counts.get(kind, 0) + 1
+        return ", ".join(CHANGE_KINDS[kind][0 if n == 1 else 1].format(n=n) for kind, n in counts.items())
 
     @property
     def ok(self) -> bool:
@@ -264,11 +286,14 @@ class _NodeProvisioner:
         self.workdir = t.expand_path(defaults.workdir)
         self.venv = t.expand_path(defaults.venv_path)
         self.changes: list[str] = []
+        self.change_kinds: list[str] = []
         self.problems: list[str] = []
         self.warnings: list[str] = []
 
-    def change(self, text: str) -> None:
+    def change(self, kind: str, text: str) -> None:
+        assert kind in CHANGE_KINDS, kind
         self.changes.append(text)
+        self.change_kinds.append(kind)
         self.say(f"{self.node.name}: {text}")
 
     def run(self) -> NodeProvision:
@@ -308,7 +333,8 @@ class _NodeProvisioner:
             "problems": self.problems,
             "warnings": self.warnings,
         }
-        return NodeProvision(self.node.name, tuple(self.changes), tuple(self.problems), tuple(self.warnings), record)
+        return NodeProvision(self.node.name, tuple(self.changes), tuple(self.problems), tuple(self.warnings), record,
+                             tuple(self.change_kinds))  # fmt: skip
 
     # -- checks ----------------------------------------------------------------------------------
 
@@ -328,7 +354,7 @@ class _NodeProvisioner:
             )
             if result.ok:
                 installed = packages
-                self.change("installed " + ", ".join(packages))
+                self.change("system", "installed " + ", ".join(packages))
                 values = self.probe()
                 missing, warnings = judge_readiness(self.node, facts, values, need_gib=need_gib, sudo_used=sudo_used)
             else:
@@ -374,7 +400,7 @@ class _NodeProvisioner:
             if not result.ok:
                 self.problems.append(f"making the venv {self.venv} failed: {result.stderr.strip()[-300:]}")
                 return None
-            self.change(f"made the venv {self.venv}" + (" (sees the system's packages)" if see_base else ""))
+            self.change("venv", f"made the venv {self.venv}" + (" (sees the system's packages)" if see_base else ""))
             readiness = replace(readiness, values=self.probe())  # what the new venv holds
         system_torch = readiness.first("venv_torch")
         if jetson and not system_torch:
@@ -409,7 +435,7 @@ class _NodeProvisioner:
         for _ in range(INSTALL_ROUNDS):
             result = self.t.run(argv, timeout_s=PIP_TIMEOUT_S)
             if result.ok:
-                self.change(f"installed {self.wheel.filename}" + (f"[{','.join(extras)}]" if extras else ""))
+                self.change("wheel", f"installed {self.wheel.filename}" + (f"[{','.join(extras)}]" if extras else ""))
                 return self.wheel.version
             wanted = [r for r in missing_requirements(result.stdout + result.stderr) if r not in fetched]
             if not offline or not wanted:
@@ -440,7 +466,7 @@ class _NodeProvisioner:
         for path in sorted({Path(n).name for n in names}):
             local = dest / path
             ensure_file(self.t, local, f"{wheels_dir}/{path}", file_sha256(local), say=self.say)
-        self.change(f"pushed a wheelhouse for {', '.join(requirements)} ({len(names)} wheels)")
+        self.change("wheelhouse", f"pushed a wheelhouse for {', '.join(requirements)} ({len(names)} wheels)")
 
     def installed_report(self) -> dict:
         # The installed wheel's own code answers: this also proves the installation imports.
@@ -462,9 +488,9 @@ class _NodeProvisioner:
             )
             for f in placed.files:
                 if f.action != "present":
-                    self.change(f"{f.action} {f.path} ({f.size / 2**20:.1f} MiB)")
+                    self.change("weights", f"{f.action} {f.path} ({f.size / 2**20:.1f} MiB)")
             for path in placed.removed:
-                self.change(f"removed {path}, a weight file of an earlier cut")
+                self.change("stale", f"removed {path}, a weight file of an earlier cut")
             out.append(
                 {
                     "model": str(self.source.directory),

@@ -245,3 +245,10 @@ def test_the_shipped_examples_load():
     for group in HAT_DISTANCE_GROUPS:
         trace = load_trace(REPO / "examples" / "traces" / f"hat-{group}.csv")
         assert trace.duration_s > 100 and not trace.needs_netem
+
+
+def test_a_u32_filters_match_value_is_its_destination_address():
+    from netem.tc_state import u32_destination
+
+    assert u32_destination({"options": {"match": {"value": "0a0e0003", "mask": "ffffffff", "offmask": "", "off": 16}}}) == "10.14.0.3"
+    assert u32_destination({"options": {"flowid": "1f7b:1"}}) is None and u32_destination({}) is None

@@ -855,3 +855,12 @@ def test_a_differing_node_code_version_is_a_problem():
         "c: node code version 0.1.0+bbbb differs from 0.1.0+aaaa on a, b; "
         "provision every node from the same checkout: testbed provision"
     ]
+
+
+def test_a_nodes_changes_are_summed_up_by_kind_not_by_reading_their_words():
+    from testbed.provision import NodeProvision
+
+    changes = ("made the venv /v", "installed w.whl[jetson]", "sent a (1.0 MiB)", "resumed b (2.0 MiB)")
+    done = NodeProvision("orin", changes, (), (), {}, ("venv", "wheel", "weights", "weights"))
+    assert done.summary() == "venv made, wheel installed, 2 weight files sent"
+    assert NodeProvision("orin", (), (), ()).summary() == "no changes"

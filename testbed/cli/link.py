@@ -1,0 +1,245 @@
+"""``testbed link``: shape, show, verify and clear data-plane links; bandwidth traces."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from foundation.errors import NodeError, TestbedError
+from foundation.jsonable import jsonable
+from foundation.units import format_rate
+from netem.tc_state import u32_destination
+from testbed.cli.app import (
+    InventoryOption,
+    JsonOption,
+    _print_outcome_errors,
+    _say,
+    err,
+    link_app,
+    out,
+)
+from testbed.emulation.resolved import load_lab
+from testbed.links.targets import trace_targets
+
+
+@link_app.command("apply")
+def link_apply(
+    inventory: InventoryOption = Path("inventory.yaml"),
+    profile: Annotated[
+        str | None, typer.Option("--profile", help="Shape every link of the inventory with this one profile.")
+    ] = None,
+    links_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--links",
+            help="A YAML file with 'links:' (and optionally 'link_profiles:') to apply "
+            "instead of the inventory's links.",
+        ),
+    ] = None,
+    trace: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--trace",
+            help="Replay a bandwidth trace CSV (t_s,up_rate,down_rate[,delay_ms,loss_pct]) "
+            "on the links between devices and the server: CSV for every device, or NODE_OR_GROUP=CSV "
+            "(repeatable). Players run on the nodes; 'link clear' stops them.",
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Shape the inventory's links (default), or those of --links, --profile or --trace, as one
+    transaction: refuse up front, changing nothing, when a node lacks the data interface, when the
+    interface carries the SSH session, when a profile needs delay/jitter/loss and the kernel has no
+    sch_netem, or when a foreign qdisc is in the way (exit 2). Each node journals its interfaces
+    before the first tc command; tc is read back and compared with the plan; if any node fails,
+    every node is undone (exit 1). Applying again replaces the shaping in place."""
+    from netem.plan import queue_limit_packets
+    from testbed.links.apply import apply_plans, apply_trace
+    from testbed.links.plans import compile_plan
+
+    inv = load_lab(inventory)
+    if sum(x is not None for x in (profile, links_file, trace)) > 1:
+        raise TestbedError("give at most one of --profile, --links and --trace")
+    started = None
+    try:
+        if trace:
+            result, started = apply_trace(inv, trace_targets(inv, trace), say=_say)
+        else:
+            if links_file is not None:
+                from testbed.inventory import links_from_file
+
+                links = links_from_file(inv, links_file)
+            elif profile is not None:
+                if profile not in inv.spec.link_profiles:
+                    known = ", ".join(inv.spec.link_profiles) or "none"
+                    raise TestbedError(f"--profile {profile}: no such profile in {inventory} (it has: {known})")
+                chosen = inv.spec.link_profiles[profile]
+                links = tuple(dataclasses.replace(lk, profile_name=profile, profile=chosen) for lk in inv.links)
+            else:
+                links = inv.links
+            if not links:
+                raise TestbedError(f"{inventory} has no links to shape; add 'links:' or pass --links FILE")
+            result = apply_plans(inv, compile_plan(inv, links), say=_say)
+    except NodeError as exc:
+        err.print("[red]error:[/] " + escape(str(exc)), highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        out.print_json(data=jsonable({"applied": result.applied, "trace": started}))
+    else:
+        table = Table(title="links shaped (read back and matching the plan)" if result.ok else "shaping failed")
+        for column in ("node", "device", "direction", "peer", "profile", "rate", "queue"):
+            table.add_column(column, overflow="fold")
+        for o in result.applied.outcomes:
+            for plan in o.value.plans if o.value else ():
+                for p in plan.peers:
+                    table.add_row(
+                        plan.node, plan.shaped_device, plan.direction, p.peer, p.profile_name,
+                        format_rate(p.profile.rate_bit_s) if p.profile.rate_bit_s else "",
+                        f"{queue_limit_packets(p.profile)} packets",
+                    )  # fmt: skip
+        out.print(table)
+        if started is not None:
+            out.print(
+                f"trace replaying for {started.duration_s:g} s on "
+                + ", ".join(f"{n} (log {f})" for n, f in started.logfiles.items())
+            )
+    if not result.ok:
+        _print_outcome_errors(result.applied)
+        raise typer.Exit(1)
+
+
+@link_app.command("show")
+def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: JsonOption = False) -> None:
+    """Print what is shaped on every node, read back from tc (not from the inventory): each HTB
+    class with its peer, rate, queue and the bytes, packets and drops counted since it was
+    applied, and whether a trace player runs. Exits 1 if a node cannot be read."""
+    from testbed.links.apply import show_nodes
+
+    inv = load_lab(inventory)
+    result = show_nodes(inv)
+    by_address = {n.data.address: n.name for n in inv.nodes if n.data}
+    if as_json:
+        payload = []
+        for o in result.outcomes:
+            v = o.value
+            payload.append(
+                {
+                    "node": o.node, "error": o.error, "journal": v is not None and v.journal is not None,
+                    "classes": {d: jsonable(s.classes) for d, s in v.states.items()} if v else {},
+                    "qdiscs": {d: list(s.qdiscs) for d, s in v.states.items()} if v else {},
+                }
+            )  # fmt: skip
+        out.print_json(data=payload)
+    else:
+        table = Table(title="shaping read back from tc")
+        for column in ("node", "device", "class", "peer", "rate", "queue", "sent", "dropped"):
+            table.add_column(column, overflow="fold")
+        for o in result.outcomes:
+            if o.value is None:
+                continue
+            shaped = False
+            for dev, state in o.value.states.items():
+                filters = {f.get("options", {}).get("flowid"): f for f in state.filters}
+                for c in state.classes:
+                    address = u32_destination(filters.get(c.classid, {}))
+                    peer = by_address.get(address, address) if address else ""
+                    leaf = state.qdisc(c.leaf) if c.leaf else None
+                    queue = f"{leaf['kind']} {leaf.get('options', {}).get('limit', '')}" if leaf else ""
+                    table.add_row(
+                        o.node, dev, c.classid, peer, format_rate(c.rate_bit_s), queue,
+                        f"{c.sent_bytes} B / {c.sent_packets} pkt", str(c.dropped_packets),
+                    )  # fmt: skip
+                    shaped = True
+            if not shaped:
+                table.add_row(o.node, "", "", "not shaped", "", "", "", "")
+        out.print(table)
+        for o in result.outcomes:
+            if o.value is not None and o.value.journal is not None and o.value.journal.trace_pidfile:
+                out.print(f"{o.node}: a trace player was started ({o.value.journal.trace_pidfile})")
+    if not result.ok:
+        _print_outcome_errors(result)
+        raise typer.Exit(1)
+
+
+@link_app.command("verify")
+def link_verify(
+    inventory: InventoryOption = Path("inventory.yaml"),
+    duration: Annotated[float, typer.Option("--duration", help="Seconds of iperf3 per direction.", min=1)] = 3.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Measure every shaped direction of the inventory's links, one at a time: iperf3 from the
+    source's data address to a server bound to the destination's data address (TCP goodput, first
+    second omitted), and ping RTT and loss where netem shapes delay or loss. Prints measured
+    against target; exits 0 when every direction is within tolerance (rate within 10%), else 1."""
+    from testbed.links.verify import RATE_TOLERANCE, verify_links
+
+    inv = load_lab(inventory)
+    if not inv.links:
+        raise TestbedError(f"{inventory} has no links to verify")
+    rows = verify_links(inv, duration_s=duration, say=_say)
+    if as_json:
+        out.print_json(data=jsonable(rows))
+    else:
+        table = Table(title=f"link verification (rate within {RATE_TOLERANCE:.0%})")
+        for column in ("from", "to", "profile", "target", "measured", "error", "RTT ms", "ok", "note"):
+            table.add_column(column, overflow="fold")
+        for r in rows:
+            table.add_row(
+                r.source, r.destination, r.profile,
+                format_rate(r.target_rate_bit_s) if r.target_rate_bit_s else "",
+                f"{r.measured_rate_bit_s / 1e6:.2f} mbit" if r.measured_rate_bit_s else "",
+                f"{r.rate_error_pct:+.1f}%" if r.rate_error_pct is not None else "",
+                f"{r.measured_rtt_ms:.2f}" if r.measured_rtt_ms is not None else "",
+                "[green]yes[/]" if r.within_tolerance else "[red]no[/]", escape(r.note),
+            )  # fmt: skip
+        out.print(table)
+    if not all(r.within_tolerance for r in rows):
+        raise typer.Exit(1)
+
+
+@link_app.command("clear")
+def link_clear(inventory: InventoryOption = Path("inventory.yaml")) -> None:
+    """Undo all shaping from each node's own journal: stop the trace player, remove only our qdiscs
+    (handle 1f7b:, our ingress qdisc) and ifb devices, and check that each interface is back to
+    what it was before the first apply. Works after the controller was killed mid-apply. Safe to
+    run again; exits 1 if a node could not be cleared."""
+    from testbed.links.apply import clear_nodes
+
+    inv = load_lab(inventory)
+    result = clear_nodes(inv)
+    for o in result.outcomes:
+        if o.value is None:
+            continue
+        v = o.value
+        if not v.had_journal:
+            out.print(f"{o.node}: nothing to undo")
+            continue
+        trace = f", trace player {v.trace_stopped}" if v.trace_stopped else ""
+        out.print(f"{o.node}: undone ({v.commands} tc/ip commands{trace})")
+        for leftover in v.leftovers:
+            err.print(f"[yellow]{escape(o.node)}: not as before apply:[/] {escape(leftover)}", highlight=False)
+    if not result.ok:
+        _print_outcome_errors(result)
+        raise typer.Exit(1)
+
+
+@link_app.command("hat-trace")
+def link_hat_trace(
+    output: Annotated[Path, typer.Argument(help="CSV file to write.")],
+    group: Annotated[str, typer.Option(help="Distance group: near (2 m), mid (8 m) or far (14 m).")] = "near",
+    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same trace.")] = 0,
+    duration: Annotated[float, typer.Option("--duration", help="Length of the trace in seconds.", min=1)] = 60.0,
+) -> None:
+    """Write a HAT-style WiFi bandwidth trace: uplink within 5-10 MB/s and downlink within 10-15
+    MB/s (HAT, Sec. 5.1), the group's share of each range, changing every 2-5 s. Replay it with
+    'testbed link apply --trace FILE'."""
+    from netem.trace import hat_trace, write_trace
+
+    trace = hat_trace(group, seed=seed, duration_s=duration)
+    write_trace(trace, output)
+    out.print(f"wrote {len(trace.steps)} steps over {trace.duration_s:g} s to {output}")
