@@ -16,7 +16,6 @@ and whatever that does not cover comes from the wheelhouse.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from foundation.errors import NodeError, TestbedError
+from nodes.contracts.durable import write_atomic, write_json_atomic
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import ensure_node_code
 from testbed.node_wheel import KIND_EXTRAS, NodeWheel, node_wheel
@@ -530,9 +530,7 @@ def provision(
     wheel_file = options.wheelhouse_cache / "ours" / wheel.filename
     if not wheel_file.is_file():  # once, before the nodes' threads read it
         wheel_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = wheel_file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(wheel.data)
-        tmp.replace(wheel_file)
+        write_atomic(wheel_file, wheel.data, mode=0o644)
     source, parts = None, {}
     if options.model is not None:
         if options.partition is None:
@@ -557,10 +555,7 @@ def provision(
         placed = {_placement_key(w) for w in outcome.record["weights"]}
         earlier = [w for w in load_record(inventory, name).get("weights", []) if _placement_key(w) not in placed]
         outcome.record["weights"] = earlier + outcome.record["weights"]
-        path = records_dir / f"{name}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(outcome.record, indent=1, sort_keys=True) + "\n")
-        tmp.replace(path)
+        write_json_atomic(records_dir / f"{name}.json", outcome.record, mode=0o644, sort_keys=True)
     return result, compare_records(load_records(inventory))
 
 

@@ -75,3 +75,4 @@ def test_malformed_quantities_refused(text):
 def test_format_rate_round_trips(bit_s, text):
     assert units.format_rate(bit_s) == text
     assert units.parse_rate_bit_s(text) == pytest.approx(bit_s)
+

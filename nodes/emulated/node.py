@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any, Dict, List, NamedTuple, Optional
 
+from nodes.contracts.durable import write_atomic
 from nodes.emulated.cgroup import CpuCgroup, ProcessTreeCpu
 
 CONFIG_VARIABLE = "TESTBED_EMULATED_NODE"  # path of node.json; set in every SSH session of the node
@@ -90,10 +91,7 @@ class EmulatedNode:
         group = self.cgroup()
         if group is not None:
             group.set_quota_cpus(mode.cpus)
-        tmp = self.power_mode_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write("%d\n" % mode.id)
-        os.replace(tmp, self.power_mode_file)
+        write_atomic(self.power_mode_file, "%d\n" % mode.id, mode=0o644)
 
     # -- CPU time ---------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ import os
 import subprocess
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
+from nodes.contracts.durable import write_json_atomic
+
 FAILED = 3
 
 
@@ -135,15 +137,9 @@ class PowerJournal(object):
         if self.read() is not None:
             return
         directory = os.path.dirname(self.path)
-        if directory and not os.path.isdir(directory):
-            os.makedirs(directory)
-        document = {"kind": driver.kind, "snapshot": driver.snapshot()}
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(document, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)  # the snapshot may keep files there (jetson_clocks --store)
+        write_json_atomic(self.path, {"kind": driver.kind, "snapshot": driver.snapshot()}, sort_keys=True)
 
     def restore(self, driver: PowerDriver) -> Optional[PowerState]:
         """Put the node back as the journal recorded it and drop the journal; None without one."""

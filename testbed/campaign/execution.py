@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shlex
 import time
 import traceback
@@ -30,6 +29,7 @@ from typing import Any
 
 from foundation.errors import NodeError, TestbedError
 from foundation.jsonable import jsonable
+from nodes.contracts.durable import SyncedLines, write_json_atomic
 from nodes.contracts.rank_dirs import device_glob
 from testbed.campaign import manifest as manifest_mod
 from testbed.campaign.plan import RunPlan, plan_run
@@ -52,13 +52,11 @@ class EventLog:
 
     def __init__(self, path: Path, run_id: str) -> None:
         self.path, self.run_id = path, run_id
-        self._file = path.open("a", encoding="utf-8")
+        self._file = SyncedLines(path)
 
     def write(self, event: str, **details: Any) -> None:
         row = {"ts_s": round(time.time(), 6), "run_id": self.run_id, "event": event, **details}
-        self._file.write(json.dumps(row, default=str) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._file.write(json.dumps(row, default=str))
 
     def close(self) -> None:
         self._file.close()
@@ -362,13 +360,7 @@ def _note_processes(directory: Path, entries: list[dict[str, str]]) -> None:
     _write_json(path, known + entries)
 
 
-def _write_json(path: Path, data: Any) -> None:
-    temporary = path.with_suffix(".tmp")
-    with temporary.open("w") as handle:
-        json.dump(data, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    temporary.replace(path)
+_write_json = write_json_atomic
 
 
 def _count_served(lab: Inventory, plan: RunPlan) -> int:

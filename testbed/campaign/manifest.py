@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from nodes.contracts.durable import write_json_atomic
 from nodes.workers.methods import method_named
 from testbed import __version__
 from testbed.campaign.spec import Campaign, PlannedRun
@@ -188,13 +189,7 @@ def _digest(rows: list[dict]) -> str:
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
     """Write ``manifest.json`` atomically and synced."""
-    temporary = path.with_suffix(".tmp")
-    with temporary.open("w", encoding="utf-8") as handle:
-        json.dump(manifest, handle, indent=1, sort_keys=True, default=_default)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    temporary.replace(path)
+    write_json_atomic(path, manifest, sort_keys=True, default=_default)
 
 
 def _default(value: Any) -> Any:

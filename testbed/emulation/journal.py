@@ -8,10 +8,11 @@ nothing else: ``down`` only removes what is recorded here and carries the testbe
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from nodes.contracts.durable import append_line
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,7 @@ class Journal:
 
     def record(self, kind: str, name: str, **details: Any) -> None:
         """Append one entry and make it durable before the caller changes anything."""
-        line = json.dumps({"kind": kind, "name": name, **details}, sort_keys=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, (line + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_line(self.path, json.dumps({"kind": kind, "name": name, **details}, sort_keys=True))
 
     def entries(self) -> list[JournalEntry]:
         """Every entry in the order made; a line cut short by a crash is skipped."""

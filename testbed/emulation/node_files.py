@@ -7,13 +7,12 @@ Nodes share the controller's file system and Python environment.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import stat
 import sys
 from pathlib import Path
 
+from nodes.contracts.durable import write_json_atomic
 from nodes.emulated import boards
 from nodes.emulated.node import CONFIG_VARIABLE, STANDIN_ROOT_VARIABLE
 from testbed.emulation.plan import NODE_DATA_INTERFACE as DATA_INTERFACE
@@ -100,9 +99,7 @@ class NodeFiles:
             "power_mode_file": str(self.power_mode),
             "power_modes": [m.model_dump() for m in self.node.power_modes],
         }
-        tmp = self.config.with_suffix(".tmp")
-        tmp.write_text(json.dumps(config, indent=1) + "\n")
-        os.replace(tmp, self.config)
+        write_json_atomic(self.config, config, mode=0o644)
 
     def environment(self, mode: str) -> dict[str, str]:
         """What every SSH session on the node starts with."""

@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from ruamel.yaml import YAML
 
 from foundation.errors import TestbedError
 from foundation.user_files import YamlSource
+from nodes.contracts.durable import write_atomic
 from testbed.emulation.plan import state_dir_of
 from testbed.inventory import Inventory, load_inventory
 
@@ -86,9 +86,7 @@ def write_resolved_inventory(
     text = io.StringIO()
     yaml.dump(data, text)
     path = state_dir / RESOLVED_NAME
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(HEADER.format(source=inventory.path) + text.getvalue())
-    os.replace(tmp, path)
+    write_atomic(path, HEADER.format(source=inventory.path) + text.getvalue())
     return path
 
 
