@@ -30,6 +30,7 @@ from nodes.contracts.rank_dirs import parse_rank_dir
 from nodes.contracts.schedules import request_id
 from nodes.workers.methods import method_named
 from nodes.workers.methods import names as method_names
+from nodes.workers.run_config import DraftSettings, RankSpec, RunConfig
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
 from testbed.provision import compare_records, load_record
@@ -166,16 +167,26 @@ def check_spec(inventory: Inventory, spec: SplitRunSpec) -> tuple[NodeSpec, list
     return server, devices
 
 
-def _rank_entries(spec: SplitRunSpec, server: NodeSpec, devices: Sequence[NodeSpec], schedules: dict[str, str]):
-    ranks = [
-        {"role": "stage", "node": server.name, "threads": spec.threads_per_rank, "torch_device": _torch_device(server)}
-        for _ in range(spec.stages)
-    ]
-    for node in devices:
-        ranks.append(
-            {"role": "device", "node": node.name, "schedule": schedules[node.name], "threads": spec.threads_per_rank}
-        )
-    return ranks
+def _rank_specs(
+    spec: SplitRunSpec, server: NodeSpec, devices: Sequence[NodeSpec], schedules: dict[str, str]
+) -> tuple[RankSpec, ...]:
+    """The run's ranks in MPI order: the server's P stages, then one rank per device."""
+    device = _torch_device(server)
+    ranks = [RankSpec("stage", server.name, i, device, spec.threads_per_rank) for i in range(spec.stages)]
+    ranks += [RankSpec("device", node.name, i, "cpu", spec.threads_per_rank, schedules[node.name])
+              for i, node in enumerate(devices)]  # fmt: skip
+    return tuple(ranks)
+
+
+def run_config_for(spec: SplitRunSpec, model_dir: str, run_dir: str, ranks: tuple[RankSpec, ...]) -> RunConfig:
+    """The run config one node's ranks read (the model as that node has it: a placed part or the
+    checkpoint); the draft adapter stays with the checkpoint, also when the node runs a placed part."""
+    draft = {"adapter": default_adapter_dir(spec.model), **(spec.extra.get("draft") or {})}
+    return RunConfig(
+        run_id=spec.run_id, method=spec.method, model=model_dir, dtype=spec.dtype, device_layers=spec.device_layers,
+        stages=spec.stages, chunk_tokens=spec.chunk_tokens, out_dir=f"{run_dir}/out", ranks=ranks,
+        draft=DraftSettings(**draft),
+    )  # fmt: skip
 
 
 def _torch_device(node: NodeSpec) -> str:
@@ -236,26 +247,14 @@ def run_split(
 
     info = fan_out([n.name for n in nodes], stage).require("staging the run")
     schedules = {d.name: info[d.name]["schedule"] for d in devices}
-    ranks = _rank_entries(spec, server, devices, schedules)
+    ranks = _rank_specs(spec, server, devices, schedules)
 
     def write_config(name: str) -> str:
         node = inventory.node(name)
-        config = {
-            "run_id": spec.run_id,
-            "method": spec.method,
-            "model": model_dirs[name],
-            "dtype": spec.dtype,
-            "partition": {"device_layers": spec.device_layers, "stages": spec.stages},
-            "chunk_tokens": spec.chunk_tokens,
-            "out_dir": f"{info[name]['run_dir']}/out",
-            "ranks": ranks,
-            **spec.extra,
-        }
-        # the draft adapter stays with the checkpoint, also when the node runs a part provision placed
-        config["draft"] = {"adapter": default_adapter_dir(spec.model), **(spec.extra.get("draft") or {})}
+        config = run_config_for(spec, model_dirs[name], info[name]["run_dir"], ranks)
         path = f"{info[name]['run_dir']}/run.json"
         with open_transport(inventory, node) as t:
-            t.store(path, (json.dumps(config, indent=1) + "\n").encode())
+            t.store(path, (json.dumps(config.to_json(), indent=1) + "\n").encode())
         return path
 
     fan_out([n.name for n in nodes], write_config).require("writing the run config")

@@ -81,6 +81,24 @@ class RunConfig(NamedTuple):
         """m as the server sees it: 0 when the device sends token ids (the server runs every layer)."""
         return 0 if self.method_spec.token_ids_only else self.device_layers
 
+    def to_json(self) -> Dict[str, Any]:
+        """The run config file's JSON, as :func:`parse` reads it back (``parse(c.to_json()) == c``):
+        the controller builds a RunConfig and writes this, never a hand-made dict."""
+        ranks = []
+        for spec in self.ranks:
+            entry = {"role": spec.role, "node": spec.node, "torch_device": spec.torch_device}  # type: Dict[str, Any]
+            if spec.threads is not None:
+                entry["threads"] = spec.threads
+            if spec.schedule is not None:
+                entry["schedule"] = spec.schedule
+            ranks.append(entry)
+        return {
+            "run_id": self.run_id, "method": self.method, "model": self.model, "dtype": self.dtype,
+            "partition": {"device_layers": self.device_layers, "stages": self.stages},
+            "chunk_tokens": self.chunk_tokens, "out_dir": self.out_dir, "ranks": ranks, "seed": self.seed,
+            "draft": self.draft._asdict(),
+        }  # fmt: skip
+
     def rank_dir(self, rank: int) -> str:
         spec = self.ranks[rank]
         return os.path.join(self.out_dir, RankDir(spec.role, spec.index, spec.node).name)
