@@ -45,6 +45,11 @@ class DraftSettings(NamedTuple):
     max_parallel_steps: int = 8  # cap on lambda_i of Eq. 6
 
 
+# The one definition of the drafting knobs' ranges: campaign files are checked against them
+# (testbed/campaign/spec.py builds its model from DraftSettings and these), run configs too.
+DRAFT_LIMITS = {"eta": (0.0, 1.0), "max_draft_tokens": (0, 64), "top_k": (0, 64), "max_parallel_steps": (0, 64)}
+
+
 class RunConfig(NamedTuple):
     run_id: str
     method: str
@@ -184,10 +189,14 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
             kind = "a number" if name == "eta" else "an integer"
             raise RunConfigError("%s: draft.%s must be %s, not %r" % (source, name, kind, value))
     draft = DraftSettings(**dict(draft_raw, eta=float(draft_raw.get("eta", DraftSettings._field_defaults["eta"]))))
-    if not 0.0 <= draft.eta <= 1.0:
-        raise RunConfigError("%s: draft.eta must lie in [0, 1]" % source)
+    low, high = DRAFT_LIMITS["eta"]
+    if not low <= draft.eta <= high:
+        raise RunConfigError("%s: draft.eta must lie in [%g, %g]" % (source, low, high))
     if draft.max_draft_tokens < 0 or draft.top_k < 0 or draft.max_parallel_steps < 0:
         raise RunConfigError("%s: draft.max_draft_tokens, top_k and max_parallel_steps must be >= 0" % source)
+    for name in ("max_draft_tokens", "top_k", "max_parallel_steps"):
+        if getattr(draft, name) > DRAFT_LIMITS[name][1]:
+            raise RunConfigError("%s: draft.%s must be at most %d" % (source, name, DRAFT_LIMITS[name][1]))
     return RunConfig(
         run_id=str(raw.get("run_id", "run")),
         method=method,

@@ -33,9 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, create_model, field_validator
 
 from nodes.workers.methods import names as method_names
+from nodes.workers.run_config import DRAFT_LIMITS
+from nodes.workers.run_config import DraftSettings as RunDraftSettings
 from testbed.inventory import Inventory, Name, NodeSpec
 from workloads.schedule import WorkloadSpec
 
@@ -78,14 +80,21 @@ class LinkSettings(_Strict):
     rate_scale: float = Field(1.0, gt=0, le=1000)
 
 
-class DraftSettings(_Strict):
-    """HAT's draft model and drafting knobs (methods sd, sd_pc, sd_pd, hat)."""
+def _draft_settings_model() -> type[BaseModel]:
+    """HAT's draft model and drafting knobs (methods that draft: sd, sd_pc, sd_pd, hat), as a campaign
+    writes them: the fields, defaults and limits of the run contract's DraftSettings, nothing of its own."""
+    fields: dict[str, Any] = {}
+    for name, default in RunDraftSettings._field_defaults.items():
+        if name == "adapter":  # the adapter's directory; default: <model>/draft
+            fields[name] = (str | None, default)
+            continue
+        low, high = DRAFT_LIMITS[name]
+        kind = float if isinstance(default, float) else StrictInt
+        fields[name] = (kind, Field(default, ge=low, le=high))
+    return create_model("DraftSettings", __base__=_Strict, **fields)
 
-    adapter: str | None = None  # the adapter's directory; default: <model>/draft
-    eta: float = Field(0.6, ge=0, le=1)  # drafting threshold of Eq. 5
-    max_draft_tokens: StrictInt = Field(8, ge=0, le=64)
-    top_k: StrictInt = Field(3, ge=0, le=64)  # parallel drafting's candidates
-    max_parallel_steps: StrictInt = Field(8, ge=0, le=64)  # cap on lambda_i of Eq. 6
+
+DraftSettings = _draft_settings_model()
 
 
 class TelemetrySettings(_Strict):
@@ -107,7 +116,7 @@ class RunSettings(_Strict):
     power: dict[Name, str] = {}  # node or group -> mode, set and read back before the run
     telemetry: TelemetrySettings = TelemetrySettings()
     chunk_tokens: StrictInt = Field(128, ge=1, le=1_000_000)  # usarathi's budget; pc's first chunk
-    draft: DraftSettings = DraftSettings()
+    draft: DraftSettings = DraftSettings()  # type: ignore[valid-type]
     dtype: Literal["float32", "float16", "bfloat16", "auto"] = "float32"
     threads_per_rank: StrictInt = Field(1, ge=1, le=256)
     drain_s: float = Field(1.0, ge=0, le=600)  # telemetry kept running after the last token
