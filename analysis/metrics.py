@@ -12,6 +12,8 @@ Sources: TTFT, TBT, TPOT and end-to-end latency as in vLLM's benchmark and HAT S
 per 10 generated tokens); QoE as Andes Eq. 1 and its capacity as Andes Sec. 6.1; acceptance length
 as vLLM reports it for speculative decoding; energy by integrating sampled power; cost as DiSCo
 App. E (:mod:`analysis.cost_model`).
+
+One concept, the metric definitions, over ~420 lines: each metric is written once here.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ replaced); push a wheelhouse to nodes without registry access; place model weigh
 Emulated nodes share the controller's filesystem and have no route to a registry: each has its own
 home (so its own venv and weights), its venv sees the controller's packages through a ``.pth`` file,
 and whatever that does not cover comes from the wheelhouse.
+
+One concept, provisioning a node, over ~600 lines: its checks, venv, wheel and weights are steps of
+one idempotent transaction per node and share its state; the pure parts (commands, readiness) are
+at the top and tested by their exact strings.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ test checks the data veths' byte counters against the hidden states sent.
 
 Every node gets its own copy of the run config (paths as seen on that node) under
 ``<workdir>/runs/<run_id>/``; results come back to ``<out>/ranks/<role>-<i>-<node>/``.
+
+One concept, the MPI launch of a split run, over ~450 lines.
 """
 
 from __future__ import annotations

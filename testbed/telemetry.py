@@ -9,6 +9,8 @@ ends, and a sampler left behind stops by itself after its time limit.
 Clocks: each row keeps the node's own timestamp (``node_ts_s``); ``ts_s`` is that time on the
 controller's clock, corrected by the node's offset measured at the start and the end of the
 recording and interpolated linearly between them (so drift is corrected too).
+
+One concept, a recording (probe, start, stop, collect, align), over ~450 lines.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ Stamps (seconds from the start barrier, this rank's monotonic clock): ``arrival_
 ``start_s``, ``upload_start_s``/``upload_end_s`` of the prompt, ``first_token_s``, every token's
 ``ts_s``, ``done_s``. The server's durations (queue, compute, residence) come back in the frame
 headers, so ``network_s`` = round trip - server residence is measured without shared clocks.
+
+One concept, a device rank, over ~410 lines.
 """
 
 import time

@@ -7,6 +7,9 @@ written (snapshot of the interfaces before the first apply), the plan's commands
 and tc is read back and compared with the plan. When any node fails, every node already touched
 is undone. ``clear_nodes`` undoes from the nodes' journals alone, so it also works after the
 controller was killed.
+
+One concept, the tc transaction on the nodes (probe, refuse, journal, apply, read back, undo),
+over ~430 lines.
 """
 
 from __future__ import annotations
