@@ -10,6 +10,8 @@ import os
 import platform
 import sys
 
+from nodes.contracts.tool_errors import error_answer
+
 PACKAGES = (
     "hil-testbed-nodes",
     "numpy",
@@ -41,7 +43,7 @@ def torch_facts():
     try:
         import torch
     except Exception as exc:
-        return {"error": "%s: %s" % (type(exc).__name__, exc)}
+        return json.loads(error_answer(exc))
     facts = {"version": torch.__version__, "cuda": torch.version.cuda, "file": torch.__file__}
     try:
         facts["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -84,7 +86,7 @@ def mpi_facts():
         mpi4py.rc.finalize = False
         from mpi4py import MPI
     except Exception as exc:
-        return {"error": "%s: %s" % (type(exc).__name__, exc)}
+        return json.loads(error_answer(exc))
     vendor, vendor_version = MPI.get_vendor()
     library_file = mpi_library_file()
     return {

@@ -6,8 +6,8 @@ Drivers: :class:`nodes.jetson.power.JetsonPower` (nvpmodel, jetson_clocks; also 
 Jetsons' stand-ins), :class:`nodes.server.nvml_power.NvmlPower` (GPU power limit and locked
 clocks), :class:`nodes.android.power.AndroidPower` (CPU governor and per-cluster maximum frequency).
 
-Command line (``nodes/power/__main__.py``; prints one JSON object, exit status 3 with
-``{"error": ...}`` on failure)::
+Command line (``nodes/power/__main__.py``; prints one JSON object, exit status 1 with
+``{"error": ...}`` on failure, as every node tool does: :mod:`nodes.contracts.tool_errors`)::
 
     python3 -m nodes.power --kind jetson --journal ~/hil-testbed/power/journal.json show
     python3 -m nodes.power --kind jetson --journal J set MODE [--lock-clocks]
@@ -20,11 +20,10 @@ import subprocess
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from nodes.contracts.durable import write_json_atomic
+from nodes.contracts.tool_errors import NodeToolError
 
-FAILED = 3
 
-
-class PowerError(Exception):
+class PowerError(NodeToolError):
     """A power operation failed or its read-back differs from what was asked."""
 
 

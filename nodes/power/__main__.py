@@ -6,7 +6,8 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-from nodes.power import FAILED, PowerError, PowerJournal, PowerState, make_driver
+from nodes.contracts.tool_errors import NODE_FAILED, OK, error_answer
+from nodes.power import PowerError, PowerJournal, PowerState, make_driver
 
 
 def _state_json(state: Optional[PowerState]) -> Optional[Dict[str, Any]]:
@@ -45,10 +46,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             result.update(restored=_state_json(journal.restore(driver)))
         result["journal"] = journal.read() is not None
     except PowerError as exc:
-        print(json.dumps({"error": str(exc)}))
-        return FAILED
+        print(error_answer(exc))
+        return NODE_FAILED
     print(json.dumps(result, sort_keys=True))
-    return 0
+    return OK
 
 
 if __name__ == "__main__":

@@ -20,11 +20,10 @@ import sys
 import time
 from typing import List, Optional
 
+from nodes.contracts.tool_errors import NODE_FAILED, error_answer
 from nodes.telemetry.rows import RowWriter
 from nodes.telemetry.source import Source
 from nodes.telemetry.sources import NAMES, UnknownSource, build_source
-
-SOURCE_FAILED = 3  # exit status when a source cannot start (missing tool, no permission)
 
 
 def _cpu_s() -> float:
@@ -98,14 +97,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UnknownSource as exc:
         parser.error(str(exc))
     except Exception as exc:  # a source that cannot start says why, as JSON
-        print(json.dumps({"error": "%s: %s" % (type(exc).__name__, exc)}))
-        return SOURCE_FAILED
+        print(error_answer(exc))
+        return NODE_FAILED
     if args.probe:
         try:
             sensors = source.probe(interval_s=min(interval_s, 0.5))
         except Exception as exc:
-            print(json.dumps({"error": "%s: %s" % (type(exc).__name__, exc)}))
-            return SOURCE_FAILED
+            print(error_answer(exc))
+            return NODE_FAILED
         finally:
             source.close()
         print(

@@ -10,6 +10,8 @@ import sys
 import time
 import traceback
 
+from nodes.contracts.tool_errors import BAD_INPUT, NODE_FAILED, OK
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nodes.workers", description=__doc__)
@@ -19,14 +21,18 @@ def main(argv=None) -> int:
     import torch
     from mpi4py import MPI
 
-    from .run_config import load
+    from .run_config import RunConfigError, load
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    config = load(args.run_config)
+    try:
+        config = load(args.run_config)
+    except RunConfigError as exc:  # a bad run config is bad input: said once, no traceback
+        sys.stderr.write("rank %d: %s\n" % (rank, exc))
+        return BAD_INPUT
     if comm.Get_size() != len(config.ranks):
         sys.stderr.write("run config lists %d ranks, mpiexec started %d\n" % (len(config.ranks), comm.Get_size()))
-        return 2
+        return BAD_INPUT
     spec = config.ranks[rank]
     torch.manual_seed(config.seed)
     torch.set_num_threads(spec.threads or 1)
@@ -50,8 +56,8 @@ def main(argv=None) -> int:
     except Exception:  # one rank's failure must end the run, not hang the others
         sys.stderr.write("rank %d (%s %s) failed:\n%s" % (rank, spec.role, spec.node, traceback.format_exc()))
         sys.stderr.flush()
-        comm.Abort(1)
-    return 0
+        comm.Abort(NODE_FAILED)
+    return OK
 
 
 if __name__ == "__main__":
