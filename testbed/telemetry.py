@@ -29,7 +29,7 @@ import pandas as pd
 
 from foundation.clock_alignment import ClockAlignment
 from foundation.errors import NodeError, TestbedError
-from nodes.telemetry.source import SensorStatus
+from nodes.contracts.tool_answers import SensorStatus
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import node_code
 from testbed.node_context import (

@@ -21,8 +21,8 @@ import pytest
 
 from nodes.android.battery import BatterySource
 from nodes.android.power import AndroidPower
-from nodes.telemetry.rows import TelemetryRow
-from nodes.telemetry.source import SensorStatus
+from nodes.contracts.telemetry_rows import TelemetryRow
+from nodes.contracts.tool_answers import SensorStatus
 from testbed.inventory import Inventory, load_inventory
 from testbed.power import restore_power, set_power, show_power
 from testbed.telemetry import record_telemetry
@@ -348,7 +348,8 @@ def test_the_node_power_command_needs_a_serial_for_a_phone(tmp_path: Path) -> No
         [sys.executable, "-m", "nodes.power", "--kind", "android", "--journal", str(tmp_path / "j.json"), "show"],
         capture_output=True, text=True, cwd=REPO, timeout=60, check=False,
     )  # fmt: skip
-    assert done.returncode == 3 and "--serial" in json.loads(done.stdout)["error"]
+    # bad input (nodes.contracts.tool_errors): exit status 2, the reason as the tool's JSON answer
+    assert done.returncode == 2 and "--serial" in json.loads(done.stdout)["error"]
 
 
 def test_require_energy_refuses_a_charging_phone(phones: Path, tmp_path: Path) -> None:

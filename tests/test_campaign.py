@@ -651,7 +651,7 @@ def test_the_manifest_names_only_modeled_sensors_that_gave_a_reading() -> None:
     from types import SimpleNamespace
 
     from foundation.jsonable import jsonable
-    from nodes.telemetry.source import SensorStatus
+    from nodes.contracts.tool_answers import SensorStatus
     from testbed.campaign.manifest import modeled_statements
     from testbed.inventory import load_inventory
 

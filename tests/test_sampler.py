@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from nodes.telemetry.rows import read_header, read_rows
+from nodes.contracts.telemetry_rows import read_header, read_rows
 from testbed.inventory import load_inventory
 from testbed.node_code import node_code
 from testbed.telemetry import record_telemetry

@@ -19,10 +19,10 @@ from nodes.android.battery import (
     parse_dumpsys_battery,
     parse_sysfs_status,
 )
+from nodes.contracts.telemetry_rows import COLUMNS, RowWriter, TelemetryRow, read_header, read_rows
 from nodes.jetson.nvpmodel import parse_clocks_show, parse_modes, parse_query
 from nodes.jetson.tegrastats import board_total, parse_tegrastats, sample_rows
 from nodes.server.host import HostSource, RaplDomain, read_cpu_times, utilisation_pct
-from nodes.telemetry.rows import COLUMNS, RowWriter, TelemetryRow, read_header, read_rows
 
 # --- tegrastats -------------------------------------------------------------------------------
 

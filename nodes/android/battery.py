@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 from nodes.android.adb import adb_shell
-from nodes.telemetry.rows import MEASURED, MODELED, TelemetryRow
+from nodes.contracts.telemetry_rows import MEASURED, MODELED, TelemetryRow
 from nodes.telemetry.source import ProcessStream
 
 BATTERY = "/sys/class/power_supply/battery"

@@ -4,8 +4,8 @@ labelled ``modeled`` (see :func:`nodes.emulated.node.modeled_power_w`)."""
 
 from typing import List, Optional
 
+from nodes.contracts.telemetry_rows import MEASURED, MODELED, TelemetryRow
 from nodes.emulated.node import EmulatedNode, UtilisationMeter, modeled_power_w
-from nodes.telemetry.rows import MEASURED, MODELED, TelemetryRow
 from nodes.telemetry.source import PolledSource
 
 

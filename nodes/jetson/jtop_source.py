@@ -10,7 +10,7 @@ window, so energy is integrated from the instantaneous samples instead.
 import time
 from typing import Any, Callable, Iterator, List, Optional
 
-from nodes.telemetry.rows import MEASURED, TelemetryRow
+from nodes.contracts.telemetry_rows import MEASURED, TelemetryRow
 from nodes.telemetry.source import Source
 
 

@@ -35,7 +35,7 @@ import re
 import time
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
-from nodes.telemetry.rows import MEASURED, MODELED, TelemetryRow
+from nodes.contracts.telemetry_rows import MEASURED, MODELED, TelemetryRow
 from nodes.telemetry.source import ProcessStream
 
 # Printed by the testbed's stand-in tegrastats as its first line (see nodes.emulated.tegrastats).

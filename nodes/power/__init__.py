@@ -27,6 +27,10 @@ class PowerError(NodeToolError):
     """A power operation failed or its read-back differs from what was asked."""
 
 
+class PowerUsageError(PowerError):
+    """The command line cannot work (a missing argument): bad input, not a failing node."""
+
+
 class PowerModeInfo(NamedTuple):
     id: str
     name: str
@@ -168,7 +172,7 @@ def make_driver(
         return NvmlPower(runner)
     if kind == "android":
         if not serial:
-            raise PowerError("the android driver needs --serial")
+            raise PowerUsageError("the android driver needs --serial")
         from nodes.android.power import AndroidPower
 
         return AndroidPower(serial, adb=adb)

@@ -6,8 +6,8 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-from nodes.contracts.tool_errors import NODE_FAILED, OK, error_answer
-from nodes.power import PowerError, PowerJournal, PowerState, make_driver
+from nodes.contracts.tool_errors import BAD_INPUT, NODE_FAILED, OK, error_answer
+from nodes.power import PowerError, PowerJournal, PowerState, PowerUsageError, make_driver
 
 
 def _state_json(state: Optional[PowerState]) -> Optional[Dict[str, Any]]:
@@ -45,6 +45,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             result.update(restored=_state_json(journal.restore(driver)))
         result["journal"] = journal.read() is not None
+    except PowerUsageError as exc:
+        print(error_answer(exc))
+        return BAD_INPUT
     except PowerError as exc:
         print(error_answer(exc))
         return NODE_FAILED

@@ -9,7 +9,7 @@ hiding. Power is the counter's difference over the sample interval.
 import os
 from typing import Dict, List, Optional, Tuple
 
-from nodes.telemetry.rows import MEASURED, TelemetryRow
+from nodes.contracts.telemetry_rows import MEASURED, TelemetryRow
 from nodes.telemetry.source import PolledSource
 
 POWERCAP = "/sys/class/powercap"

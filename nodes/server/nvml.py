@@ -14,7 +14,7 @@ import contextlib
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from nodes.telemetry.rows import MEASURED, TelemetryRow
+from nodes.contracts.telemetry_rows import MEASURED, TelemetryRow
 from nodes.telemetry.source import PolledSource
 
 MB = 1024.0 * 1024.0

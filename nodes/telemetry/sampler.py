@@ -20,8 +20,8 @@ import sys
 import time
 from typing import List, Optional
 
+from nodes.contracts.telemetry_rows import RowWriter
 from nodes.contracts.tool_errors import NODE_FAILED, error_answer
-from nodes.telemetry.rows import RowWriter
 from nodes.telemetry.source import Source
 from nodes.telemetry.sources import NAMES, UnknownSource, build_source
 

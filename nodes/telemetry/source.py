@@ -1,39 +1,19 @@
 """The interface every telemetry source implements, and the probe that checks its sensors.
 
-A source yields batches of :class:`~nodes.telemetry.rows.TelemetryRow`. Polled sources (NVML,
+A source yields batches of :class:`~nodes.contracts.telemetry_rows.TelemetryRow`. Polled sources (NVML,
 /proc/stat, RAPL, battery files, the emulated power model) implement :meth:`PolledSource.sample`
 and are timed here on a deadline schedule; stream sources (tegrastats) pace themselves.
 """
 
 import subprocess
 import time
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
-from nodes.telemetry.rows import TelemetryRow
+from nodes.contracts.telemetry_rows import TelemetryRow
+from nodes.contracts.tool_answers import ENERGY_METRICS, SensorStatus  # noqa: F401 (sources report these)
+
 
 # Metrics from which energy can be computed: a run that requires energy needs one of them.
-ENERGY_METRICS = ("power_mw", "board_power_mw", "energy_mj", "energy_uj")
-
-
-class SensorStatus(NamedTuple):
-    """What the probe found for one (metric, sensor): a number, or why there is none."""
-
-    metric: str
-    sensor: str
-    unit: str
-    kind: str
-    value: Optional[float]
-    problem: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.value is not None and not self.problem
-
-    @property
-    def energy(self) -> bool:
-        return self.metric in ENERGY_METRICS
-
-
 class Source(object):
     """A telemetry source. ``problems`` collects sensors that exist but gave no number
     (e.g. NVML's NotSupported), so that the probe reports them instead of staying silent."""

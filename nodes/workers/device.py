@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from mpi4py import MPI
 
+from nodes.contracts.records import CsvLog, JsonLinesLog
 from nodes.contracts.speculative_metrics import acceptance_length
 from nodes.inference.checkpoint import load_part
 from nodes.inference.config import LlamaConfig
@@ -42,7 +43,6 @@ from nodes.inference.tokenizer import Tokenizer
 
 from . import mpi_link, wire
 from .hat_sizing import LinkEstimator, MovingAverage, chunk_tokens_eq3, parallel_steps_eq6
-from .records import CsvLog, JsonLinesLog
 from .run_config import RunConfig, ScheduledRequest, load_schedule
 from .state_monitor import ServerState
 

@@ -21,6 +21,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 from mpi4py import MPI
 
+from nodes.contracts.records import CsvLog
 from nodes.inference.checkpoint import load_part
 from nodes.inference.config import LlamaConfig
 from nodes.inference.model import ModelPart
@@ -28,7 +29,6 @@ from nodes.inference.model import Segment as CacheSegment
 from nodes.inference.partition import UShapePartition
 
 from . import mpi_link, wire
-from .records import CsvLog
 from .run_config import RunConfig
 from .state_monitor import StateMonitor
 
