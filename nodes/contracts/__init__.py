@@ -1,4 +1,14 @@
-"""Formats that cross between controller and nodes, defined once (standard library only, Python 3.8).
+"""What crosses between controller and nodes, defined once (standard library only, Python 3.8); both
+sides import these modules:
 
-Both sides import these modules; nothing else in ``nodes/`` is imported by the controller for them.
+- ``rank_dirs``: the run's output layout on a node (``<role>-<index>-<node>`` per rank);
+- ``records``: the ranks' append-only result files (requests.jsonl, tokens.csv, iterations.csv);
+- ``telemetry_rows``: the sampler's row format and its CSV files;
+- ``tool_answers`` and ``tool_errors``: what node tools answer (JSON) and how they fail (exit status);
+- ``schedules``: request ids; ``draft``: the draft adapter's default place;
+- ``speculative_metrics``: the acceptance length, for the workers and the analysis alike;
+- ``durable``: atomic writes and synced appends.
+
+The run config itself (``nodes/workers/run_config.py``) is the other half of the contract: it lives
+with the workers because it reads the method registry (``nodes/workers/methods``).
 """
