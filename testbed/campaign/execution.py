@@ -2,8 +2,9 @@
 
     preflight -> configure -> telemetry -> workers -> drain -> collect -> restore -> record
 
-``preflight`` reaches every node of the run, checks their provisioning records agree, and writes
-the device schedules; ``configure`` sets power modes (read back) and shapes the links (read back,
+``preflight`` reaches every node of the run, checks their provisioning records agree, makes the
+run plan with the nodes read back (``plan.json``, :mod:`testbed.campaign.plan`: every later phase
+executes it) and writes the device schedules; ``configure`` sets power modes (read back) and shapes the links (read back,
 and measured with iperf3 when ``link.verify_s`` > 0); ``telemetry`` starts the samplers (probing the
 sensors and measuring clock offsets); ``workers`` launches the split-inference ranks with mpiexec
 and waits for them; ``drain`` keeps telemetry running for ``drain_s``; ``collect`` stops the
