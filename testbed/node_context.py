@@ -106,8 +106,14 @@ def unresolved_context(inventory: Inventory, node: NodeSpec) -> NodeContext:
         python = provisioned_python(inventory, record)
         return NodeContext(node.name, host_of(node), None, python, python, defaults.workdir, "venv",
                            node_code().digest)  # fmt: skip
-    python = defaults.python
-    return NodeContext(node.name, host_of(node), None, python, python, defaults.workdir, "bundle", node_code().digest)
+    return _bundle_context(inventory, node)
+
+
+def _bundle_context(inventory: Inventory, node: NodeSpec) -> NodeContext:
+    """The node code bundle on PYTHONPATH of the inventory's Python."""
+    python = inventory.spec.defaults.python
+    return NodeContext(node.name, host_of(node), None, python, python, inventory.spec.defaults.workdir, "bundle",
+                       node_code().digest)  # fmt: skip
 
 
 def restoring_context(inventory: Inventory, node: NodeSpec) -> NodeContext:
@@ -116,9 +122,7 @@ def restoring_context(inventory: Inventory, node: NodeSpec) -> NodeContext:
     try:
         return unresolved_context(inventory, node)
     except StaleNodeCode:
-        python = inventory.spec.defaults.python
-        return NodeContext(node.name, host_of(node), None, python, python, inventory.spec.defaults.workdir,
-                           "bundle", node_code().digest)  # fmt: skip
+        return _bundle_context(inventory, node)
 
 
 def require_current_code(inventory: Inventory, names: Sequence[str]) -> None:

@@ -285,19 +285,31 @@ def run_dir_on(context: NodeContext, run_id: str) -> str:
 
 
 def launch_plan(
-    inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, NodeContext], mpiexec: str
+    inventory: Inventory,
+    spec: SplitRunSpec,
+    contexts: Mapping[str, NodeContext],
+    mpiexec: str | None,
+    *,
+    data_plane: bool = True,
 ) -> MpiLaunchPlan:
     """The ``mpiexec`` launch of ``spec``: P stage ranks on the server, one rank per device, each with
-    its node's workers' Python, the node code bundle and the data-plane environment."""
-    server, devices = check_spec(inventory, spec)
+    its node's workers' Python, the node code bundle and the data-plane environment. ``mpiexec`` None:
+    not looked up yet (shown as ``mpiexec``). ``data_plane=False`` (a plan made before an emulated
+    testbed is up) leaves out the data-plane environment and takes node names for missing addresses."""
+    if data_plane:
+        server, devices = check_spec(inventory, spec)
+    else:
+        server, devices = inventory.node(spec.server), [inventory.node(d) for d in spec.devices]
     groups = []
     for node, count in [(server, spec.stages), *[(d, 1) for d in devices]]:
-        assert node.data is not None and node.address is not None
         context = contexts[node.name]
-        env = {**data_plane_env(node.data.interface), **context.code_env()}
+        env = dict(context.code_env())
+        if data_plane:
+            assert node.data is not None
+            env.update(data_plane_env(node.data.interface))
         argv = (context.python, "-m", "nodes.workers", f"{run_dir_on(context, spec.run_id)}/run.json")
-        groups.append(RankGroup(node.name, node.address, count, argv, tuple(sorted(env.items()))))
-    return MpiLaunchPlan(server.name, mpiexec, tuple(groups), spec.timeout_s)
+        groups.append(RankGroup(node.name, node.address or node.name, count, argv, tuple(sorted(env.items()))))
+    return MpiLaunchPlan(server.name, mpiexec or "mpiexec", tuple(groups), spec.timeout_s)
 
 
 def _model_dir_on(record: dict, role: str, spec: SplitRunSpec) -> str:

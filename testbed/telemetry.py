@@ -84,9 +84,6 @@ def sampler_plan(node: NodeSpec, jetson_source: str = "tegrastats") -> SamplerPl
     return SamplerPlan(node.name, node.name, ("nvml", "host") if node.gpus else ("host",))
 
 
-_transport = transport_for
-
-
 # -- probe ---------------------------------------------------------------------------------------
 
 
@@ -130,7 +127,7 @@ def probe_node(
     inventory: Inventory, node: NodeSpec, jetson_source: str = "tegrastats", *, context: NodeContext | None = None
 ) -> ProbeResult:
     plan = sampler_plan(node, jetson_source)
-    with _transport(inventory, node) as t:
+    with transport_for(inventory, node) as t:
         context = context or resolve_context(inventory, node, t)
         ensure_node_code(t, context)
         result = t.run([*sampler_command(plan, context), "--probe"], timeout_s=60.0)
@@ -198,7 +195,7 @@ class Recording:
 
 
 def _clock(inventory: Inventory, node: NodeSpec) -> tuple[float, ClockOffset]:
-    with _transport(inventory, node) as t:
+    with transport_for(inventory, node) as t:
         offset = measure_clock_offset(t, python=inventory.spec.defaults.python)
         return time.time(), offset
 
@@ -239,7 +236,7 @@ def start_recording(
     def start(name: str) -> NodeRecording:
         node = selected[name]
         plan = sampler_plan(node, jetson_source)
-        with _transport(inventory, node) as t:
+        with transport_for(inventory, node) as t:
             context = (contexts or {}).get(name) or resolve_context(inventory, node, t)
             ensure_node_code(t, context)
             argv = sampler_start_command(plan, context, session, interval_s=interval_s, max_seconds=max_seconds)
@@ -260,7 +257,7 @@ def start_recording(
 
 
 def stop_sampler(inventory: Inventory, node: NodeSpec, rec: NodeRecording) -> str:
-    with _transport(inventory, node) as t:
+    with transport_for(inventory, node) as t:
         return t.stop_background(rec.pidfile)
 
 
@@ -334,7 +331,7 @@ def finish_recording(
 
     def pull(name: str) -> Path:
         local = raw / f"{name}.csv"
-        with _transport(inventory, specs[name]) as t:
+        with transport_for(inventory, specs[name]) as t:
             t.get(by_name[name].datafile, local)
         return local
 

@@ -4,12 +4,12 @@
 
 ``preflight`` reaches every node of the run, checks their provisioning records agree, makes the
 run plan with the nodes read back (``plan.json``, :mod:`testbed.campaign.plan`: every later phase
-executes it) and writes the device schedules; ``configure`` sets power modes (read back) and shapes the links (read back,
-and measured with iperf3 when ``link.verify_s`` > 0); ``telemetry`` starts the samplers (probing the
-sensors and measuring clock offsets); ``workers`` launches the split-inference ranks with mpiexec
-and waits for them; ``drain`` keeps telemetry running for ``drain_s``; ``collect`` stops the
-samplers and turns the rank files into parquet; ``restore`` undoes shaping and power modes from
-the nodes' journals; ``record`` writes ``manifest.json``.
+executes it) and writes the device schedules; ``configure`` sets power modes (read back) and shapes
+the links (read back, and measured with iperf3 when ``link.verify_s`` > 0); ``telemetry`` starts the
+samplers (probing the sensors and measuring clock offsets); ``workers`` launches the split-inference
+ranks with mpiexec and waits for them; ``drain`` keeps telemetry running for ``drain_s``;
+``collect`` stops the samplers and turns the rank files into parquet; ``restore`` undoes shaping and
+power modes from the nodes' journals; ``record`` writes ``manifest.json``.
 
 A phase that fails ends the run: what exists is still collected, everything is restored, and the
 manifest says which phase failed, why and on which node. Every process the run starts on a node is
@@ -184,7 +184,7 @@ def _preflight(campaign: Campaign, run: PlannedRun, attempt: int, directory: Pat
         raise TestbedError("the run's nodes cannot run together: " + "; ".join(differences))
     plan = plan_run(campaign, run, attempt, live=True)
     state.plan = plan
-    _write_json(directory / "plan.json", plan.to_json())
+    write_json_atomic(directory / "plan.json", plan.to_json())
     state.schedules = {device: [dict(r) for r in rows] for device, rows in plan.split.schedules}
     for device, rows in state.schedules.items():
         write_schedule(rows, directory / "schedules" / f"{device}.jsonl")
@@ -219,9 +219,9 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
     plans = plan.tc_plans
     state.shaped_nodes = tuple(dict.fromkeys(p.node for p in plans))
     if plan.trace is not None:
-        result, started = apply_trace(lab, {d: plan.trace for d in plan.devices}, plans=plans)
+        result, started = apply_trace(lab, {d: plan.trace for d in plan.devices}, plans=plans, probes=plan.probes)
     else:
-        result = apply_plans(lab, plans)
+        result = apply_plans(lab, plans, probes=plan.probes)
     state.links["applied"] = [
         {"node": p.node, "device": p.shaped_device, "direction": p.direction,
          "peers": [{"peer": x.peer, "profile": x.profile_name, "rate_bit_s": x.profile.rate_bit_s} for x in p.peers],
@@ -270,9 +270,8 @@ def _workers(campaign: Campaign, directory: Path, state: _RunState, report: Repo
     def served(_elapsed_s: float) -> None:
         report("served", {"served": _count_served(lab, plan), "scheduled": scheduled})
 
-    mpiexec = plan.mpiexec if plan.mpiexec != "mpiexec" else None  # not found when planning: looked up again
     try:
-        run_split(lab, spec, directory / "workers", on_wait=served, contexts=plan.contexts, mpiexec=mpiexec)
+        run_split(lab, spec, directory / "workers", on_wait=served, contexts=plan.contexts, mpiexec=plan.mpiexec)
     finally:
         state.completed = _count_rows(directory / "workers" / "ranks")
         report("served", {"served": state.completed, "scheduled": scheduled})
@@ -358,10 +357,8 @@ def _note_processes(directory: Path, entries: list[dict[str, str]]) -> None:
     """Add processes about to be started on nodes to ``processes.json`` (synced before they start)."""
     path = directory / "processes.json"
     known = json.loads(path.read_text()) if path.exists() else []
-    _write_json(path, known + entries)
+    write_json_atomic(path, known + entries)
 
-
-_write_json = write_json_atomic
 
 
 def _count_served(lab: Inventory, plan: RunPlan) -> int:

@@ -20,6 +20,7 @@ as a journal's timestamp are only known when written).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from nodes.contracts.draft import default_adapter_dir
 from testbed.campaign.plan_commands import PlannedCommand, normalised_line, plan_commands
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
 from testbed.inventory import DirectedLink, Inventory, links_from_file
-from testbed.links.apply import probe_nodes
+from testbed.links.apply import NodeProbe, plan_devices, plans_by_node, probe_nodes
 from testbed.node_context import (
     NodeContext,
     resolve_context,
@@ -42,7 +43,6 @@ from testbed.split_run import (
     SplitRunSpec,
     find_mpiexec,
     launch_plan,
-    run_dir_on,
 )
 from testbed.telemetry import SamplerPlan, sampler_plan
 from testbed.transport.fanout import fan_out
@@ -62,16 +62,20 @@ def run_trace(campaign: Campaign, settings: RunSettings) -> BandwidthTrace:
     return scale_trace(load_trace(campaign.resolve(settings.link.trace)), settings.link.rate_scale)
 
 
-def run_links(campaign: Campaign, settings: RunSettings) -> tuple[DirectedLink, ...]:
+def run_links(
+    campaign: Campaign, settings: RunSettings, trace: BandwidthTrace | None = None
+) -> tuple[DirectedLink, ...]:
     """The directed links a run shapes: a trace's first row on every device's links, a links file,
     one profile on every link of the inventory, or the inventory's own links; every rate multiplied
-    by ``link.rate_scale`` (the traced links come scaled with the trace)."""
+    by ``link.rate_scale`` (the traced links come scaled with the trace; ``trace``: the run's, when
+    the caller has loaded it already)."""
     from testbed.links.plans import traced_links
 
     lab, link = campaign.inventory, settings.link
     driven: dict = {}
     if link.trace:
-        links, driven = traced_links(lab, {d: run_trace(campaign, settings) for d in device_names(lab, settings)})
+        trace = trace or run_trace(campaign, settings)
+        links, driven = traced_links(lab, {d: trace for d in device_names(lab, settings)})
     elif link.links:
         links = links_from_file(lab, campaign.resolve(link.links))
     elif link.profile:
@@ -128,9 +132,10 @@ class RunPlan:
     trace: BandwidthTrace | None
     telemetry: TelemetryStep | None
     split: SplitRunSpec
-    mpiexec: str
+    mpiexec: str | None  # beside the workers' Python on the launch node; None: looked up at launch
     launch: MpiLaunchPlan
     commands: tuple[PlannedCommand, ...] = field(default=())
+    probes: dict[str, NodeProbe] = field(default_factory=dict)  # tc state read when planning; apply reuses it
 
     def by_node(self) -> dict[str, list[PlannedCommand]]:
         out: dict[str, list[PlannedCommand]] = {}
@@ -185,10 +190,47 @@ class RunPlan:
 # Making the plan
 
 
-def plan_run(campaign: Campaign, run: PlannedRun, attempt: int, *, live: bool) -> RunPlan:
+class NodeReads:
+    """What planning read from the nodes, kept for the next plan made from the same reads: a dry run
+    plans every run of a campaign and reads each node once, not once per run."""
+
+    def __init__(self) -> None:
+        self.contexts: dict[str, NodeContext] = {}
+        self.unreachable: dict[str, str] = {}
+        self.mpiexec: dict[tuple[str, str], str | None] = {}
+        self.probes: dict[tuple[str, tuple[str, ...]], NodeProbe] = {}
+
+    def read_contexts(self, lab: Inventory, names: Sequence[str]) -> None:
+        todo = [n for n in names if n not in self.contexts and n not in self.unreachable]
+        read = fan_out(todo, lambda name: resolve_context(lab, lab.node(name)), description="reading nodes")
+        self.contexts.update(read.values())
+        self.unreachable.update({o.node: str(o.error) for o in read.failed})
+
+    def read_probes(self, lab: Inventory, plans: Sequence[TcPlan]) -> dict[str, str]:
+        """Probe the nodes the plans shape (those not probed for these devices yet); the failures."""
+        key = {name: (name, tuple(plan_devices(ps))) for name, ps in plans_by_node(plans).items()}
+        todo = [p for p in plans if key[p.node] not in self.probes]
+        read = probe_nodes(lab, todo) if todo else None
+        if read is not None:
+            self.probes.update({key[name]: probe for name, probe in read.values().items()})
+        return {o.node: str(o.error) for o in read.failed} if read is not None else {}
+
+    def probes_for(self, plans: Sequence[TcPlan]) -> dict[str, NodeProbe]:
+        out = {}
+        for name, ps in plans_by_node(plans).items():
+            probe = self.probes.get((name, tuple(plan_devices(ps))))
+            if probe is not None:
+                out[name] = probe
+        return out
+
+
+def plan_run(
+    campaign: Campaign, run: PlannedRun, attempt: int, *, live: bool, reads: NodeReads | None = None
+) -> RunPlan:
     """The plan of ``run``'s attempt. With ``live``, the nodes are read (never changed) to resolve
     paths, the launch node's ``mpiexec`` and the tc commands that depend on what is there now; a
-    node that cannot be read leaves its part marked as depending on live state."""
+    node that cannot be read leaves its part marked as depending on live state. ``reads`` carries
+    what earlier plans read (a fresh one reads everything)."""
     lab, settings = campaign.inventory, run.settings
     names = tuple(n.name for n in run_nodes(lab, settings))
     devices = device_names(lab, settings)
@@ -202,17 +244,19 @@ def plan_run(campaign: Campaign, run: PlannedRun, attempt: int, *, live: bool) -
     if settings.link.shaped:
         from testbed.links.plans import compile_plan
 
-        links = run_links(campaign, settings)
+        links = run_links(campaign, settings, trace)
         try:
             tc_plans = compile_plan(lab, links)
         except TestbedError as exc:  # e.g. an emulated testbed that is not up has no data interfaces yet
             unresolved.append(f"link shaping cannot be planned now: {exc}")
     touched = tuple(dict.fromkeys([*names, *(p.node for p in tc_plans)]))  # shaping reaches beyond the run's nodes
     contexts = {name: unresolved_context(lab, lab.node(name)) for name in touched}
+    reads = reads if reads is not None else NodeReads()
     if live:
-        read = fan_out(list(touched), lambda name: resolve_context(lab, lab.node(name)), description="reading nodes")
-        contexts.update(read.values())
-        unresolved += [f"{o.node}: not reachable when planning ({o.error})" for o in read.failed]
+        reads.read_contexts(lab, touched)
+        contexts.update({name: reads.contexts[name] for name in touched if name in reads.contexts})
+        unresolved += [f"{name}: not reachable when planning ({reads.unreachable[name]})"
+                       for name in touched if name in reads.unreachable]  # fmt: skip
     else:
         unresolved.append("the nodes were not read: paths keep '~', tc commands assume no earlier shaping")
     telemetry = None
@@ -223,59 +267,48 @@ def plan_run(campaign: Campaign, run: PlannedRun, attempt: int, *, live: bool) -
             tuple(sampler_plan(lab.node(name), settings.telemetry.jetson_source) for name in names),
         )  # fmt: skip
     split = split_spec(campaign, run, attempt)
-    mpiexec = "mpiexec"
+    mpiexec = None
     server_context = contexts[settings.server]
     if live and server_context.resolved:
-        try:
-            with transport_for(lab, lab.node(settings.server)) as t:
-                mpiexec = find_mpiexec(t, server_context.python)
-        except Exception as exc:  # reported, and the run finds it again when it launches
-            unresolved.append(f"{settings.server}: mpiexec not found when planning ({exc})")
+        key = (settings.server, server_context.python)
+        if key not in reads.mpiexec:
+            try:
+                with transport_for(lab, lab.node(settings.server)) as t:
+                    reads.mpiexec[key] = find_mpiexec(t, server_context.python)
+            except Exception as exc:  # reported, and the run finds it again when it launches
+                reads.mpiexec[key] = None
+                unresolved.append(f"{settings.server}: mpiexec not found when planning ({exc})")
+        mpiexec = reads.mpiexec[key]
     else:
         unresolved.append(f"{settings.server}: mpiexec is looked up beside {server_context.python} at launch")
     try:
         launch = launch_plan(lab, split, contexts, mpiexec)
     except TestbedError as exc:  # an emulated testbed that is not up has no data interfaces or addresses yet
         unresolved.append(f"the MPI launch's hosts and data-plane environment: {exc}")
-        launch = _launch_without_data_plane(lab, split, contexts, mpiexec)
+        launch = launch_plan(lab, split, contexts, mpiexec, data_plane=False)
     plan = RunPlan(
         run.run_id, attempt, node_run_id(run, attempt), names, devices, contexts, live, (), power, links,
         tc_plans, trace, telemetry, split, mpiexec, launch,
     )  # fmt: skip
-    states: dict[str, Any] = {}
+    probes: dict[str, NodeProbe] = {}
     if live and tc_plans:
-        probes = probe_nodes(lab, tc_plans)
-        states = {name: probe for name, probe in probes.values().items()}
-        unresolved += [f"{o.node}: tc state not read ({o.error})" for o in probes.failed]
-    commands = plan_commands(campaign, plan, states)
-    return dataclasses.replace(plan, unresolved=tuple(unresolved), commands=tuple(commands))
+        failed = reads.read_probes(lab, tc_plans)
+        unresolved += [f"{node}: tc state not read ({error})" for node, error in failed.items()]
+        probes = reads.probes_for(tc_plans)
+    commands = plan_commands(campaign, plan, probes)
+    return dataclasses.replace(plan, unresolved=tuple(unresolved), commands=tuple(commands), probes=probes)
 
 
-def _launch_without_data_plane(
-    lab: Inventory, split: SplitRunSpec, contexts: dict[str, NodeContext], mpiexec: str
-) -> MpiLaunchPlan:
-    from testbed.split_run import RankGroup
-
-    groups = []
-    for name, ranks in [(split.server, split.stages), *[(d, 1) for d in split.devices]]:
-        node, context = lab.node(name), contexts[name]
-        env = tuple(context.code_env().items())
-        argv = (context.python, "-m", "nodes.workers", f"{run_dir_on(context, split.run_id)}/run.json")
-        groups.append(RankGroup(name, node.address or name, ranks, argv, env))
-    return MpiLaunchPlan(split.server, mpiexec, tuple(groups), split.timeout_s)
-
-
-def split_spec(campaign: Campaign, run: PlannedRun, attempt: int, schedules: dict[str, list[dict]] | None = None):
+def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpec:
     """The workers' part of the run: method, model, partition, per-device schedules, run id."""
     from workloads.schedule import build_schedules
 
     lab, settings = campaign.inventory, run.settings
     devices = device_names(lab, settings)
-    if schedules is None:
-        schedules = build_schedules(
-            workload_spec(settings), devices, seed=run.seed, model_dir=campaign.resolve(settings.model),
-            base_dir=campaign.base_dir,
-        )  # fmt: skip
+    schedules = build_schedules(
+        workload_spec(settings), devices, seed=run.seed, model_dir=campaign.resolve(settings.model),
+        base_dir=campaign.base_dir,
+    )  # fmt: skip
     return SplitRunSpec(
         method=settings.method, model=str(campaign.resolve(settings.model)), server=settings.server,
         devices=devices, stages=settings.partition.stages, device_layers=settings.partition.device_layers,

@@ -16,7 +16,7 @@ from nodes.contracts.rank_dirs import device_glob
 from testbed.campaign.spec import Campaign
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
-from testbed.links.apply import commands_for, plan_devices, probe_script, shapeable_nodes
+from testbed.links.apply import commands_for, plan_devices, plans_by_node, probe_script, shapeable_nodes
 from testbed.node_context import HOME_SCRIPT, NodeContext, unresolved_context
 from testbed.power import driver_command, set_action
 from testbed.split_run import (
@@ -114,7 +114,7 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
         lines.add(name, "plan", "read the node's home directory", _sh(HOME_SCRIPT))
     lines.add(settings.server, "plan", "find mpiexec beside the workers' Python",
               _sh(mpiexec_search_script(ctx[settings.server].python)))  # fmt: skip
-    for name, plans in _by_node(plan.tc_plans).items():
+    for name, plans in plans_by_node(plan.tc_plans).items():
         lines.add(name, "plan", "read the interfaces, journal and kernel",
                   _sh(probe_script(plan_devices(plans), lab.spec.defaults.workdir)))  # fmt: skip
     for name in plan.nodes:
@@ -192,23 +192,17 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
     return lines.out
 
 
-def _by_node(plans: Sequence[TcPlan]) -> dict[str, list[TcPlan]]:
-    out: dict[str, list[TcPlan]] = {}
-    for p in plans:
-        out.setdefault(p.node, []).append(p)
-    return out
-
-
 def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:
     if not plan.tc_plans:
         return
     lab = lines.lab
     workdir = lab.spec.defaults.workdir
-    by_node = _by_node(plan.tc_plans)
+    by_node = plans_by_node(plan.tc_plans)
     sudo_words = prefix_words(sudo=lab.spec.defaults.sudo, env=None)
     for name, plans in by_node.items():
-        lines.add(name, "configure", "read the interfaces, journal and kernel before shaping",
-                  _sh(probe_script(plan_devices(plans), workdir)))  # fmt: skip
+        if name not in probes:  # the plan's own read is reused when it has one
+            lines.add(name, "configure", "read the interfaces, journal and kernel before shaping",
+                      _sh(probe_script(plan_devices(plans), workdir)), "live")  # fmt: skip
     for name in shapeable_nodes(lab):
         if name not in by_node:
             lines.add(name, "configure", "clear earlier shaping of a node this run does not shape",
@@ -278,7 +272,7 @@ def _link_restore_lines(lines: _Lines, plan: RunPlan) -> None:
     lab = lines.lab
     workdir = lab.spec.defaults.workdir
     sudo_words = prefix_words(sudo=lab.spec.defaults.sudo, env=None)
-    for name, plans in _by_node(plan.tc_plans).items():
+    for name, plans in plans_by_node(plan.tc_plans).items():
         journal_devices = list(dict.fromkeys(plan_devices(plans) + [p.interface for p in plans if p.ifb]))
         lines.add(name, "restore", "read the link journal", _sh(node_journal.read_script(workdir)))
         if plan.trace is not None:

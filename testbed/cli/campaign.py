@@ -82,10 +82,11 @@ def _interrupt_on_sigterm() -> None:
 
 
 def _print_dry_run(campaign: Any, as_json: bool) -> None:
-    from testbed.campaign.plan import plan_run
+    from testbed.campaign.plan import NodeReads, plan_run
     from testbed.campaign.runner import describe_run
 
-    plans = [plan_run(campaign, r, 1, live=True) for r in campaign.runs]
+    reads = NodeReads()  # every node read once for all the runs
+    plans = [plan_run(campaign, r, 1, live=True, reads=reads) for r in campaign.runs]
     runs = [{**describe_run(r), "commands": plan.actions(), "plan": plan.to_json()}
             for r, plan in zip(campaign.runs, plans, strict=True)]  # fmt: skip
     if as_json:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,7 +272,7 @@ def _workdir(inventory: Inventory) -> str:
     return inventory.spec.defaults.workdir
 
 
-def _plans_by_node(plans: Sequence[TcPlan]) -> dict[str, list[TcPlan]]:
+def plans_by_node(plans: Sequence[TcPlan]) -> dict[str, list[TcPlan]]:
     by_node: dict[str, list[TcPlan]] = {}
     for p in plans:
         by_node.setdefault(p.node, []).append(p)
@@ -280,7 +280,7 @@ def _plans_by_node(plans: Sequence[TcPlan]) -> dict[str, list[TcPlan]]:
 
 
 def probe_nodes(inventory: Inventory, plans: Sequence[TcPlan]) -> FanOutResult[NodeProbe]:
-    by_node = _plans_by_node(plans)
+    by_node = plans_by_node(plans)
 
     def probe(name: str) -> NodeProbe:
         with open_transport(inventory, inventory.node(name)) as t:
@@ -289,20 +289,30 @@ def probe_nodes(inventory: Inventory, plans: Sequence[TcPlan]) -> FanOutResult[N
     return fan_out(list(by_node), probe, description="probing interfaces")
 
 
-def apply_plans(inventory: Inventory, plans: Sequence[TcPlan], *, say: Say = lambda _: None) -> ApplyResult:
+def apply_plans(
+    inventory: Inventory,
+    plans: Sequence[TcPlan],
+    *,
+    say: Say = lambda _: None,
+    probes: Mapping[str, NodeProbe] | None = None,
+) -> ApplyResult:
     """Apply all plans or none: refuse up front (TestbedError, nothing changed) when a node is
     unfit; when applying fails on any node, undo every node (NodeError outcomes say why). Nodes
     that carry shaping from an earlier apply but have no plan now are cleared, so what is shaped
-    afterwards is exactly the plans."""
-    by_node = _plans_by_node(plans)
-    probes = probe_nodes(inventory, plans)
-    if not probes.ok:
-        failed = "; ".join(f"{o.node}: {o.error}" for o in probes.failed)
-        raise NodeError("probe", f"cannot reach every node to shape, nothing changed: {failed}")
-    found = [r for o in probes.outcomes if o.value is not None for r in refusals(o.value, by_node[o.node])]
+    afterwards is exactly the plans. ``probes``: what a run plan read from the nodes moments before
+    (its tc commands were reconciled against them); nodes without one are probed now."""
+    by_node = plans_by_node(plans)
+    probe_of = {name: probe for name, probe in (probes or {}).items() if name in by_node}
+    missing = [p for p in plans if p.node not in probe_of]
+    if missing:
+        fresh = probe_nodes(inventory, missing)
+        if not fresh.ok:
+            failed = "; ".join(f"{o.node}: {o.error}" for o in fresh.failed)
+            raise NodeError("probe", f"cannot reach every node to shape, nothing changed: {failed}")
+        probe_of.update(fresh.values())
+    found = [r for name, probe in probe_of.items() for r in refusals(probe, by_node[name])]
     if found:
         raise TestbedError("refusing to shape links, nothing was changed:\n  " + "\n  ".join(found))
-    probe_of = probes.values()
     # The plans say what is shaped: nodes shaped earlier that have no plan now are cleared.
     others = [n for n in shapeable_nodes(inventory) if n not in by_node]
     for o in clear_nodes(inventory, others).outcomes:
@@ -382,6 +392,7 @@ def apply_trace(
     *,
     say: Say = lambda _: None,
     plans: Sequence[TcPlan] | None = None,
+    probes: Mapping[str, NodeProbe] | None = None,
 ) -> tuple[ApplyResult, TraceStarted | None]:
     """Apply the traces' first rows as a plan (a transaction, as :func:`apply_plans`), then start a
     player on every shaped node for the later rows. The journal names each player before it starts,
@@ -389,7 +400,7 @@ def apply_trace(
     drive scaled) replace the plans compiled from the inventory's links and the traces' first rows."""
     links, driven = traced_links(inventory, traces)
     plans = tuple(plans) if plans is not None else compile_plan(inventory, links)
-    result = apply_plans(inventory, plans, say=say)
+    result = apply_plans(inventory, plans, say=say, probes=probes)
     if not result.ok:
         return result, None
     start_unix_s = time.time()
