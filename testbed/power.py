@@ -135,21 +135,26 @@ def set_power(
     *,
     lock_clocks: bool = False,
     contexts: Mapping[str, NodeContext] | None = None,
+    shown: Mapping[str, PowerReading] | None = None,
 ) -> FanOutResult[PowerReading]:
     """Set ``mode`` (an id or name) on every selected node and read it back; each node's journal
     records its state before the first change. Nothing is changed anywhere when a node cannot be
-    read first, and a mode that a selected Jetson does not offer is a user error."""
+    read first, and a mode that a selected Jetson does not offer is a user error. ``shown``: the
+    nodes' readings taken moments before (they are not read again)."""
     selected = inventory.select(targets)
     if not selected:
         raise TestbedError("no node selected")
     by_name = {n.name: n for n in selected}
-    shown = show_power(inventory, list(by_name), contexts=contexts)
-    if not shown.ok:
-        return FanOutResult(shown.failed, shown.wall_s)
+    if shown is None or not set(by_name) <= set(shown):
+        read = show_power(inventory, list(by_name), contexts=contexts)
+        if not read.ok:
+            return FanOutResult(read.failed, read.wall_s)
+        shown = read.values()
     lacking = {
         name: reading
-        for name, reading in shown.values().items()
-        if reading.kind == "jetson" and not any(mode in (i, n) or mode.lower() == n.lower() for i, n in reading.modes)
+        for name, reading in shown.items()
+        if name in by_name and reading.kind == "jetson"
+        and not any(mode in (i, n) or mode.lower() == n.lower() for i, n in reading.modes)
     }
     if lacking:
         listing = "; ".join(
@@ -163,6 +168,11 @@ def set_power(
         lambda name: _reading(by_name[name], _drive(inventory, by_name[name], action, contexts)),
         description=f"setting power mode {mode}",
     )
+
+
+def holds_mode(reading: PowerReading, mode: str) -> bool:
+    """Whether the node read back is in ``mode`` (an id or a name, as :func:`set_power` takes it)."""
+    return mode in (reading.mode_id, reading.mode_name) or mode.lower() == (reading.mode_name or "").lower()
 
 
 def restore_power(

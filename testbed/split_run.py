@@ -209,19 +209,24 @@ def device_schedule(spec: SplitRunSpec, device_index: int) -> list[dict[str, Any
     return out
 
 
-def run_split(
-    inventory: Inventory,
-    spec: SplitRunSpec,
-    out_dir: Path,
-    *,
-    say: Say = lambda _: None,
-    on_wait: Callable[[float], None] = lambda _: None,
-    contexts: Mapping[str, NodeContext] | None = None,
-    mpiexec: str | None = None,
-) -> SplitRunResult:
-    """Stage the run on every node, launch it, wait (bounded; ``on_wait`` is called with the
-    seconds elapsed every few seconds), and collect every rank's files (also after a failure).
-    A run plan passes the nodes' ``contexts`` and the launch node's ``mpiexec`` it resolved."""
+@dataclass(frozen=True)
+class StagedRun:
+    """A run's files in place on its nodes: each node's run directory (and a device's schedule)."""
+
+    server: NodeSpec
+    nodes: tuple[NodeSpec, ...]
+    info: dict[str, dict[str, str]]
+
+    @property
+    def server_run_dir(self) -> str:
+        return self.info[self.server.name]["run_dir"]
+
+
+def stage_run(
+    inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, NodeContext] | None = None
+) -> StagedRun:
+    """Check the run's nodes can run together, then put the run's files on every node: the node code
+    (when it lacks it), an empty ``out/``, each device's schedule, and each node's run config."""
     server, devices = check_spec(inventory, spec)
     nodes = [server, *devices]
     records = {n.name: load_record(inventory, n.name) for n in nodes}
@@ -260,7 +265,29 @@ def run_split(
         return path
 
     fan_out([n.name for n in nodes], write_config).require("writing the run config")
-    run_dir = info[server.name]["run_dir"]
+    return StagedRun(server, tuple(nodes), info)
+
+
+def run_split(
+    inventory: Inventory,
+    spec: SplitRunSpec,
+    out_dir: Path,
+    *,
+    say: Say = lambda _: None,
+    on_wait: Callable[[float], None] = lambda _: None,
+    contexts: Mapping[str, NodeContext] | None = None,
+    mpiexec: str | None = None,
+) -> SplitRunResult:
+    """Stage the run on every node, launch it, wait (bounded; ``on_wait`` is called with the
+    seconds elapsed every few seconds), and collect every rank's files (also after a failure).
+    A run plan passes the nodes' ``contexts`` and the launch node's ``mpiexec`` it resolved.
+    (A campaign serves its runs from warm pools instead: :mod:`testbed.worker_pool`.)"""
+    if contexts is None:
+        names = [spec.server, *spec.devices]
+        contexts = resolve_contexts(inventory, names).require("reading the nodes' home directories")
+    staged = stage_run(inventory, spec, contexts)
+    server = staged.server
+    run_dir = staged.server_run_dir
     with open_transport(inventory, server) as t:
         mpiexec = mpiexec or find_mpiexec(t, contexts[server.name].python)
         plan = launch_plan(inventory, spec, contexts, mpiexec)
@@ -272,7 +299,7 @@ def run_split(
     out_dir.mkdir(parents=True, exist_ok=True)
     status = "timed out" if exit_code is None else f"exit status {exit_code}"
     (out_dir / "mpiexec.log").write_text(f"$ {plan.apply_commands()[0]}\n# {status}\n{log}")
-    rank_dirs = _collect(inventory, nodes, info, out_dir / "ranks")
+    rank_dirs = collect_ranks(inventory, staged, out_dir / "ranks")
     if exit_code != 0:
         culprit = failed_node(log, groups) or server.name
         raise NodeError(culprit, f"mpiexec {status}: {hydra_summary(log)} (see {out_dir}/mpiexec.log)")
@@ -428,10 +455,9 @@ def find_mpiexec(t: Transport, python: str) -> str:
     return found.splitlines()[-1]
 
 
-def _collect(
-    inventory: Inventory, nodes: Sequence[NodeSpec], info: dict[str, dict[str, str]], into: Path
-) -> list[Path]:
+def collect_ranks(inventory: Inventory, staged: StagedRun, into: Path) -> list[Path]:
     """Copy every rank directory of the run from its node (what exists, also after a failure)."""
+    nodes, info = staged.nodes, staged.info
     into.mkdir(parents=True, exist_ok=True)
 
     def collect(name: str) -> list[Path]:

@@ -107,9 +107,9 @@ def wait_until_serving(out: Path, inventory: Path, position: int, controller: su
     raise AssertionError(f"run {position} never started serving: {ledger_rows(out)}")
 
 
-def device_worker_pids(inventory: Path, run_id: str) -> list[int]:
-    """pids of orin's worker rank of this run (its command line names orin's copy of the run config)."""
-    marker = f"/nodes/orin/home/hil-testbed/runs/{run_id}-a1/run.json"
+def device_worker_pids(inventory: Path) -> list[int]:
+    """pids of orin's worker ranks of this lab (a warm pool's: its command line names orin's pool directory)."""
+    marker = f"{inventory.parent}/state/nodes/orin/home/hil-testbed/pools/"
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -118,7 +118,7 @@ def device_worker_pids(inventory: Path, run_id: str) -> list[int]:
             except OSError:
                 continue
             python = bool(words) and os.path.basename(words[0]).startswith(b"python")
-            if python and b"nodes.workers" in words and any(marker.encode() in w for w in words):
+            if python and b"nodes.workers" in words and any(w.startswith(marker.encode()) for w in words):
                 pids.append(int(entry.name))  # the rank itself, not the shells and proxies around it
     return pids
 
@@ -137,8 +137,8 @@ def test_a_killed_device_worker_fails_its_run_and_the_next_run_proceeds(lab, tmp
     out = tmp_path / "out"
     controller = start_campaign(campaign, out)
     try:
-        run_id = wait_until_serving(out, lab, 0, controller)
-        pids = device_worker_pids(lab, run_id)
+        wait_until_serving(out, lab, 0, controller)
+        pids = device_worker_pids(lab)
         assert len(pids) == 1, pids
         os.kill(pids[0], signal.SIGKILL)
         assert controller.wait(timeout=WAIT_LIMIT_S) == 1  # a failed run: exit status 1
@@ -148,9 +148,13 @@ def test_a_killed_device_worker_fails_its_run_and_the_next_run_proceeds(lab, tmp
     rows = ledger_rows(out)
     assert [(r[2], r[3]) for r in rows] == [("failed", 1), ("done", 1)], rows
     failed = rows[0]
-    assert "mpiexec" in failed[4] and failed[5] == "orin", failed
+    assert "worker pool exit" in failed[4] and failed[5] == "orin", failed
     manifest = json.loads((out / "runs" / failed[1] / "manifest.json").read_text())
     assert manifest["status"] == "failed" and manifest["attempt"] == 1
+    # the failed run's pool was torn down: the next run started a new one, cold
+    second = json.loads((out / "runs" / rows[1][1] / "manifest.json").read_text())
+    assert manifest["workers"]["start"] == "cold" and second["workers"]["start"] == "cold"
+    assert second["workers"]["pool"] != manifest["workers"]["pool"]
     assert manifest["restore"]["links"]["orin"]["ok"] and manifest["restore"]["power"]["orin"]["ok"]
     requests = pd.read_parquet(out / "runs" / failed[1] / "requests.parquet")
     assert len(requests) == 5  # every scheduled request has a row
@@ -160,6 +164,7 @@ def test_a_killed_device_worker_fails_its_run_and_the_next_run_proceeds(lab, tmp
     assert done.completed.all() and len(done) == 5
     state = node_state(lab)
     assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state
+    assert not device_worker_pids(lab)  # the campaign's end stopped the second pool
 
 
 def test_sigkill_of_the_controller_then_resume_does_every_run_exactly_once(lab, tmp_path):
@@ -168,6 +173,7 @@ def test_sigkill_of_the_controller_then_resume_does_every_run_exactly_once(lab, 
     controller = start_campaign(campaign, out)
     try:
         killed_id = wait_until_serving(out, lab, 1, controller)
+        assert len(device_worker_pids(lab)) == 1  # the pool that served the first run serves the second
         controller.send_signal(signal.SIGKILL)
         controller.wait(timeout=30)
     finally:
@@ -194,10 +200,21 @@ def test_sigkill_of_the_controller_then_resume_does_every_run_exactly_once(lab, 
         origins = requests.clock_origin_unix_s
         assert origins.notna().all(), requests
         assert (manifest["started_unix_s"] < origins).all() and (origins < manifest["ended_unix_s"]).all()
-    assert json.loads((out / "runs" / killed_id / "manifest.json").read_text())["attempt"] == 2
+    killed = json.loads((out / "runs" / killed_id / "manifest.json").read_text())
+    assert killed["attempt"] == 2
+    # the resumed invocation started its own pool (the dead controller's was ended) and kept it warm
+    starts = [json.loads((out / "runs" / r[1] / "manifest.json").read_text())["workers"]["start"] for r in rows]
+    assert starts == ["cold", "cold", "warm"], starts
     state = node_state(lab)
     assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state
-    server_home = lab.parent / "state" / "nodes" / "server" / "home"
-    stale = server_home / "hil-testbed" / "runs" / f"{killed_id}-a1" / "mpiexec.pid"
-    assert stale.parent.is_dir()
-    assert not device_worker_pids(lab, killed_id) and not stale.exists()
+    assert not device_worker_pids(lab)
+    pools = list((lab.parent / "state" / "nodes" / "server" / "home" / "hil-testbed" / "pools").glob("*/order.json"))
+    pools = [p.parent for p in pools]
+    assert pools  # a pool served the runs; its pidfile is gone (stopped) or names a dead process
+    assert not any(_alive(d / "mpiexec.pid") for d in pools if (d / "mpiexec.pid").exists()), pools
+
+
+def _alive(pidfile: Path) -> bool:
+    """Whether the process a pidfile names (``pid starttime``) is still running."""
+    pid = int(pidfile.read_text().split()[0])
+    return Path(f"/proc/{pid}").exists()

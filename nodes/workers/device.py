@@ -43,6 +43,7 @@ from nodes.inference.tokenizer import Tokenizer
 
 from . import mpi_link, wire
 from .hat_sizing import LinkEstimator, MovingAverage, chunk_tokens_eq3, parallel_steps_eq6
+from .part_cache import PartCache
 from .run_config import RunConfig, ScheduledRequest, load_schedule
 from .state_monitor import ServerState
 
@@ -50,8 +51,9 @@ TOKEN_COLUMNS = ("request_id", "index", "token_id", "ts_s")
 
 
 class DeviceWorker:
-    def __init__(self, config: RunConfig, comm: "MPI.Comm", rank: int) -> None:
+    def __init__(self, config: RunConfig, comm: "MPI.Comm", rank: int, parts: Optional[PartCache] = None) -> None:
         self.config, self.comm, self.rank, self.t0 = config, comm, rank, 0.0
+        parts = parts if parts is not None else PartCache()
         spec = config.ranks[rank]
         self.spec = spec
         self.schedule = load_schedule(spec.schedule)
@@ -62,21 +64,19 @@ class DeviceWorker:
         self.speculative: Optional[SpeculativeDevice] = None
         if not self.centralized:
             partition = UShapePartition.make(model_config.num_hidden_layers, config.device_layers, config.stages)
-            self.part = load_part(
-                config.model,
-                partition.device_layer_ids(),
-                embedding=True,
-                head=True,
-                dtype=config.dtype,
-                device=spec.torch_device,
-            )
+            layers = tuple(partition.device_layer_ids())
+            self.part = parts.get(
+                ("part", config.model, layers, True, True, config.dtype, spec.torch_device),
+                lambda: load_part(config.model, layers, embedding=True, head=True, dtype=config.dtype,
+                                  device=spec.torch_device),
+                "device part: embedding, layers %s, head" % (list(layers),),
+            )  # fmt: skip
             if config.uses("sd"):
-                adapter = load_adapter(
-                    config.draft.adapter or adapter_dir(config.model),
-                    model_config,
-                    config.device_layers,
-                    self.part.dtype,
-                    spec.torch_device,
+                where = config.draft.adapter or adapter_dir(config.model)
+                adapter = parts.get(
+                    ("adapter", where, config.device_layers, str(self.part.dtype), spec.torch_device),
+                    lambda: load_adapter(where, model_config, config.device_layers, self.part.dtype, spec.torch_device),
+                    "draft adapter %s" % where,
                 )
                 self.speculative = SpeculativeDevice(self.part, adapter, config.draft.eta)
             # A of Eq. 3 and Eq. 6: the bytes of one token's hidden state on the wire

@@ -29,6 +29,7 @@ from nodes.inference.model import Segment as CacheSegment
 from nodes.inference.partition import UShapePartition
 
 from . import mpi_link, wire
+from .part_cache import PartCache
 from .run_config import RunConfig
 from .state_monitor import StateMonitor
 
@@ -90,21 +91,23 @@ def _join_chunk(pending: List[_Pending], segment: wire.Segment) -> bool:
 
 
 class ServerStage:
-    def __init__(self, config: RunConfig, comm: "MPI.Comm", rank: int) -> None:
+    def __init__(self, config: RunConfig, comm: "MPI.Comm", rank: int, parts: Optional[PartCache] = None) -> None:
         self.config, self.comm, self.rank, self.t0 = config, comm, rank, 0.0
         self.stage = config.ranks[rank].index
         self.last = self.stage == config.stages - 1
         model_config = LlamaConfig.load(config.model)
         partition = UShapePartition.make(model_config.num_hidden_layers, config.server_device_layers, config.stages)
         centralized = config.method_spec.token_ids_only
-        self.part: ModelPart = load_part(
-            config.model,
-            partition.stage_layer_ids()[self.stage],
-            embedding=centralized and self.stage == 0,
-            head=centralized and self.last,
-            dtype=config.dtype,
-            device=stage_device(config.ranks[rank].torch_device, self.stage),
-        )
+        parts = parts if parts is not None else PartCache()
+        layers = tuple(partition.stage_layer_ids()[self.stage])
+        embedding, head = centralized and self.stage == 0, centralized and self.last
+        device = stage_device(config.ranks[rank].torch_device, self.stage)
+        self.part: ModelPart = parts.get(
+            ("part", config.model, layers, embedding, head, config.dtype, device),
+            lambda: load_part(config.model, layers, embedding=embedding, head=head, dtype=config.dtype, device=device),
+            "stage %d part: layers %s%s%s" % (self.stage, list(layers), ", embedding" if embedding else "",
+                                               ", head" if head else ""),
+        )  # fmt: skip
         self.caches: Dict[Tuple[int, int], object] = {}
         self.monitor = StateMonitor()
         self.outbox = mpi_link.Outbox()

@@ -4,15 +4,18 @@
 
 ``preflight`` reaches every node of the run, checks their provisioning records agree, makes the
 run plan with the nodes read back (``plan.json``, :mod:`testbed.campaign.plan`: every later phase
-executes it) and writes the device schedules; ``configure`` sets power modes (read back) and shapes
-the links (read back, and measured with iperf3 when ``link.verify_s`` > 0); ``telemetry`` starts the
-samplers (probing the sensors and measuring clock offsets); ``workers`` launches the split-inference
-ranks with mpiexec and waits for them; ``drain`` keeps telemetry running for ``drain_s``;
-``collect`` stops the samplers and turns the rank files into parquet; ``restore`` undoes shaping and
-power modes from the nodes' journals; ``record`` writes ``manifest.json``.
+executes it) and writes the device schedules; ``configure`` sets the power modes and shapes the links
+that do not hold the run's values already (read back; links measured with iperf3 when
+``link.verify_s`` > 0); ``telemetry`` starts the samplers (probing the sensors and measuring clock
+offsets); ``workers`` hands the run to the warm worker pool of its shape, starting one when none is
+up (:mod:`testbed.worker_pool`), and waits for it; ``drain`` keeps telemetry running for
+``drain_s``; ``collect`` stops the samplers and turns the rank files into parquet; ``restore`` stops
+the run's trace players and undoes shaping and power modes from the nodes' journals, except on the
+nodes the next run sets again (``keep``: they are restored after it, or by the campaign's end);
+``record`` writes ``manifest.json``.
 
-A phase that fails ends the run: what exists is still collected, everything is restored, and the
-manifest says which phase failed, why and on which node. Every process the run starts on a node is
+A phase that fails ends the run: what exists is still collected, everything is restored (nothing
+kept), and the manifest says which phase failed, why and on which node. Every process the run starts on a node is
 named in ``processes.json`` before it starts, so a later ``--resume`` can end it after a crash.
 """
 
@@ -38,10 +41,11 @@ from testbed.campaign.results import write_results
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, run_nodes
 from testbed.inventory import Inventory
 from testbed.provision import compare_records, load_record
-from testbed.split_run import mpiexec_pidfile, run_dir_on, run_split
+from testbed.split_run import run_dir_on
 from testbed.transport import open_transport
 from testbed.transport.base import quote_path
 from testbed.transport.fanout import fan_out
+from testbed.worker_pool import PoolKeeper, WorkerPool
 from workloads.schedule import write_schedule
 
 PHASES = ("preflight", "configure", "telemetry", "workers", "drain", "collect", "restore", "record")
@@ -64,12 +68,25 @@ class EventLog:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """What a run left configured for the next run (restored after it, or when the campaign ends)."""
+
+    power: frozenset[str] = frozenset()  # nodes whose power mode stays set
+    links: frozenset[str] = frozenset()  # nodes whose shaping stays in place
+    contexts: dict[str, Any] = field(default_factory=dict)  # the run plan's node contexts
+
+    def __bool__(self) -> bool:
+        return bool(self.power or self.links)
+
+
+@dataclass(frozen=True)
 class RunOutcome:
     state: str  # done | failed
     reason: str | None
     failed_node: str | None
     requests_scheduled: int
     requests_completed: int
+    kept: Kept = Kept()
 
 
 @dataclass
@@ -77,7 +94,8 @@ class _RunState:
     """What a run has done so far: what restore must undo and what the manifest records."""
 
     phases_s: dict[str, float] = field(default_factory=dict)
-    power_set: dict[str, str] = field(default_factory=dict)
+    power_set: dict[str, str] = field(default_factory=dict)  # node -> mode, set by this run
+    power_unchanged: dict[str, str] = field(default_factory=dict)  # node -> mode it held already
     power_read_back: dict[str, Any] = field(default_factory=dict)
     shaped_nodes: tuple[str, ...] = ()
     links: dict[str, Any] = field(default_factory=dict)
@@ -89,6 +107,8 @@ class _RunState:
     completed: int = 0
     failure: tuple[str, str, str | None] | None = None  # phase, reason, node
     plan: RunPlan | None = None  # made in preflight, with the nodes read back
+    workers: dict[str, Any] = field(default_factory=dict)  # which pool served the run, warm or cold
+    kept: Kept = Kept()
 
 
 def execute_run(
@@ -98,9 +118,13 @@ def execute_run(
     directory: Path,
     *,
     facts: dict[str, Any],
+    pools: PoolKeeper,
+    keep: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
     report: Report = lambda _event, _details: None,
 ) -> RunOutcome:
-    """Run ``run`` into ``directory`` (the attempt's own directory) and return how it ended."""
+    """Run ``run`` into ``directory`` (the attempt's own directory) and return how it ended.
+    ``pools`` serves it; ``keep``: (power nodes, shaped nodes) the next run sets again, left
+    configured if this run succeeds."""
     directory.mkdir(parents=True, exist_ok=True)
     events = EventLog(directory / "events.jsonl", run.run_id)
     state = _RunState()
@@ -111,7 +135,7 @@ def execute_run(
         ("preflight", lambda: _preflight(campaign, run, attempt, directory, state)),
         ("configure", lambda: _configure(campaign, settings, state, events)),
         ("telemetry", lambda: _start_telemetry(campaign, directory, state)),
-        ("workers", lambda: _workers(campaign, directory, state, report)),
+        ("workers", lambda: _workers(campaign, directory, state, report, pools)),
         ("drain", lambda: time.sleep(settings.drain_s)),
     ]
     try:
@@ -121,7 +145,8 @@ def execute_run(
             _phase(phase, step, state, events, report)
         _phase("collect", lambda: _collect(campaign, directory, state), state, events, report)
     finally:
-        _phase("restore", lambda: _restore(lab, state), state, events, report)
+        kept = keep if state.failure is None else (frozenset(), frozenset())
+        _phase("restore", lambda: _restore(lab, state, kept), state, events, report)
         scheduled = sum(len(rows) for rows in state.schedules.values())
         if state.failure is None and state.completed < scheduled:
             state.failure = ("collect", f"only {state.completed} of {scheduled} requests completed", None)
@@ -131,6 +156,7 @@ def execute_run(
             state.failure[2] if state.failure else None,
             scheduled,
             state.completed,
+            state.kept,
         )
         _phase(
             "record",
@@ -191,21 +217,28 @@ def _preflight(campaign: Campaign, run: PlannedRun, attempt: int, directory: Pat
 
 
 def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
-    from testbed.power import set_power, show_power
+    """Power modes and links, each changed only where the node does not hold the run's value already."""
+    from testbed.power import holds_mode, set_power, show_power
 
     lab, plan = campaign.inventory, _plan(state)
     modes: dict[str, list[str]] = {}
     for step in plan.power:
         modes.setdefault(step.mode, []).append(step.node)
-    for mode, nodes in modes.items():
-        result = set_power(lab, nodes, mode, contexts=plan.contexts)
-        state.power_set.update({name: mode for name in result.values()})
-        _require(result, f"setting power mode {mode}")
-        events.write("power_set", nodes=nodes, mode=mode)
     if plan.power:
-        shown = show_power(lab, list(state.power_set), contexts=plan.contexts)
-        state.power_read_back = {name: dataclasses.asdict(r) for name, r in shown.values().items()}
-        _require(shown, "reading power modes back")
+        shown = show_power(lab, [step.node for step in plan.power], contexts=plan.contexts)
+        _require(shown, "reading power modes")
+        readings = shown.values()
+        for mode, nodes in modes.items():
+            differ = [name for name in nodes if not holds_mode(readings[name], mode)]
+            state.power_unchanged.update({name: mode for name in nodes if name not in differ})
+            if not differ:
+                continue
+            result = set_power(lab, differ, mode, contexts=plan.contexts, shown=readings)
+            state.power_set.update({name: mode for name in result.values()})
+            _require(result, f"setting power mode {mode}")
+            readings.update(result.values())
+            events.write("power_set", nodes=differ, mode=mode)
+        state.power_read_back = {name: dataclasses.asdict(r) for name, r in readings.items()}
     if settings.link.shaped:
         _shape(campaign, settings, state, events)
 
@@ -225,7 +258,7 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
     state.links["applied"] = [
         {"node": p.node, "device": p.shaped_device, "direction": p.direction,
          "peers": [{"peer": x.peer, "profile": x.profile_name, "rate_bit_s": x.profile.rate_bit_s} for x in p.peers],
-         "commands": [" ".join(c) for c in p.apply_commands()]}
+         "commands": [" ".join(c) for c in p.apply_commands()], "changed": o.value.changed}
         for o in result.applied.outcomes if o.value for p in o.value.plans
     ]  # fmt: skip
     if started is not None:
@@ -259,19 +292,24 @@ def _start_telemetry(campaign: Campaign, directory: Path, state: _RunState) -> N
     _note_processes(directory, [{"node": r.node, "host": r.host, "pidfile": r.pidfile} for r in recording.nodes])
 
 
-def _workers(campaign: Campaign, directory: Path, state: _RunState, report: Report) -> None:
+def _workers(campaign: Campaign, directory: Path, state: _RunState, report: Report, pools: PoolKeeper) -> None:
     lab, plan = campaign.inventory, _plan(state)
     spec = plan.split
-    run_dir = run_dir_on(plan.contexts[spec.server], spec.run_id)
-    launched = {"node": spec.server, "host": spec.server, "pidfile": mpiexec_pidfile(run_dir)}
-    _note_processes(directory, [launched])
+    if plan.mpiexec is None:
+        raise NodeError(spec.server, "no mpiexec beside its Python or on PATH (pip install mpich mpi4py)")
     scheduled = sum(len(rows) for rows in state.schedules.values())
+
+    def started(pool: WorkerPool, warm: bool) -> None:
+        state.workers = {"pool": pool.pool_id, "start": "warm" if warm else "cold", "runs_before": pool.served}
+        _note_processes(directory, [{"node": pool.server, "host": pool.server, "pidfile": pool.files.pidfile}])
 
     def served(_elapsed_s: float) -> None:
         report("served", {"served": _count_served(lab, plan), "scheduled": scheduled})
 
     try:
-        run_split(lab, spec, directory / "workers", on_wait=served, contexts=plan.contexts, mpiexec=plan.mpiexec)
+        done = pools.serve(spec, plan.contexts, plan.launch, directory / "workers", on_started=started,
+                           on_wait=served)  # fmt: skip
+        state.workers["ranks"] = done.record.get("ranks", [])
     finally:
         state.completed = _count_rows(directory / "workers" / "ranks")
         report("served", {"served": state.completed, "scheduled": scheduled})
@@ -307,11 +345,9 @@ def _plan(state: _RunState) -> RunPlan:
     return state.plan
 
 
-def _restore(lab: Inventory, state: _RunState) -> None:
-    """Undo what the run changed, from the nodes' journals: samplers, shaping, power modes."""
-    from testbed.links.apply import clear_nodes
-    from testbed.power import restore_power
-
+def _restore(lab: Inventory, state: _RunState, keep: tuple[frozenset[str], frozenset[str]]) -> None:
+    """Undo what the run changed, from the nodes' journals: samplers, trace players, then shaping and
+    power modes except where ``keep`` says the next run sets them again."""
     problems = []
     if state.recording is not None:  # a run that failed before collect: stop its samplers
         from testbed.telemetry import stop_sampler
@@ -322,25 +358,49 @@ def _restore(lab: Inventory, state: _RunState) -> None:
             except Exception as exc:
                 problems.append(f"{rec.node}: sampler: {exc}")
         state.recording = None
-    if state.shaped_nodes:
-        cleared = clear_nodes(lab, list(state.shaped_nodes))
-        state.restore["links"] = {
+    plan = state.plan
+    power = {step.node for step in plan.power} if plan else set(state.power_set)
+    shaped = set(state.shaped_nodes)
+    kept = Kept(frozenset(power & keep[0]), frozenset(shaped & keep[1]), dict(plan.contexts) if plan else {})
+    if plan is not None and plan.trace is not None and shaped:
+        from testbed.links.apply import stop_trace_players
+
+        stopped = stop_trace_players(lab, sorted(shaped))
+        problems += [f"{o.node}: trace player: {o.error}" for o in stopped.failed]
+    problems += release_nodes(lab, Kept(frozenset(power - kept.power), frozenset(shaped - kept.links),
+                                        kept.contexts), state.restore)  # fmt: skip
+    state.kept = kept
+    if kept:
+        state.restore["kept_for_next_run"] = {"power": sorted(kept.power), "links": sorted(kept.links)}
+    if problems:
+        first = problems[0].split(":", 1)[0]
+        raise NodeError(first, "restore failed: " + "; ".join(problems))
+
+
+def release_nodes(lab: Inventory, nodes: Kept, into: dict[str, Any]) -> list[str]:
+    """Undo the shaping and power modes of ``nodes`` from their journals (what a run or the runs
+    before it set); the outcomes go into ``into``; returns the problems."""
+    from testbed.links.apply import clear_nodes
+    from testbed.power import restore_power
+
+    problems = []
+    if nodes.links:
+        cleared = clear_nodes(lab, sorted(nodes.links))
+        into["links"] = {
             o.node: {"ok": o.ok, "error": o.error, "leftovers": list(o.value.leftovers) if o.value else []}
             for o in cleared.outcomes
         }
         problems += [f"{o.node}: link clear: {o.error}" for o in cleared.failed]
         problems += [f"{o.node}: not as before: {'; '.join(o.value.leftovers)}"
                      for o in cleared.outcomes if o.value and o.value.leftovers]  # fmt: skip
-    if state.power_set:
-        restored = restore_power(lab, list(state.power_set), contexts=state.plan.contexts if state.plan else None)
-        state.restore["power"] = {
+    if nodes.power:
+        restored = restore_power(lab, sorted(nodes.power), contexts=nodes.contexts or None)
+        into["power"] = {
             o.node: {"ok": o.ok, "error": o.error, "mode": (o.value.mode_name if o.value else None)}
             for o in restored.outcomes
         }
         problems += [f"{o.node}: power restore: {o.error}" for o in restored.failed]
-    if problems:
-        first = problems[0].split(":", 1)[0]
-        raise NodeError(first, "restore failed: " + "; ".join(problems))
+    return problems
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,7 +418,6 @@ def _note_processes(directory: Path, entries: list[dict[str, str]]) -> None:
     path = directory / "processes.json"
     known = json.loads(path.read_text()) if path.exists() else []
     write_json_atomic(path, known + entries)
-
 
 
 def _count_served(lab: Inventory, plan: RunPlan) -> int:

@@ -1,6 +1,7 @@
 """A campaign's expansion: matrix points x repetitions, each run's seed and content-hash id, and the
-order (shuffled by the campaign seed unless ``order: listed``). Within one repetition every matrix
-point gets the same workload seed: methods are compared on identical requests.
+order (shuffled by the campaign seed unless ``order: listed``, then grouped so that runs of one worker
+shape are adjacent and a warm pool serves them in a row). Within one repetition every matrix point
+gets the same workload seed: methods are compared on identical requests.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 from foundation.errors import InputProblem
 from foundation.seeds import derive_seed
 from foundation.user_files import FieldPath, YamlSource, field_name
-from testbed.campaign.spec import CampaignSpec, PlannedRun, RunSettings
+from testbed.campaign.spec import CampaignSpec, PlannedRun, RunSettings, worker_shape
 from testbed.inventory import pydantic_problem
 
 if TYPE_CHECKING:
@@ -35,7 +36,9 @@ MatrixPoint = tuple[tuple[tuple[str, Any], ...], RunSettings]  # (matrix key, va
 
 
 def expand(spec: CampaignSpec, points: Sequence[MatrixPoint]) -> tuple[PlannedRun, ...]:
-    """Matrix points x repetitions, ids by content, shuffled by the campaign seed unless ``listed``."""
+    """Matrix points x repetitions, ids by content; unless ``listed``, shuffled by the campaign seed and
+    then grouped by worker shape, the groups in the order their first run drew (a stable sort: within
+    a group the shuffled order stays)."""
     runs = []
     for repetition in range(spec.repetitions):
         seed = derive_seed(spec.seed, "repetition", repetition)
@@ -43,6 +46,10 @@ def expand(spec: CampaignSpec, points: Sequence[MatrixPoint]) -> tuple[PlannedRu
             runs.append((overrides, settings, repetition, seed))
     if spec.order == "random":
         random.Random(derive_seed(spec.seed, "order")).shuffle(runs)
+        first: dict[tuple[Any, ...], int] = {}
+        for index, (_o, settings, _r, _s) in enumerate(runs):
+            first.setdefault(worker_shape(settings), index)
+        runs.sort(key=lambda r: first[worker_shape(r[1])])
     planned = []
     seen: set[str] = set()
     for overrides, settings, repetition, seed in runs:

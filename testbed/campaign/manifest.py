@@ -172,7 +172,8 @@ def build_manifest(
             device: {"requests": len(rows), "sha256": _digest(rows), "file": f"schedules/{device}.jsonl"}
             for device, rows in state.schedules.items()
         },
-        "power": {"set": state.power_set, "read_back": state.power_read_back},
+        "power": {"set": state.power_set, "unchanged": state.power_unchanged, "read_back": state.power_read_back},
+        "workers": state.workers,  # the warm pool that served the run, and whether it started warm or cold
         "links": state.links,
         "clock_offsets": clocks,
         "telemetry": state.telemetry,

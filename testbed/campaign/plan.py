@@ -46,6 +46,7 @@ from testbed.split_run import (
 )
 from testbed.telemetry import SamplerPlan, sampler_plan
 from testbed.transport.fanout import fan_out
+from testbed.worker_pool import IDLE_TIMEOUT_S, pool_launch, pool_name
 
 TELEMETRY_MARGIN_S = 60.0  # samplers stop themselves this long after the run's timeout at the latest
 
@@ -133,7 +134,7 @@ class RunPlan:
     telemetry: TelemetryStep | None
     split: SplitRunSpec
     mpiexec: str | None  # beside the workers' Python on the launch node; None: looked up at launch
-    launch: MpiLaunchPlan
+    launch: MpiLaunchPlan  # the warm pool's mpiexec (testbed.worker_pool), started when none of its shape is up
     commands: tuple[PlannedCommand, ...] = field(default=())
     probes: dict[str, NodeProbe] = field(default_factory=dict)  # tc state read when planning; apply reuses it
 
@@ -151,7 +152,7 @@ class RunPlan:
                 "restore the power mode from the node's journal")  # fmt: skip
         out: dict[str, list[str]] = {name: [] for name in self.nodes}
         for c in self.commands:
-            if c.what == "launch the ranks with mpiexec (detached)":
+            if c.what == "start the warm worker pool with mpiexec (detached)":
                 out.setdefault(c.node, []).append(self.launch.apply_commands()[0])
             elif c.what in keep:
                 out.setdefault(c.node, []).append(c.line)
@@ -282,10 +283,11 @@ def plan_run(
     else:
         unresolved.append(f"{settings.server}: mpiexec is looked up beside {server_context.python} at launch")
     try:
-        launch = launch_plan(lab, split, contexts, mpiexec)
+        single = launch_plan(lab, split, contexts, mpiexec)
     except TestbedError as exc:  # an emulated testbed that is not up has no data interfaces or addresses yet
         unresolved.append(f"the MPI launch's hosts and data-plane environment: {exc}")
-        launch = launch_plan(lab, split, contexts, mpiexec, data_plane=False)
+        single = launch_plan(lab, split, contexts, mpiexec, data_plane=False)
+    launch = pool_launch(single, contexts, pool_name(split), lifetime_s=pool_lifetime_s(campaign))
     plan = RunPlan(
         run.run_id, attempt, node_run_id(run, attempt), names, devices, contexts, live, (), power, links,
         tc_plans, trace, telemetry, split, mpiexec, launch,
@@ -297,6 +299,28 @@ def plan_run(
         probes = reads.probes_for(tc_plans)
     commands = plan_commands(campaign, plan, probes)
     return dataclasses.replace(plan, unresolved=tuple(unresolved), commands=tuple(commands), probes=probes)
+
+
+def pool_lifetime_s(campaign: Campaign) -> float:
+    """How long ``mpiexec`` lets a warm pool live: every run of the campaign at its timeout, and the
+    idle timeout (a bound, never reached in a campaign that works; the controller times runs out)."""
+    return campaign.spec.run_timeout_s * len(campaign.runs) + IDLE_TIMEOUT_S
+
+
+def configured_nodes(campaign: Campaign, settings: RunSettings) -> tuple[frozenset[str], frozenset[str]]:
+    """(nodes whose power mode ``settings`` set, nodes whose links it shapes), without reading a node:
+    what a run may leave configured for the next one to find in place."""
+    from testbed.links.plans import compile_plan
+
+    lab = campaign.inventory
+    power = frozenset(node.name for target in settings.power for node in lab.select([target]))
+    shaped: frozenset[str] = frozenset()
+    if settings.link.shaped:
+        try:
+            shaped = frozenset(p.node for p in compile_plan(lab, run_links(campaign, settings)))
+        except TestbedError:  # cannot be planned now: keep nothing shaped for it
+            shaped = frozenset()
+    return power, shaped
 
 
 def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpec:

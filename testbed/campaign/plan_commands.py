@@ -19,16 +19,7 @@ from testbed.links import node_journal
 from testbed.links.apply import commands_for, plan_devices, plans_by_node, probe_script, shapeable_nodes
 from testbed.node_context import HOME_SCRIPT, NodeContext, unresolved_context
 from testbed.power import driver_command, set_action
-from testbed.split_run import (
-    launch_argv,
-    launch_env,
-    launch_files,
-    launch_wait_script,
-    mpiexec_pidfile,
-    mpiexec_search_script,
-    rank_listing_script,
-    run_dir_on,
-)
+from testbed.split_run import launch_argv, launch_env, mpiexec_search_script, rank_listing_script, run_dir_on
 from testbed.telemetry import sampler_command, sampler_paths, sampler_start_command
 from testbed.transport.base import (
     background_start_script,
@@ -40,11 +31,12 @@ from testbed.transport.base import (
 )
 from testbed.transport.clock import echo_script
 from testbed.transport.facts import facts_script
+from testbed.worker_pool import POOL_RECORD, pool_files, pool_name, run_wait_script, start_script, stop_wait_script
 
 if TYPE_CHECKING:
     from testbed.campaign.plan import RunPlan
 
-WHEN = ("once", "per-campaign", "if-missing", "polled", "on-failure", "live")
+WHEN = ("once", "per-campaign", "if-missing", "polled", "on-failure", "live", "if-cold", "if-differs", "at-release")
 STORED_SIZE = re.compile(r"(-eq |of )\d+( bytes)?")
 
 
@@ -91,8 +83,10 @@ class _Lines:
     def store(self, node: str, phase: str, what: str, path: str, when: str = "once") -> None:
         self.add(node, phase, what, _store(path), when, f"(store) {path}")
 
-    def detached(self, node: str, phase: str, what: str, argv: Sequence[str], pidfile: str, logfile: str) -> None:
-        self.add(node, phase, what, _sh(background_start_script(argv, pidfile, logfile, None)), "once",
+    def detached(
+        self, node: str, phase: str, what: str, argv: Sequence[str], pidfile: str, logfile: str, when: str = "once"
+    ) -> None:
+        self.add(node, phase, what, _sh(background_start_script(argv, pidfile, logfile, None)), when,
                  f"(detached, pid in {pidfile}) {shlex.join(argv)}")  # fmt: skip
 
     def node_code(self, node: str, phase: str, context: NodeContext) -> None:
@@ -119,13 +113,16 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
                   _sh(probe_script(plan_devices(plans), lab.spec.defaults.workdir)))  # fmt: skip
     for name in plan.nodes:
         lines.add(name, "preflight", "reach the node", command_line(["true"]))
-    # configure: power modes, set and read back
+    # configure: power modes read, and set (the driver reads them back) where they differ
     for step in plan.power:
-        node = lab.node(step.node)
-        for what, action in (("read the power mode", ["show"]), ("set the power mode", set_action(step.mode)),
-                             ("read the power mode back", ["show"])):  # fmt: skip
-            lines.node_code(step.node, "configure", ctx[step.node])
-            lines.add(node, "configure", what, command_line(driver_command(lab, node, ctx[step.node], action)))
+        lines.node_code(step.node, "configure", ctx[step.node])
+        lines.add(step.node, "configure", "read the power mode",
+                  command_line(driver_command(lab, lab.node(step.node), ctx[step.node], ["show"])))  # fmt: skip
+    for step in plan.power:
+        lines.node_code(step.node, "configure", ctx[step.node])
+        lines.add(step.node, "configure", "set the power mode",
+                  command_line(driver_command(lab, lab.node(step.node), ctx[step.node], set_action(step.mode))),
+                  "if-differs")  # fmt: skip
     # configure: links
     _link_lines(lines, plan, states)
     # telemetry
@@ -147,7 +144,7 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
             _datafile, pidfile, logfile = sampler_paths(c, tel.session)
             lines.node_code(sampler.node, "telemetry", c)
             lines.detached(sampler.node, "telemetry", "start the sampler (detached)", argv, pidfile, logfile)
-    # workers
+    # workers: the run staged on its nodes, then served by the warm pool of its shape
     server = settings.server
     for name in (server, *settings.devices):
         c = ctx[name]
@@ -157,20 +154,23 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
         if name in settings.devices:
             lines.store(name, "workers", "store the device's schedule", f"{run_dir}/schedule-{name}.jsonl")
         lines.store(name, "workers", "store the run config", f"{run_dir}/run.json")
-    server_dir = run_dir_on(ctx[server], settings.run_id)
-    status, log = launch_files(server_dir)
-    lines.add(server, "workers", "clear the last exit status", command_line(["rm", "-f", status]))
-    words = prefix_words(sudo=False, env=launch_env(settings.timeout_s))
-    lines.detached(server, "workers", "launch the ranks with mpiexec (detached)",
-                   [*words, *launch_argv(plan.launch, status)], mpiexec_pidfile(server_dir), log)  # fmt: skip
-    lines.add(server, "workers", "wait for mpiexec's exit status", _sh(launch_wait_script(status)), "polled")
+    files = pool_files(ctx[server], pool_name(settings))
+    lines.add(server, "workers", "clear what an earlier pool of this shape left", command_line(start_script(files)),
+              "if-cold")  # fmt: skip
+    words = prefix_words(sudo=False, env=launch_env(plan.launch.timeout_s))
+    lines.detached(server, "workers", "start the warm worker pool with mpiexec (detached)",
+                   [*words, *launch_argv(plan.launch, files.status)], files.pidfile, files.log, "if-cold")  # fmt: skip
+    lines.store(server, "workers", "order the run from the pool", files.order)
+    record = f"{run_dir_on(ctx[server], settings.run_id)}/{POOL_RECORD}"
+    lines.add(server, "workers", "wait for the run to finish (or the pool to end)",
+              _sh(run_wait_script(record, files.status)), "polled")  # fmt: skip
     for device in settings.devices:
         pattern = f"{quote_path(run_dir_on(ctx[device], settings.run_id) + '/out')}/{device_glob(shlex.quote(device))}"
         lines.add(device, "workers", "count the requests served so far",
                   _sh(f"cat {pattern}/requests.jsonl 2>/dev/null | grep -c request_id || true"), "polled")  # fmt: skip
-    lines.add(server, "workers", "end mpiexec (timed out or interrupted)",
-              _sh(background_stop_script(mpiexec_pidfile(server_dir), 5.0)), "on-failure")  # fmt: skip
-    lines.add(server, "workers", "read mpiexec's output", command_line(["tail", "-c", "200000", log]))
+    lines.add(server, "workers", "end the pool (the run failed or timed out)",
+              _sh(background_stop_script(files.pidfile, 5.0)), "on-failure")  # fmt: skip
+    lines.add(server, "workers", "read the pool's output", command_line(["tail", "-c", "200000", files.log]))
     for name in (server, *settings.devices):
         out = run_dir_on(ctx[name], settings.run_id) + "/out"
         lines.add(name, "workers", "list the ranks' files to collect", _sh(rank_listing_script(out)))
@@ -182,13 +182,19 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
         for sampler in plan.telemetry.samplers:
             pidfile = sampler_paths(ctx[sampler.node], plan.telemetry.session)[1]
             lines.add(sampler.node, "collect", "stop the sampler", _sh(background_stop_script(pidfile, 5.0)))
-    # restore
+    # restore: the trace ends with the run; shaping, power modes and the pool stay while the next runs
+    # need them, and are released after the last of them (or when a run fails, or the campaign ends)
+    _trace_stop_lines(lines, plan)
     _link_restore_lines(lines, plan)
     for step in plan.power:
         node = lab.node(step.node)
         lines.node_code(step.node, "restore", ctx[step.node])
         lines.add(node, "restore", "restore the power mode from the node's journal",
-                  command_line(driver_command(lab, node, ctx[step.node], ["restore"])))  # fmt: skip
+                  command_line(driver_command(lab, node, ctx[step.node], ["restore"])), "at-release")  # fmt: skip
+    lines.store(server, "restore", "order the pool to stop", files.order, "at-release")
+    lines.add(server, "restore", "wait for the pool to end", _sh(stop_wait_script(files.status)), "at-release")
+    lines.add(server, "restore", "end the pool if it has not", _sh(background_stop_script(files.pidfile, 5.0)),
+              "at-release")  # fmt: skip
     return lines.out
 
 
@@ -211,10 +217,11 @@ def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:
         probe = probes.get(name)
         when = "once" if probe is not None else "live"
         commands = [c for p in plans for c in (commands_for(p, probe.states) if probe else p.apply_commands())]
+        when = "if-differs" if when == "once" else when
         lines.store(name, "configure", "write the link journal (the interfaces as they were)",
-                    node_journal.journal_path(workdir))  # fmt: skip
+                    node_journal.journal_path(workdir), "if-differs")  # fmt: skip
         lines.add(name, "configure", "shape the links", _sh(node_journal.commands_script(commands, sudo_words)), when)
-        lines.add(name, "configure", "read tc back", _sh(_read_script(plan_devices(plans))))
+        lines.add(name, "configure", "read tc back", _sh(_read_script(plan_devices(plans))), "if-differs")
     if plan.trace is not None:
         _trace_lines(lines, plan)
     for name, plans in by_node.items():
@@ -274,14 +281,27 @@ def _link_restore_lines(lines: _Lines, plan: RunPlan) -> None:
     sudo_words = prefix_words(sudo=lab.spec.defaults.sudo, env=None)
     for name, plans in plans_by_node(plan.tc_plans).items():
         journal_devices = list(dict.fromkeys(plan_devices(plans) + [p.interface for p in plans if p.ifb]))
+        for what, line in (
+            ("read the link journal", _sh(node_journal.read_script(workdir))),
+            ("read tc before undoing", _sh(_read_script(journal_devices))),
+            ("undo the shaping (only what the journal says is ours)",
+             _sh(node_journal.commands_script(_undo_for(plans), sudo_words))),
+            ("read tc after undoing", _sh(_read_script(journal_devices))),
+            ("drop the link journal", _sh(node_journal.remove_script(workdir))),
+        ):  # fmt: skip
+            lines.add(name, "restore", what, line, "at-release")
+
+
+def _trace_stop_lines(lines: _Lines, plan: RunPlan) -> None:
+    """A run's trace players stop when it ends (``stop_trace_players``), also where shaping stays."""
+    if plan.trace is None or not plan.tc_plans:
+        return
+    workdir = lines.lab.spec.defaults.workdir
+    for name in sorted(plans_by_node(plan.tc_plans)):
+        pidfile = plan.contexts[name].path(node_journal.journal_dir(workdir)) + "/trace-player.pid"
         lines.add(name, "restore", "read the link journal", _sh(node_journal.read_script(workdir)))
-        if plan.trace is not None:
-            pidfile = plan.contexts[name].path(node_journal.journal_dir(workdir)) + "/trace-player.pid"
-            lines.add(name, "restore", "stop the trace player", _sh(background_stop_script(pidfile, 5.0)), "live")
-        lines.add(name, "restore", "read tc before undoing", _sh(_read_script(journal_devices)))
-        lines.add(name, "restore", "undo the shaping (only what the journal says is ours)",
-                  _sh(node_journal.commands_script(_undo_for(plans), sudo_words)))  # fmt: skip
-        lines.add(name, "restore", "read tc after undoing", _sh(_read_script(journal_devices)))
-        lines.add(name, "restore", "drop the link journal", _sh(node_journal.remove_script(workdir)))
+        lines.add(name, "restore", "stop the trace player", _sh(background_stop_script(pidfile, 5.0)), "live")
+        lines.store(name, "restore", "drop the trace player from the journal", node_journal.journal_path(workdir),
+                    "live")  # fmt: skip
 
 

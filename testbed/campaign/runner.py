@@ -9,12 +9,19 @@ Layout of a campaign directory::
     runs/<run_id>.attempt<N>/      an attempt in progress (renamed to runs/<run_id>/ when it ends)
     runs/<run_id>.attempt<N>.interrupted/   an attempt the controller died in (never counted)
 
+    pools.json                     every warm worker pool started (ended on --resume after a crash)
+
+Runs are served by warm worker pools (:mod:`testbed.worker_pool`): consecutive runs of one shape
+share the ranks, and a run leaves power modes and shaping in place on the nodes the next run sets
+again; they are restored after the last run that needs them, when a run fails, and when the
+campaign ends (also on Ctrl-C).
+
 A run's files are complete before its ledger row says ``done``; the rename of the attempt
-directory comes between the two. On ``--resume`` a run found ``running`` was interrupted: the
-processes it had started are ended (``processes.json``), every node of the campaign is restored
-from its journals (shaping, power modes), and the run is counted done only if its finished
-directory is there with this attempt's manifest; otherwise its partial directory is set aside and
-the run goes back to ``todo``.
+directory comes between the two. On ``--resume`` the pools and the processes interrupted runs had
+started are ended (``pools.json``, ``processes.json``), every node of the campaign is restored from
+its journals (shaping, power modes), and a run found ``running`` is counted done only if its
+finished directory is there with this attempt's manifest; otherwise its partial directory is set
+aside and the run goes back to ``todo``.
 """
 
 from __future__ import annotations
@@ -27,13 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import TestbedError
-from testbed.campaign.execution import Report, execute_run
+from nodes.contracts.durable import write_json_atomic
+from testbed.campaign.execution import Kept, Report, execute_run, release_nodes
 from testbed.campaign.ledger import Ledger
+from testbed.campaign.plan import configured_nodes
 from testbed.campaign.spec import Campaign, PlannedRun, run_nodes
 from testbed.transport import open_transport
 from testbed.transport.fanout import fan_out
+from testbed.worker_pool import PoolKeeper, end_registered_pools
 
 LEDGER = "ledger.sqlite"
+POOLS = "pools.json"
 
 
 @dataclass(frozen=True)
@@ -90,10 +101,11 @@ def recover(campaign: Campaign, directory: Path, ledger: Ledger, *, say: Callabl
     """Settle runs a dead controller left ``running``; restore every node of the campaign.
     Returns the ids put back to ``todo``."""
     interrupted = [row for row in ledger.runs() if row.state == "running"]
+    end_registered_pools(campaign.inventory, directory / POOLS, say)
     for row in interrupted:
         _end_processes(campaign, attempt_dir(directory, row.run_id, row.attempts), say)
-    if interrupted:
-        restore_nodes(campaign, list(campaign.nodes()), say)
+    # also between runs a dead controller leaves nodes set for the next run: restore them all
+    restore_nodes(campaign, list(campaign.nodes()), say)
     requeued = []
     for row in interrupted:
         finished = final_dir(directory, row.run_id) / "manifest.json"
@@ -193,37 +205,82 @@ def run_campaign(
         by_id = {r.run_id: r for r in campaign.runs}
         facts = gather_node_facts(campaign)
         report("campaign", {"counts": ledger.counts(), "total": len(campaign.runs)})
+        pools = PoolKeeper(campaign.inventory, directory / POOLS, warm=campaign.spec.warm_workers)
+        held = Kept()  # what the last run left set for the next one
         stopped = False
-        for row in ledger.runs():
-            if row.state != "todo":
-                continue
-            run = by_id[row.run_id]
-            quarantined = ledger.quarantined()
-            blocked = [n for n in row.nodes if n in quarantined]
-            if blocked:
-                ledger.skip(row.run_id, f"{', '.join(blocked)} quarantined ({quarantined[blocked[0]]})")
-                report("run_end", {"run_id": row.run_id, "state": "skipped", "counts": ledger.counts()})
-                continue
-            attempt = ledger.start(row.run_id)
-            report("run_start", {"run_id": row.run_id, "label": run.label(), "attempt": attempt,
-                                 "position": row.position, "counts": ledger.counts()})  # fmt: skip
-            work = attempt_dir(directory, row.run_id, attempt)
-            outcome = execute_run(campaign, run, attempt, work, facts=facts, report=report)
-            _settle_directory(directory, row.run_id, work)
-            newly = ledger.finish(
-                row.run_id, outcome.state, reason=outcome.reason, node=outcome.failed_node,
-                run_nodes=row.nodes, quarantine_after=campaign.spec.failure.quarantine_after,
-            )  # fmt: skip
-            for node in newly:
-                say(f"{node} is quarantined: it failed {campaign.spec.failure.quarantine_after} runs in a row; "
-                    "runs that need it are skipped (--resume --retry-failed tries them again)")  # fmt: skip
-            report("run_end", {"run_id": row.run_id, "state": outcome.state, "reason": outcome.reason,
-                               "counts": ledger.counts()})  # fmt: skip
-            if outcome.state == "failed" and campaign.spec.failure.on_failure == "stop":
-                stopped = any(r.state == "todo" for r in ledger.runs())
-                say(f"stopping: run {row.run_id} failed and failure.on_failure is 'stop' (--resume goes on)")
-                break
+        try:
+            for row in ledger.runs():
+                if row.state != "todo":
+                    continue
+                run = by_id[row.run_id]
+                quarantined = ledger.quarantined()
+                blocked = [n for n in row.nodes if n in quarantined]
+                if blocked:
+                    ledger.skip(row.run_id, f"{', '.join(blocked)} quarantined ({quarantined[blocked[0]]})")
+                    report("run_end", {"run_id": row.run_id, "state": "skipped", "counts": ledger.counts()})
+                    continue
+                held = _release_unneeded(campaign, held, configured_nodes(campaign, run.settings), say)
+                attempt = ledger.start(row.run_id)
+                report("run_start", {"run_id": row.run_id, "label": run.label(), "attempt": attempt,
+                                     "position": row.position, "counts": ledger.counts()})  # fmt: skip
+                work = attempt_dir(directory, row.run_id, attempt)
+                following = _following(ledger, by_id, row.run_id)
+                keep = configured_nodes(campaign, following.settings) if following else (frozenset(), frozenset())
+                outcome = execute_run(campaign, run, attempt, work, facts=facts, pools=pools, keep=keep,
+                                      report=report)  # fmt: skip
+                held = outcome.kept
+                if outcome.state == "failed":
+                    pools.discard()  # a failed run's pool may be broken: the next run starts cold
+                _settle_directory(directory, row.run_id, work)
+                newly = ledger.finish(
+                    row.run_id, outcome.state, reason=outcome.reason, node=outcome.failed_node,
+                    run_nodes=row.nodes, quarantine_after=campaign.spec.failure.quarantine_after,
+                )  # fmt: skip
+                for node in newly:
+                    say(f"{node} is quarantined: it failed {campaign.spec.failure.quarantine_after} runs in a row; "
+                        "runs that need it are skipped (--resume --retry-failed tries them again)")  # fmt: skip
+                report("run_end", {"run_id": row.run_id, "state": outcome.state, "reason": outcome.reason,
+                                   "counts": ledger.counts()})  # fmt: skip
+                if outcome.state == "failed" and campaign.spec.failure.on_failure == "stop":
+                    stopped = any(r.state == "todo" for r in ledger.runs())
+                    say(f"stopping: run {row.run_id} failed and failure.on_failure is 'stop' (--resume goes on)")
+                    break
+        finally:  # also on Ctrl-C: nothing left running, shaped or throttled
+            _finish(campaign, directory, pools, held, say)
         return CampaignSummary(directory, ledger.counts(), ledger.quarantined(), stopped)
+
+
+def _following(ledger: Ledger, by_id: dict[str, PlannedRun], run_id: str) -> PlannedRun | None:
+    """The run after ``run_id`` in the ledger's order that is still to do (what it will set is kept)."""
+    rows = ledger.runs()
+    after = [r for r in rows[[r.run_id for r in rows].index(run_id) + 1:] if r.state == "todo"]
+    return by_id[after[0].run_id] if after else None
+
+
+def _release_unneeded(
+    campaign: Campaign, held: Kept, needed: tuple[frozenset[str], frozenset[str]], say: Callable[[str], None]
+) -> Kept:
+    """Restore what the last run kept but the next one does not set (its expected successor was
+    skipped); what is left held."""
+    release = Kept(held.power - needed[0], held.links - needed[1], held.contexts)
+    if release:
+        for problem in release_nodes(campaign.inventory, release, {}):
+            say(f"could not restore: {problem}")
+    return Kept(held.power & needed[0], held.links & needed[1], held.contexts)
+
+
+def _finish(campaign: Campaign, directory: Path, pools: PoolKeeper, held: Kept, say: Callable[[str], None]) -> None:
+    """The campaign's end: stop the warm pool and restore what the last run left set."""
+    try:
+        pools.release("the campaign ends")
+    except Exception as exc:  # reported; --resume ends it from pools.json
+        say(f"could not stop the worker pool: {exc}")
+    if held:
+        outcome: dict[str, Any] = {}
+        problems = release_nodes(campaign.inventory, held, outcome)
+        write_json_atomic(directory / "restore.json", {"nodes": outcome, "problems": problems})
+        for problem in problems:
+            say(f"could not restore: {problem}")
 
 
 def _settle_directory(directory: Path, run_id: str, work: Path) -> None:

@@ -142,7 +142,10 @@ class CampaignSpec(_Strict):
     matrix: dict[str, list[Any]] = {}
     repetitions: StrictInt = Field(1, ge=1, le=10_000)
     seed: StrictInt = 0
+    # random: shuffled by the seed, then runs that one warm worker pool can serve (same server, devices
+    # and stages) and that load the same model parts made adjacent; listed: as the matrix lists them
     order: Literal["random", "listed"] = "random"
+    warm_workers: StrictBool = True  # keep the ranks up between runs of one shape (false: every run cold)
     run_timeout_s: float = Field(600.0, ge=5, le=86_400)
     failure: FailurePolicy = FailurePolicy()
 
@@ -194,6 +197,17 @@ class Campaign:
 def run_nodes(inventory: Inventory, settings: RunSettings) -> tuple[NodeSpec, ...]:
     names = [settings.server, *settings.devices, *settings.power]
     return inventory.select(names)
+
+
+def worker_shape(settings: RunSettings) -> tuple[Any, ...]:
+    """What one warm worker pool serves (server, devices, pipeline stages), then what decides the model
+    parts its ranks hold (method family, model, partition, dtype): runs alike in all of it reuse
+    everything a pool has loaded."""
+    from nodes.workers.methods import method_named
+
+    return (settings.server, settings.devices, settings.partition.stages,
+            method_named(settings.method).token_ids_only, settings.model, settings.partition.device_layers,
+            settings.dtype)  # fmt: skip
 
 
 def device_names(inventory: Inventory, settings: RunSettings) -> tuple[str, ...]:

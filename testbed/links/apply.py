@@ -205,11 +205,24 @@ class NodeApplied:
     plans: tuple[TcPlan, ...]
     commands: int
     states: dict[str, InterfaceState]
+    changed: bool = True  # False: the node already held the plans (ours, read back), nothing was sent
+
+
+def holds_plans(probe: NodeProbe, plans: Sequence[TcPlan]) -> bool:
+    """Whether the node already holds ``plans`` as our shaping, exactly as read when probing, with no
+    trace player running: then applying them would change nothing. (Netem's delay and loss are not
+    compared, so a plan that needs netem is always applied.)"""
+    if probe.journal is None or probe.journal.trace_pidfile or any(p.needs_netem for p in plans):
+        return False
+    return not any(differences(p, probe.states) for p in plans)
 
 
 def apply_on_node(transport: Transport, probe: NodeProbe, plans: Sequence[TcPlan], workdir: str) -> NodeApplied:
     """Journal first, then the commands, then read back and compare. Raises :class:`NodeError`
-    naming the interface and the difference when the read-back does not match."""
+    naming the interface and the difference when the read-back does not match. A node that already
+    holds the plans is left alone (its journal keeps the snapshot from before the first apply)."""
+    if holds_plans(probe, plans):
+        return NodeApplied(probe.node, tuple(plans), 0, probe.states, changed=False)
     journal = _journal_for(probe, plans)
     if journal.trace_pidfile:  # a trace still playing would overwrite the new rates
         transport.stop_background(journal.trace_pidfile, sudo=True)
@@ -346,6 +359,23 @@ def clear_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> Fan
             return clear_on_node(t, name, _workdir(inventory))
 
     return fan_out(names, clear, description="clearing links")
+
+
+def stop_trace_players(inventory: Inventory, names: Sequence[str]) -> FanOutResult[str | None]:
+    """Stop the trace players on ``names`` and drop them from the journals (the shaping stays, as the
+    last row left it): a run's trace ends with the run, also when the next run keeps the links."""
+    workdir = _workdir(inventory)
+
+    def stop(name: str) -> str | None:
+        with open_transport(inventory, inventory.node(name)) as t:
+            journal = node_journal.read(t, workdir)
+            if journal is None or not journal.trace_pidfile:
+                return None
+            how = t.stop_background(journal.trace_pidfile, sudo=True)
+            node_journal.write(t, workdir, journal.with_trace(None))
+            return how
+
+    return fan_out(list(names), stop, description="stopping trace players")
 
 
 @dataclass(frozen=True)

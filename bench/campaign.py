@@ -1,0 +1,270 @@
+"""Campaign throughput on the emulated testbed: each campaign run twice in one invocation, with warm
+worker pools and with every run cold (``warm_workers: false``), and then, optionally, a warm campaign
+killed with SIGKILL at random moments and resumed each time.
+
+Per run, the serving time is the span of the request timelines (from the workers' start barrier to
+the last request done, over every device; requests.parquet) and the run's wall time is its manifest's
+start to end. Reported per campaign and way: the serving share (sum of serving over sum of run wall
+times, and over the campaign's wall time), the median run wall time and phase times, and the total
+campaign time; then the cold/warm ratio of total times, and warm against cold per request: the same
+tokens, and the differences of TTFT and mean time between tokens.
+
+    python bench/campaign.py                        # demo + hat (Table 5, one repetition), warm and cold
+    python bench/campaign.py --campaigns demo --kills 20
+
+Writes bench/results/campaign.json. Needs root (network namespaces); brings the repository's
+inventory.yaml up if it is not (and down again after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pandas as pd
+
+from bench._common import write
+
+REPO = Path(__file__).resolve().parent.parent
+INVENTORY = REPO / "inventory.yaml"
+CAMPAIGNS = {
+    "demo": (REPO / "examples" / "campaigns" / "demo.yaml", {}),
+    # HAT's Table 5 matrix with one repetition (14 runs): enough for the shares and ratios
+    "hat": (REPO / "examples" / "campaigns" / "hat-table5.yaml", {"repetitions": 1}),
+}
+
+
+def campaign_copy(name: str, directory: Path, *, warm: bool) -> Path:
+    """The example campaign with ``warm_workers`` set (and the bench's changes), its paths absolute."""
+    from ruamel.yaml import YAML
+
+    source, changes = CAMPAIGNS[name]
+    yaml = YAML()
+    data = yaml.load(source.read_text())
+    data["inventory"] = str(INVENTORY)
+    data["base"]["model"] = str((source.parent / data["base"]["model"]).resolve())
+    link = data["base"].get("link") or {}
+    if "trace" in link:
+        link["trace"] = str((source.parent / link["trace"]).resolve())
+    data.update(changes)
+    data["warm_workers"] = warm
+    path = directory / f"{name}-{'warm' if warm else 'cold'}.yaml"
+    with path.open("w") as f:
+        yaml.dump(data, f)
+    return path
+
+
+def testbed(*args: str, log: Path) -> subprocess.Popen:
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "testbed", *args], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def run_serving(run_dir: Path) -> dict[str, Any]:
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    requests = pd.read_parquet(run_dir / "requests.parquet")
+    done = requests[requests.completed]
+    start = requests.clock_origin_unix_s.min()
+    end = (done.clock_origin_unix_s + done.done_s).max()
+    wall = manifest["ended_unix_s"] - manifest["started_unix_s"]
+    return {
+        "run_id": manifest["run_id"], "label": ", ".join(f"{k}={v}" for k, v in manifest["overrides"].items()),
+        "status": manifest["status"], "wall_s": wall, "serving_s": float(end - start) if len(done) else 0.0,
+        "phases_s": manifest["phases_s"], "workers": {k: v for k, v in manifest.get("workers", {}).items()
+                                                      if k != "ranks"},
+    }  # fmt: skip
+
+
+def campaign_figures(out: Path, wall_s: float) -> dict[str, Any]:
+    runs = [run_serving(d) for d in sorted((out / "runs").iterdir()) if (d / "manifest.json").is_file()
+            and "." not in d.name]  # fmt: skip
+    serving, walls = sum(r["serving_s"] for r in runs), sum(r["wall_s"] for r in runs)
+    phases = sorted({p for r in runs for p in r["phases_s"]})
+    return {
+        "runs": len(runs),
+        "done": sum(r["status"] == "done" for r in runs),
+        "campaign_wall_s": round(wall_s, 2),
+        "serving_share_of_run_wall": round(serving / walls, 4) if walls else None,
+        "serving_share_of_campaign_wall": round(serving / wall_s, 4),
+        "median_run_wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),
+        "median_run_serving_s": round(statistics.median(r["serving_s"] for r in runs), 3),
+        "median_phases_s": {p: round(statistics.median(r["phases_s"].get(p, 0.0) for r in runs), 3) for p in phases},
+        "starts": {s: sum(r["workers"].get("start") == s for r in runs) for s in ("warm", "cold")},
+        "per_run": runs,
+    }
+
+
+def request_table(out: Path) -> pd.DataFrame:
+    frames = []
+    for run_dir in sorted((out / "runs").iterdir()):
+        if "." in run_dir.name or not (run_dir / "requests.parquet").is_file():
+            continue
+        frame = pd.read_parquet(run_dir / "requests.parquet")
+        frame["run_id"] = run_dir.name
+        frames.append(frame)
+    table = pd.concat(frames, ignore_index=True)
+    tokens = table.output_tokens.clip(lower=2)
+    table["tbt_s"] = (table.last_token_s - table.first_token_s) / (tokens - 1)
+    return table.set_index(["run_id", "node", "request_id"])
+
+
+def compare(warm_out: Path, cold_out: Path) -> dict[str, Any]:
+    """Warm against cold, request by request (the same run ids, schedules and seeds)."""
+    warm, cold = request_table(warm_out), request_table(cold_out)
+    both = warm.join(cold, lsuffix="_warm", rsuffix="_cold", how="inner")
+    same_tokens = sum(list(a) == list(b) for a, b in zip(both.token_ids_warm, both.token_ids_cold, strict=True))
+    out: dict[str, Any] = {"requests_warm": len(warm), "requests_cold": len(cold), "matched": len(both),
+                           "same_tokens": same_tokens}  # fmt: skip
+    for metric in ("ttft_s", "tbt_s"):
+        diff = both[f"{metric}_warm"] - both[f"{metric}_cold"]
+        out[metric] = {
+            "median_warm": round(float(both[f"{metric}_warm"].median()), 4),
+            "median_cold": round(float(both[f"{metric}_cold"].median()), 4),
+            "median_difference": round(float(diff.median()), 4),
+            "median_abs_difference": round(float(diff.abs().median()), 4),
+            "median_relative_difference": round(float((diff / both[f"{metric}_cold"]).median()), 4),
+        }
+    return out
+
+
+def run_both_ways(name: str, directory: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    outs = {}
+    for way in ("warm", "cold"):
+        campaign = campaign_copy(name, directory, warm=way == "warm")
+        out = directory / f"{name}-{way}"
+        started = time.monotonic()
+        done = testbed("run", str(campaign), "--out", str(out), log=directory / f"{name}-{way}.log").wait()
+        wall = time.monotonic() - started
+        print(f"{name} {way}: exit status {done} in {wall:.1f} s", file=sys.stderr)
+        result[way] = campaign_figures(out, wall)
+        outs[way] = out
+    ratio = result["cold"]["campaign_wall_s"] / result["warm"]["campaign_wall_s"]
+    result["cold_over_warm_total_time"] = round(ratio, 3)
+    result["warm_vs_cold"] = compare(outs["warm"], outs["cold"])
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# SIGKILLs of a warm campaign, each followed by --resume
+
+
+def our_processes() -> list[str]:
+    """Command lines of testbed processes on this host (the emulated nodes are processes here)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        line = b" ".join(words).decode(errors="replace")
+        if any(m in line for m in ("nodes.workers", "nodes.telemetry", "link_trace_player", "hydra_pmi_proxy",
+                                   "mpiexec")):  # fmt: skip
+            found.append(line[:200])
+    return found
+
+
+def node_leftovers() -> dict[str, Any]:
+    """What is shaped (our qdiscs, journals) or in a changed power mode on the lab's nodes."""
+    from testbed.inventory import load_inventory
+    from testbed.links.apply import show_nodes
+    from testbed.power import show_power
+
+    lab = load_inventory(INVENTORY)
+    shaped = {o.node: (o.value.journal is not None or any(
+        (s.root_qdisc or {}).get("handle") == "1f7b:" for s in o.value.states.values()))
+        for o in show_nodes(lab).outcomes if o.value}  # fmt: skip
+    power = {name: {"mode": r.mode_name, "journal": r.journal} for name, r in show_power(lab).values().items()}
+    return {"shaped": sorted(n for n, v in shaped.items() if v), "power": power}
+
+
+def kills(name: str, directory: Path, count: int, seed: int) -> dict[str, Any]:
+    import sqlite3
+
+    rng = random.Random(seed)
+    campaign = campaign_copy(name, directory, warm=True)
+    out = directory / f"{name}-kills"
+    log = directory / f"{name}-kills.log"
+    before = node_leftovers()
+    moments = []
+    started = time.monotonic()
+    for index in range(count):
+        controller = testbed("run", str(campaign), "--out", str(out), *(["--resume"] if index else []), log=log)
+        moment = rng.uniform(1.0, 25.0)
+        try:
+            controller.wait(timeout=moment)
+            moments.append({"after_s": round(moment, 2), "killed": False, "exit": controller.returncode})
+            if controller.returncode == 0:
+                break
+        except subprocess.TimeoutExpired:
+            controller.send_signal(signal.SIGKILL)
+            controller.wait()
+            moments.append({"after_s": round(moment, 2), "killed": True})
+    final = testbed("run", str(campaign), "--out", str(out), "--resume", log=log).wait()
+    wall = time.monotonic() - started
+    with sqlite3.connect(out / "ledger.sqlite") as db:
+        rows = db.execute("SELECT run_id, state, attempts FROM runs ORDER BY position").fetchall()
+    duplicates, missing = 0, 0
+    for run_id, _state, _attempts in rows:
+        requests = pd.read_parquet(out / "runs" / run_id / "requests.parquet")
+        duplicates += int(requests.duplicated(["node", "request_id"]).sum())
+        missing += int((~requests.completed).sum())
+    after = node_leftovers()
+    return {
+        "kills": sum(m["killed"] for m in moments), "moments": moments, "final_exit": final, "wall_s": round(wall, 1),
+        "runs": len(rows), "runs_done": sum(r[1] == "done" for r in rows),
+        "attempts": {r[0]: r[2] for r in rows}, "interrupted_attempts": len(list((out / "runs").glob("*.interrupted"))),
+        "duplicate_request_rows": duplicates, "incomplete_requests": missing,
+        "nodes_before": before, "nodes_after": after, "processes_left": our_processes(),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--campaigns", default="demo,hat", help="comma-separated: demo, hat (default: both)")
+    parser.add_argument("--kills", type=int, default=0, help="SIGKILLs of a warm demo campaign, each resumed")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the kill moments")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("needs root: the emulated testbed builds network namespaces")
+    from testbed.emulation.lifecycle import down, status, up
+    from testbed.inventory import load_inventory
+
+    lab = load_inventory(INVENTORY)
+    was_up = status(lab).running
+    if not was_up and not up(lab, say=lambda _: None).ok:
+        raise SystemExit("could not bring the emulated testbed up")
+    results: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-campaign-") as tmp:
+            for name in [c for c in args.campaigns.split(",") if c]:
+                results[name] = run_both_ways(name, Path(tmp))
+            if args.kills:
+                results["kills"] = kills("demo", Path(tmp), args.kills, args.seed)
+    finally:
+        if not was_up:
+            down(load_inventory(INVENTORY), say=lambda _: None)
+    path = write("campaign", results)
+    summary = {name: {k: r.get(k) for k in ("cold_over_warm_total_time",)} | {
+        way: {k: r[way][k] for k in ("campaign_wall_s", "serving_share_of_run_wall", "serving_share_of_campaign_wall")}
+        for way in ("warm", "cold")} for name, r in results.items() if name != "kills"}  # fmt: skip
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
