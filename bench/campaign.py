@@ -1,5 +1,6 @@
 """Campaign throughput on the emulated testbed: each campaign run twice in one invocation, with warm
-worker pools and with every run cold (``warm_workers: false``), and then, optionally, a warm campaign
+worker pools and node configuration kept between runs, and with every run cold (``warm_runs: false``: new
+ranks, configured and restored on its own, as before warm runs existed), and then, optionally, a warm campaign
 killed with SIGKILL at random moments and resumed each time.
 
 Per run, the serving time is the span of the request timelines (from the workers' start barrier to
@@ -47,7 +48,7 @@ CAMPAIGNS = {
 
 
 def campaign_copy(name: str, directory: Path, *, warm: bool) -> Path:
-    """The example campaign with ``warm_workers`` set (and the bench's changes), its paths absolute."""
+    """The example campaign with ``warm_runs`` set (and the bench's changes), its paths absolute."""
     from ruamel.yaml import YAML
 
     source, changes = CAMPAIGNS[name]
@@ -59,7 +60,7 @@ def campaign_copy(name: str, directory: Path, *, warm: bool) -> Path:
     if "trace" in link:
         link["trace"] = str((source.parent / link["trace"]).resolve())
     data.update(changes)
-    data["warm_workers"] = warm
+    data["warm_runs"] = warm
     path = directory / f"{name}-{'warm' if warm else 'cold'}.yaml"
     with path.open("w") as f:
         yaml.dump(data, f)
@@ -75,9 +76,9 @@ def testbed(*args: str, log: Path) -> subprocess.Popen:
 def run_serving(run_dir: Path) -> dict[str, Any]:
     manifest = json.loads((run_dir / "manifest.json").read_text())
     requests = pd.read_parquet(run_dir / "requests.parquet")
-    done = requests[requests.completed]
-    start = requests.clock_origin_unix_s.min()
-    end = (done.clock_origin_unix_s + done.done_s).max()
+    done = requests[requests.completed] if "done_s" in requests else requests.iloc[:0]
+    start = requests.clock_origin_unix_s.min() if "clock_origin_unix_s" in requests else 0.0
+    end = (done.clock_origin_unix_s + done.done_s).max() if len(done) else start
     wall = manifest["ended_unix_s"] - manifest["started_unix_s"]
     return {
         "run_id": manifest["run_id"], "label": ", ".join(f"{k}={v}" for k, v in manifest["overrides"].items()),
@@ -139,10 +140,10 @@ def compare(warm_out: Path, cold_out: Path) -> dict[str, Any]:
     return out
 
 
-def run_both_ways(name: str, directory: Path) -> dict[str, Any]:
+def run_both_ways(name: str, directory: Path, ways: list[str]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     outs = {}
-    for way in ("warm", "cold"):
+    for way in ways:
         campaign = campaign_copy(name, directory, warm=way == "warm")
         out = directory / f"{name}-{way}"
         started = time.monotonic()
@@ -151,9 +152,10 @@ def run_both_ways(name: str, directory: Path) -> dict[str, Any]:
         print(f"{name} {way}: exit status {done} in {wall:.1f} s", file=sys.stderr)
         result[way] = campaign_figures(out, wall)
         outs[way] = out
-    ratio = result["cold"]["campaign_wall_s"] / result["warm"]["campaign_wall_s"]
-    result["cold_over_warm_total_time"] = round(ratio, 3)
-    result["warm_vs_cold"] = compare(outs["warm"], outs["cold"])
+    if len(outs) == 2:
+        ratio = result["cold"]["campaign_wall_s"] / result["warm"]["campaign_wall_s"]
+        result["cold_over_warm_total_time"] = round(ratio, 3)
+        result["warm_vs_cold"] = compare(outs["warm"], outs["cold"])
     return result
 
 
@@ -238,6 +240,8 @@ def main() -> None:
     parser.add_argument("--campaigns", default="demo,hat", help="comma-separated: demo, hat (default: both)")
     parser.add_argument("--kills", type=int, default=0, help="SIGKILLs of a warm demo campaign, each resumed")
     parser.add_argument("--seed", type=int, default=1, help="seed of the kill moments")
+    parser.add_argument("--ways", default="warm,cold", help="comma-separated: warm, cold (default: both)")
+    parser.add_argument("--work", type=Path, help="where the campaigns go (default: a new directory, kept)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root: the emulated testbed builds network namespaces")
@@ -249,19 +253,21 @@ def main() -> None:
     if not was_up and not up(lab, say=lambda _: None).ok:
         raise SystemExit("could not bring the emulated testbed up")
     results: dict[str, Any] = {}
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-campaign-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"campaigns in {work}", file=sys.stderr)
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-campaign-") as tmp:
-            for name in [c for c in args.campaigns.split(",") if c]:
-                results[name] = run_both_ways(name, Path(tmp))
-            if args.kills:
-                results["kills"] = kills("demo", Path(tmp), args.kills, args.seed)
+        for name in [c for c in args.campaigns.split(",") if c]:
+            results[name] = run_both_ways(name, work, [w for w in args.ways.split(",") if w])
+        if args.kills:
+            results["kills"] = kills("demo", work, args.kills, args.seed)
     finally:
         if not was_up:
             down(load_inventory(INVENTORY), say=lambda _: None)
     path = write("campaign", results)
     summary = {name: {k: r.get(k) for k in ("cold_over_warm_total_time",)} | {
         way: {k: r[way][k] for k in ("campaign_wall_s", "serving_share_of_run_wall", "serving_share_of_campaign_wall")}
-        for way in ("warm", "cold")} for name, r in results.items() if name != "kills"}  # fmt: skip
+        for way in ("warm", "cold") if way in r} for name, r in results.items() if name != "kills"}  # fmt: skip
     print(json.dumps(summary, indent=1))
     print(f"wrote {path}")
 

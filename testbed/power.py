@@ -89,9 +89,10 @@ def run_driver(
     return dict(answer)
 
 
-def set_action(mode: str, *, lock_clocks: bool = False) -> list[str]:
-    """The driver's words that set ``mode`` (an id or a name)."""
-    return ["set", mode, *(["--lock-clocks"] if lock_clocks else [])]
+def set_action(mode: str, *, lock_clocks: bool = False, if_differs: bool = False) -> list[str]:
+    """The driver's words that set ``mode`` (an id or a name); ``if_differs``: only when the node is
+    not in it already (it reads the mode first, and back after setting)."""
+    return ["set", mode, *(["--lock-clocks"] if lock_clocks else []), *(["--if-differs"] if if_differs else [])]
 
 
 def _drive(
@@ -135,26 +136,21 @@ def set_power(
     *,
     lock_clocks: bool = False,
     contexts: Mapping[str, NodeContext] | None = None,
-    shown: Mapping[str, PowerReading] | None = None,
 ) -> FanOutResult[PowerReading]:
     """Set ``mode`` (an id or name) on every selected node and read it back; each node's journal
     records its state before the first change. Nothing is changed anywhere when a node cannot be
-    read first, and a mode that a selected Jetson does not offer is a user error. ``shown``: the
-    nodes' readings taken moments before (they are not read again)."""
+    read first, and a mode that a selected Jetson does not offer is a user error."""
     selected = inventory.select(targets)
     if not selected:
         raise TestbedError("no node selected")
     by_name = {n.name: n for n in selected}
-    if shown is None or not set(by_name) <= set(shown):
-        read = show_power(inventory, list(by_name), contexts=contexts)
-        if not read.ok:
-            return FanOutResult(read.failed, read.wall_s)
-        shown = read.values()
+    shown = show_power(inventory, list(by_name), contexts=contexts)
+    if not shown.ok:
+        return FanOutResult(shown.failed, shown.wall_s)
     lacking = {
         name: reading
-        for name, reading in shown.items()
-        if name in by_name and reading.kind == "jetson"
-        and not any(mode in (i, n) or mode.lower() == n.lower() for i, n in reading.modes)
+        for name, reading in shown.values().items()
+        if reading.kind == "jetson" and not any(mode in (i, n) or mode.lower() == n.lower() for i, n in reading.modes)
     }
     if lacking:
         listing = "; ".join(
@@ -170,9 +166,26 @@ def set_power(
     )
 
 
-def holds_mode(reading: PowerReading, mode: str) -> bool:
-    """Whether the node read back is in ``mode`` (an id or a name, as :func:`set_power` takes it)."""
-    return mode in (reading.mode_id, reading.mode_name) or mode.lower() == (reading.mode_name or "").lower()
+@dataclass(frozen=True)
+class ModeConverged:
+    reading: PowerReading  # read back after setting, or as found
+    changed: bool  # False: the node was in the mode already, and was left alone
+
+
+def converge_power(
+    inventory: Inventory, modes: Mapping[str, str], *, contexts: Mapping[str, NodeContext] | None = None
+) -> FanOutResult[ModeConverged]:
+    """Put every node of ``modes`` (node -> mode) in its mode with one driver call per node, which reads
+    the mode first and changes (journaled, read back) only a node that is not in it already. A campaign
+    run's configuration; the modes were checked against the inventory when the campaign was loaded."""
+    require_current_code(inventory, list(modes))
+
+    def converge(name: str) -> ModeConverged:
+        node = inventory.node(name)
+        answer = _drive(inventory, node, set_action(modes[name], if_differs=True), contexts)
+        return ModeConverged(_reading(node, answer), bool(answer.get("changed", True)))
+
+    return fan_out(list(modes), converge, description="setting power modes where they differ")
 
 
 def restore_power(

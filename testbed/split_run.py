@@ -226,7 +226,7 @@ def stage_run(
     inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, NodeContext] | None = None
 ) -> StagedRun:
     """Check the run's nodes can run together, then put the run's files on every node: the node code
-    (when it lacks it), an empty ``out/``, each device's schedule, and each node's run config."""
+    (when it lacks it), a new run directory, each device's schedule, and each node's run config."""
     server, devices = check_spec(inventory, spec)
     nodes = [server, *devices]
     records = {n.name: load_record(inventory, n.name) for n in nodes}
@@ -242,7 +242,9 @@ def stage_run(
         with open_transport(inventory, node) as t:
             ensure_node_code(t, contexts[name])
             run_dir = run_dir_on(contexts[name], spec.run_id)
-            t.run(["rm", "-rf", f"{run_dir}/out"], timeout_s=60.0).check()
+            # everything of an earlier run with this id goes (its outputs, a pool's record of it): the
+            # same campaign run again in the same lab has the same run ids
+            t.run(["rm", "-rf", run_dir], timeout_s=60.0).check()
             info = {"run_dir": run_dir}
             if name in spec.devices:
                 index = spec.devices.index(name)

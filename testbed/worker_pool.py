@@ -7,7 +7,8 @@ the devices in order and the server's pipeline stages: every run with that shape
 it, whatever its method, partition or schedule (the ranks reload only the model parts that change).
 
 Per run the controller stages the run's files on the nodes as for a single launch
-(:func:`testbed.split_run.stage_run`), stores the order ``{"number": n, "run": <run id>}`` in the
+(:func:`testbed.split_run.stage_run`) and starts a pool if none of the run's shape is up
+(``prepare``, alongside the run's configuration), then stores the order ``{"number": n, "run": <run id>}`` in the
 pool directory of the launch node, and waits until rank 0 writes the run's ``pool-run.json`` (or
 ``mpiexec`` ends: a rank failed, and the pool with it). A run that fails or times out ends the pool;
 the next run starts a new one (cold).
@@ -38,6 +39,7 @@ from testbed.split_run import (
     MpiLaunchPlan,
     SplitRunResult,
     SplitRunSpec,
+    StagedRun,
     collect_ranks,
     failed_node,
     hydra_summary,
@@ -136,6 +138,16 @@ class WorkerPool:
 
 
 @dataclass(frozen=True)
+class PreparedRun:
+    """A run staged on its nodes, with the pool that will serve it up."""
+
+    spec: SplitRunSpec
+    staged: StagedRun
+    pool: WorkerPool
+    warm: bool  # the pool had been started for an earlier run
+
+
+@dataclass(frozen=True)
 class PoolRun:
     """How a pool served one run."""
 
@@ -161,35 +173,45 @@ class PoolKeeper:
         entry = {"pool": pool.pool_id, "node": pool.server, "pidfile": pool.files.pidfile}
         write_json_atomic(self.registry, [*known, entry])
 
-    def serve(
+    def prepare(
         self,
         spec: SplitRunSpec,
         contexts: Mapping[str, NodeContext],
         launch: MpiLaunchPlan,  # the pool's (pool_launch)
-        out_dir: Path,
         *,
         on_started: Callable[[WorkerPool, bool], None] = lambda _pool, _warm: None,
-        on_wait: Callable[[float], None] = lambda _: None,
-    ) -> PoolRun:
-        """Serve ``spec`` (staged on its nodes first) from the pool of its shape; a failure ends the pool.
-        ``on_started(pool, warm)`` is called before the order (before a new pool is started)."""
+    ) -> PreparedRun:
+        """Stage ``spec`` on its nodes and make sure the pool of its shape is up (a new pool, cold, when
+        none is; its ranks load while the caller configures the nodes). ``on_started(pool, warm)`` is
+        called before a new pool starts. A failure ends the pool."""
         name = pool_name(spec)
         if self.pool is not None and self.pool.name != name:
             self.release("the next run has another shape")
-        staged = stage_run(self.inventory, spec, contexts)
-        warm = self.pool is not None
-        if self.pool is None:
+        try:
+            staged = stage_run(self.inventory, spec, contexts)
+            if self.pool is not None:
+                on_started(self.pool, True)
+                return PreparedRun(spec, staged, self.pool, True)
             server = contexts[launch.launch_node]
             pool = WorkerPool(f"{name}/{spec.run_id}", name, launch, pool_files(server, name))
             self._register(pool)
             on_started(pool, False)
-            self._start(pool)
             self.pool = pool
-        else:
-            on_started(self.pool, True)
-        pool = self.pool
+            self._start(pool)
+            return PreparedRun(spec, staged, pool, False)
+        except BaseException:
+            self.discard()
+            raise
+
+    def serve(
+        self, prepared: PreparedRun, out_dir: Path, *, on_wait: Callable[[float], None] = lambda _: None
+    ) -> PoolRun:
+        """Order the prepared run from its pool, wait for it, collect its ranks' files; a failure
+        ends the pool."""
         try:
-            return self._run(pool, spec, staged, out_dir, warm, on_wait)
+            if self.pool is not prepared.pool:
+                raise NodeError(prepared.pool.server, f"the worker pool {prepared.pool.pool_id} is no longer up")
+            return self._run(prepared.pool, prepared.spec, prepared.staged, out_dir, prepared.warm, on_wait)
         except BaseException:
             self.discard()
             raise
@@ -200,7 +222,7 @@ class PoolKeeper:
             t.start_background(launch_argv(pool.launch, pool.files.status), pidfile=pool.files.pidfile,
                                logfile=pool.files.log, env=launch_env(pool.launch.timeout_s))  # fmt: skip
 
-    def _run(self, pool: WorkerPool, spec: SplitRunSpec, staged: Any, out_dir: Path, warm: bool,
+    def _run(self, pool: WorkerPool, spec: SplitRunSpec, staged: StagedRun, out_dir: Path, warm: bool,
              on_wait: Callable[[float], None]) -> PoolRun:  # fmt: skip
         record_path = f"{staged.server_run_dir}/{POOL_RECORD}"
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -227,7 +249,7 @@ class PoolKeeper:
         pool.served += 1
         result = SplitRunResult(out_dir, pool.launch, seconds, tuple(rank_dirs))
         if not self.warm:
-            self.release("every run starts cold (warm_workers: false)")
+            self.release("every run starts cold (warm_runs: false)")
         return PoolRun(result, pool.pool_id, warm, runs_before, record)
 
     def release(self, reason: str) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sqlite3
 from collections.abc import Iterator
@@ -140,6 +141,26 @@ def test_random_order_is_a_shuffle_of_the_listed_runs_with_the_same_ids(tmp_path
     # a run's id and seed depend on what it is, not on where it lands in the order
     assert sorted((r.run_id, r.seed) for r in shuffled.runs) == sorted((r.run_id, r.seed) for r in listed.runs)
     assert [r.position for r in shuffled.runs] == list(range(8))
+
+
+def test_random_order_makes_runs_of_one_worker_shape_adjacent(tmp_path: Path) -> None:
+    # stages decide the pool (a warm pool serves one server, devices and stages), the method family the
+    # parts its ranks hold: four shapes, each a block of consecutive runs, in an order the seed decides
+    matrix = "matrix:\n  method: [ushape, centralized]\n  partition.stages: [1, 2]\n  link.profile: [wifi-up, wifi-far]\n"
+    campaign = load_campaign(write(tmp_path, BASE + matrix + "repetitions: 2\nseed: 5\n"))
+    blocks = [(r.settings.partition.stages, r.settings.method) for r in campaign.runs]
+    changes = sum(1 for a, b in itertools.pairwise(blocks) if a != b)
+    assert len(blocks) == 16 and len(set(blocks)) == 4 and changes == 3
+    # still a seeded shuffle: within a block the order is not the listed one, and the same file gives it again
+    listed = load_campaign(write(tmp_path, BASE + matrix + "repetitions: 2\nseed: 5\norder: listed\n", "l.yaml"))
+    assert sorted(r.run_id for r in campaign.runs) == sorted(r.run_id for r in listed.runs)
+    assert [r.run_id for r in campaign.runs] == [r.run_id for r in load_campaign(tmp_path / "campaign.yaml").runs]
+    first = [(r.repetition, r.overrides) for r in campaign.runs if (r.settings.partition.stages, r.settings.method) == blocks[0]]
+    in_listed = [(r.repetition, r.overrides) for r in listed.runs if (r.settings.partition.stages, r.settings.method) == blocks[0]]
+    assert sorted(first) == sorted(in_listed) and first != in_listed
+    # listed keeps the matrix order, shapes interleaved
+    listed_blocks = [(r.settings.partition.stages, r.settings.method) for r in listed.runs]
+    assert sum(1 for a, b in itertools.pairwise(listed_blocks) if a != b) > 3
 
 
 def test_one_seed_per_repetition_shared_by_every_matrix_point(tmp_path: Path) -> None:

@@ -41,7 +41,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory):
         yield path
 
 
-def campaign_file(directory: Path, inventory: Path, *, name: str, methods: list[str], requests: int) -> Path:
+def campaign_file(
+    directory: Path, inventory: Path, *, name: str, methods: list[str], requests: int, warm: bool = True
+) -> Path:
     """A campaign on orin + the server: orin at MODE_50W (its initial mode is MAXN), the links
     shaped with wifi-up, ``requests`` per run, in the listed order."""
     path = directory / f"{name}.yaml"
@@ -60,6 +62,7 @@ matrix:
 order: listed
 seed: 11
 run_timeout_s: 120
+warm_runs: {"true" if warm else "false"}
 """)
     return path
 
@@ -130,6 +133,47 @@ def node_state(inventory: Path) -> dict[str, str]:
         qdiscs = t.run(["tc", "qdisc", "show", "dev", "data0"]).check().stdout
         mode = t.run(["nvpmodel", "-q"]).check().stdout
     return {"qdiscs": qdiscs, "mode": mode}
+
+
+def test_warm_runs_compute_what_cold_runs_do_and_leave_the_nodes_set_only_between_runs(lab, tmp_path):
+    # ushape then usarathi: one shape, the same model parts (they differ on the server's scheduling only)
+    results = {}
+    for warm in (True, False):
+        campaign = campaign_file(tmp_path, lab, name=f"warm-{warm}", methods=["ushape", "usarathi"], requests=3,
+                                 warm=warm)  # fmt: skip
+        out = tmp_path / f"out-{warm}"
+        controller = start_campaign(campaign, out)
+        assert controller.wait(timeout=WAIT_LIMIT_S) == 0, (tmp_path / f"out-{warm}-controller.log").read_text()[-3000:]
+        rows = ledger_rows(out)
+        assert [r[2] for r in rows] == ["done", "done"], rows
+        results[warm] = (out, [json.loads((out / "runs" / r[1] / "manifest.json").read_text()) for r in rows])
+        state = node_state(lab)
+        assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state  # the campaign's end restored
+        assert not device_worker_pids(lab)
+    (warm_out, (first, second)), (cold_out, (cold_first, cold_second)) = results[True], results[False]
+    # warm: one pool; the second run reused every part its ranks hold, and found orin's mode and links set
+    assert (first["workers"]["start"], second["workers"]["start"]) == ("cold", "warm")
+    assert first["workers"]["pool"] == second["workers"]["pool"] and second["workers"]["runs_before"] == 1
+    assert all(rank["reused"] and not rank["loaded"] for rank in second["workers"]["ranks"])
+    # link.profile shapes every link of the inventory, so every node holds shaping for the next run
+    assert first["restore"]["kept_for_next_run"] == {"power": ["orin"], "links": ["orin", "orin-nx", "server", "xavier"]}
+    assert first["power"]["set"] == {"orin": "MODE_50W"} and second["power"]["unchanged"] == {"orin": "MODE_50W"}
+    assert not any(link["changed"] for link in second["links"]["applied"])
+    # the last run restores what it and the run before it set
+    assert "kept_for_next_run" not in second["restore"] and second["restore"]["power"]["orin"]["mode"] == "MAXN"
+    assert all(node["ok"] and not node["leftovers"] for node in second["restore"]["links"].values())
+    # cold: a pool per run, each run configured and restored on its own
+    assert (cold_first["workers"]["start"], cold_second["workers"]["start"]) == ("cold", "cold")
+    assert cold_first["workers"]["pool"] != cold_second["workers"]["pool"]
+    assert cold_second["power"]["set"] == {"orin": "MODE_50W"} and cold_first["restore"]["power"]["orin"]["ok"]
+    # the same requests give the same tokens, warm or cold
+    for manifest in (first, second):
+        warm_tokens = pd.read_parquet(warm_out / "runs" / manifest["run_id"] / "tokens.parquet")
+        cold_tokens = pd.read_parquet(cold_out / "runs" / manifest["run_id"] / "tokens.parquet")
+        key = ["node", "request_id", "index"]
+        merged = warm_tokens.merge(cold_tokens, on=key, suffixes=("_warm", "_cold"))
+        assert len(merged) == len(warm_tokens) == len(cold_tokens) > 0
+        assert (merged.token_id_warm == merged.token_id_cold).all()
 
 
 def test_a_killed_device_worker_fails_its_run_and_the_next_run_proceeds(lab, tmp_path):

@@ -86,6 +86,23 @@ def test_set_mode_reads_back_changes_the_quota_and_restore_undoes_it(lab: Path) 
     assert power_journals(lab) == []
 
 
+def test_converging_leaves_a_node_in_its_mode_alone_and_sets_the_others(lab: Path) -> None:
+    from testbed.power import converge_power
+
+    inv = load_lab(lab)
+    result = converge_power(inv, {"orin": "MAXN", "xavier": "MODE_15W"})  # orin is in MAXN already
+    assert result.ok, result.failed
+    done = result.values()
+    assert not done["orin"].changed and done["orin"].reading.mode_name == "MAXN"
+    assert done["xavier"].changed and done["xavier"].reading.mode_name == "MODE_15W"
+    assert [p.parents[3].name for p in power_journals(lab)] == ["xavier"]  # only what changed
+    again = converge_power(inv, {"xavier": "mode_15w"}).values()["xavier"]  # a name in any case
+    assert not again.changed and again.reading.journal  # the first snapshot stays for restore
+    restore_power(inv)
+    assert {r.mode_id for r in show_power(inv, ["devices"]).values().values()} == {"0"}
+    assert power_journals(lab) == []
+
+
 def test_a_mode_one_node_lacks_changes_no_node(lab: Path) -> None:
     inv = load_lab(lab)
     with pytest.raises(TestbedError, match="not a mode of orin-nx"):

@@ -27,6 +27,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     set_parser = sub.add_parser("set", help="set a mode (id or name) and read it back")
     set_parser.add_argument("mode")
     set_parser.add_argument("--lock-clocks", action="store_true", help="also lock clocks at the mode's maximum")
+    set_parser.add_argument("--if-differs", action="store_true",
+                            help="leave a node that is in the mode already alone (no journal)")  # fmt: skip
     sub.add_parser("restore", help="put back what the journal recorded, then drop the journal")
     args = parser.parse_args(argv)
     journal = PowerJournal(args.journal)
@@ -37,11 +39,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             result.update(state=_state_json(driver.state()), modes=[m._asdict() for m in driver.modes()])
         elif args.action == "set":
             driver.check_mode(args.mode)  # a mode that cannot be set leaves no journal behind
-            journal.record_before_change(driver)
-            state = driver.set_mode(args.mode)
-            if args.lock_clocks:
-                state = driver.lock_clocks()
-            result.update(state=_state_json(state))
+            current = driver.state() if args.if_differs and not args.lock_clocks else None
+            if current is not None and current.mode_id == driver.resolve(args.mode).id:
+                result.update(state=_state_json(current), changed=False)
+            else:
+                journal.record_before_change(driver)
+                state = driver.set_mode(args.mode)
+                if args.lock_clocks:
+                    state = driver.lock_clocks()
+                result.update(state=_state_json(state), changed=True)
         else:
             result.update(restored=_state_json(journal.restore(driver)))
         result["journal"] = journal.read() is not None

@@ -1,14 +1,15 @@
 """One run of a campaign, phase by phase, with everything restored whatever happens.
 
-    preflight -> configure -> telemetry -> workers -> drain -> collect -> restore -> record
+    preflight -> (configure | telemetry | stage) -> workers -> drain -> collect -> restore -> record
 
 ``preflight`` reaches every node of the run, checks their provisioning records agree, makes the
 run plan with the nodes read back (``plan.json``, :mod:`testbed.campaign.plan`: every later phase
 executes it) and writes the device schedules; ``configure`` sets the power modes and shapes the links
 that do not hold the run's values already (read back; links measured with iperf3 when
 ``link.verify_s`` > 0); ``telemetry`` starts the samplers (probing the sensors and measuring clock
-offsets); ``workers`` hands the run to the warm worker pool of its shape, starting one when none is
-up (:mod:`testbed.worker_pool`), and waits for it; ``drain`` keeps telemetry running for
+offsets); ``stage`` puts the run's files on its nodes and starts the warm worker pool of its shape
+when none is up (:mod:`testbed.worker_pool`); these three touch different things and run side by
+side. ``workers`` orders the run from the pool and waits for it; ``drain`` keeps telemetry running for
 ``drain_s``; ``collect`` stops the samplers and turns the rank files into parquet; ``restore`` stops
 the run's trace players and undoes shaping and power modes from the nodes' journals, except on the
 nodes the next run sets again (``keep``: they are restored after it, or by the campaign's end);
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -45,10 +47,10 @@ from testbed.split_run import run_dir_on
 from testbed.transport import open_transport
 from testbed.transport.base import quote_path
 from testbed.transport.fanout import fan_out
-from testbed.worker_pool import PoolKeeper, WorkerPool
+from testbed.worker_pool import PoolKeeper, PreparedRun, WorkerPool
 from workloads.schedule import write_schedule
 
-PHASES = ("preflight", "configure", "telemetry", "workers", "drain", "collect", "restore", "record")
+PHASES = ("preflight", "configure", "telemetry", "stage", "workers", "drain", "collect", "restore", "record")
 Report = Callable[[str, dict[str, Any]], None]  # (event, details) for the progress display
 
 
@@ -58,10 +60,12 @@ class EventLog:
     def __init__(self, path: Path, run_id: str) -> None:
         self.path, self.run_id = path, run_id
         self._file = SyncedLines(path)
+        self._lock = threading.Lock()  # phases that run side by side write here too
 
     def write(self, event: str, **details: Any) -> None:
         row = {"ts_s": round(time.time(), 6), "run_id": self.run_id, "event": event, **details}
-        self._file.write(json.dumps(row, default=str))
+        with self._lock:
+            self._file.write(json.dumps(row, default=str))
 
     def close(self) -> None:
         self._file.close()
@@ -109,6 +113,7 @@ class _RunState:
     plan: RunPlan | None = None  # made in preflight, with the nodes read back
     workers: dict[str, Any] = field(default_factory=dict)  # which pool served the run, warm or cold
     kept: Kept = Kept()
+    prepared: PreparedRun | None = None  # staged, with its pool up
 
 
 def execute_run(
@@ -131,18 +136,20 @@ def execute_run(
     lab, settings = campaign.inventory, run.settings
     started_unix = time.time()
     events.write("run_start", attempt=attempt, label=run.label())
-    steps: list[tuple[str, Callable[[], None]]] = [
-        ("preflight", lambda: _preflight(campaign, run, attempt, directory, state)),
-        ("configure", lambda: _configure(campaign, settings, state, events)),
-        ("telemetry", lambda: _start_telemetry(campaign, directory, state)),
-        ("workers", lambda: _workers(campaign, directory, state, report, pools)),
-        ("drain", lambda: time.sleep(settings.drain_s)),
-    ]
+    Step = tuple[str, Callable[[], None]]
+    steps: list[list[Step]] = [  # the phases of one entry run side by side
+        [("preflight", lambda: _preflight(campaign, run, attempt, directory, state))],
+        [("configure", lambda: _configure(campaign, settings, state, events)),
+         ("telemetry", lambda: _start_telemetry(campaign, directory, state)),
+         ("stage", lambda: _stage(directory, state, pools))],
+        [("workers", lambda: _workers(campaign, directory, state, report, pools))],
+        [("drain", lambda: time.sleep(settings.drain_s))],
+    ]  # fmt: skip
     try:
-        for phase, step in steps:
+        for together in steps:
             if state.failure is not None:
                 break
-            _phase(phase, step, state, events, report)
+            _side_by_side([lambda p=phase, s=step: _phase(p, s, state, events, report) for phase, step in together])
         _phase("collect", lambda: _collect(campaign, directory, state), state, events, report)
     finally:
         kept = keep if state.failure is None else (frozenset(), frozenset())
@@ -169,6 +176,18 @@ def execute_run(
         events.write("run_end", state=outcome.state, reason=outcome.reason, node=outcome.failed_node)
         events.close()
     return outcome
+
+
+def _side_by_side(calls: list[Callable[[], None]]) -> None:
+    """Run ``calls`` at once (each in a thread but the first) and wait for all of them."""
+    threads = [threading.Thread(target=call, daemon=True) for call in calls[1:]]
+    for thread in threads:
+        thread.start()
+    try:
+        calls[0]()
+    finally:
+        for thread in threads:
+            thread.join()
 
 
 def _phase(name: str, step: Callable[[], None], state: _RunState, events: EventLog, report: Report) -> None:
@@ -217,34 +236,45 @@ def _preflight(campaign: Campaign, run: PlannedRun, attempt: int, directory: Pat
 
 
 def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
-    """Power modes and links, each changed only where the node does not hold the run's value already."""
-    from testbed.power import holds_mode, set_power, show_power
+    """Power modes and links (side by side), each changed only where the node does not hold the run's
+    value already."""
+    errors: list[BaseException] = []
 
-    lab, plan = campaign.inventory, _plan(state)
-    modes: dict[str, list[str]] = {}
-    for step in plan.power:
-        modes.setdefault(step.mode, []).append(step.node)
-    if plan.power:
-        shown = show_power(lab, [step.node for step in plan.power], contexts=plan.contexts)
-        _require(shown, "reading power modes")
-        readings = shown.values()
-        for mode, nodes in modes.items():
-            differ = [name for name in nodes if not holds_mode(readings[name], mode)]
-            state.power_unchanged.update({name: mode for name in nodes if name not in differ})
-            if not differ:
-                continue
-            result = set_power(lab, differ, mode, contexts=plan.contexts, shown=readings)
-            state.power_set.update({name: mode for name in result.values()})
-            _require(result, f"setting power mode {mode}")
-            readings.update(result.values())
-            events.write("power_set", nodes=differ, mode=mode)
-        state.power_read_back = {name: dataclasses.asdict(r) for name, r in readings.items()}
+    def collecting(call: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                call()
+            except BaseException as exc:  # raised again below, in the phase's own thread
+                errors.append(exc)
+
+        return run
+
+    calls = [collecting(lambda: _set_power(campaign, state, events))]
     if settings.link.shaped:
-        _shape(campaign, settings, state, events)
+        calls.append(collecting(lambda: _shape(campaign, settings, state, events)))
+    _side_by_side(calls)
+    if errors:
+        raise errors[0]
+
+
+def _set_power(campaign: Campaign, state: _RunState, events: EventLog) -> None:
+    from testbed.power import converge_power
+
+    plan = _plan(state)
+    if not plan.power:
+        return
+    wanted = {step.node: step.mode for step in plan.power}
+    result = converge_power(campaign.inventory, wanted, contexts=plan.contexts)
+    for name, converged in result.values().items():
+        (state.power_set if converged.changed else state.power_unchanged)[name] = wanted[name]
+        state.power_read_back[name] = dataclasses.asdict(converged.reading)
+    _require(result, "setting power modes")
+    if state.power_set:
+        events.write("power_set", modes=state.power_set, unchanged=sorted(state.power_unchanged))
 
 
 def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
-    from testbed.links.apply import apply_plans, apply_trace, show_nodes
+    from testbed.links.apply import apply_plans, apply_trace
     from testbed.links.verify import verify_links
 
     lab, link, plan = campaign.inventory, settings.link, _plan(state)
@@ -265,8 +295,8 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
         state.links["trace"] = {"file": link.trace, "duration_s": started.duration_s, "logfiles": started.logfiles}
     _require(result.applied, "shaping links")
     events.write("links_shaped", nodes=list(state.shaped_nodes))
-    shown = show_nodes(lab, list(state.shaped_nodes))
-    state.links["read_back"] = {name: jsonable(v) for name, v in shown.values().items()}
+    # what tc read back right after applying (or, where nothing was applied, what the node held then)
+    state.links["read_back"] = {o.node: jsonable(o.value.states) for o in result.applied.outcomes if o.value}
     if link.verify_s > 0:
         rows = verify_links(lab, plan.links, duration_s=link.verify_s)
         state.links["verification"] = [jsonable(r) for r in rows]
@@ -292,23 +322,30 @@ def _start_telemetry(campaign: Campaign, directory: Path, state: _RunState) -> N
     _note_processes(directory, [{"node": r.node, "host": r.host, "pidfile": r.pidfile} for r in recording.nodes])
 
 
-def _workers(campaign: Campaign, directory: Path, state: _RunState, report: Report, pools: PoolKeeper) -> None:
-    lab, plan = campaign.inventory, _plan(state)
-    spec = plan.split
+def _stage(directory: Path, state: _RunState, pools: PoolKeeper) -> None:
+    """The run's files on its nodes, and the pool of its shape up (started now, cold, if none is)."""
+    plan = _plan(state)
     if plan.mpiexec is None:
-        raise NodeError(spec.server, "no mpiexec beside its Python or on PATH (pip install mpich mpi4py)")
-    scheduled = sum(len(rows) for rows in state.schedules.values())
+        raise NodeError(plan.split.server, "no mpiexec beside its Python or on PATH (pip install mpich mpi4py)")
 
     def started(pool: WorkerPool, warm: bool) -> None:
         state.workers = {"pool": pool.pool_id, "start": "warm" if warm else "cold", "runs_before": pool.served}
         _note_processes(directory, [{"node": pool.server, "host": pool.server, "pidfile": pool.files.pidfile}])
 
+    state.prepared = pools.prepare(plan.split, plan.contexts, plan.launch, on_started=started)
+
+
+def _workers(campaign: Campaign, directory: Path, state: _RunState, report: Report, pools: PoolKeeper) -> None:
+    lab, plan = campaign.inventory, _plan(state)
+    if state.prepared is None:
+        raise TestbedError("the run was not staged")
+    scheduled = sum(len(rows) for rows in state.schedules.values())
+
     def served(_elapsed_s: float) -> None:
         report("served", {"served": _count_served(lab, plan), "scheduled": scheduled})
 
     try:
-        done = pools.serve(spec, plan.contexts, plan.launch, directory / "workers", on_started=started,
-                           on_wait=served)  # fmt: skip
+        done = pools.serve(state.prepared, directory / "workers", on_wait=served)
         state.workers["ranks"] = done.record.get("ranks", [])
     finally:
         state.completed = _count_rows(directory / "workers" / "ranks")

@@ -147,7 +147,7 @@ class RunPlan:
     def actions(self) -> dict[str, list[str]]:
         """Per node, what the run changes or starts there, in order (the lines that matter to a
         reader: power driver, tc, samplers, the MPI launch, and the restore), without the reads."""
-        keep = ("set the power mode", "shape the links", "start the sampler (detached)",
+        keep = ("set the power mode where it differs", "shape the links", "start the sampler (detached)",
                 "start the trace player (detached)", "undo the shaping (only what the journal says is ours)",
                 "restore the power mode from the node's journal")  # fmt: skip
         out: dict[str, list[str]] = {name: [] for name in self.nodes}

@@ -113,16 +113,12 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
                   _sh(probe_script(plan_devices(plans), lab.spec.defaults.workdir)))  # fmt: skip
     for name in plan.nodes:
         lines.add(name, "preflight", "reach the node", command_line(["true"]))
-    # configure: power modes read, and set (the driver reads them back) where they differ
+    # configure: power modes, each set (journaled, read back) only where the node is not in it already
     for step in plan.power:
         lines.node_code(step.node, "configure", ctx[step.node])
-        lines.add(step.node, "configure", "read the power mode",
-                  command_line(driver_command(lab, lab.node(step.node), ctx[step.node], ["show"])))  # fmt: skip
-    for step in plan.power:
-        lines.node_code(step.node, "configure", ctx[step.node])
-        lines.add(step.node, "configure", "set the power mode",
-                  command_line(driver_command(lab, lab.node(step.node), ctx[step.node], set_action(step.mode))),
-                  "if-differs")  # fmt: skip
+        lines.add(step.node, "configure", "set the power mode where it differs",
+                  command_line(driver_command(lab, lab.node(step.node), ctx[step.node],
+                                              set_action(step.mode, if_differs=True))))  # fmt: skip
     # configure: links
     _link_lines(lines, plan, states)
     # telemetry
@@ -144,21 +140,22 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
             _datafile, pidfile, logfile = sampler_paths(c, tel.session)
             lines.node_code(sampler.node, "telemetry", c)
             lines.detached(sampler.node, "telemetry", "start the sampler (detached)", argv, pidfile, logfile)
-    # workers: the run staged on its nodes, then served by the warm pool of its shape
+    # stage (beside configure and telemetry): the run staged on its nodes, the warm pool of its shape started
+    # if none is up; workers: the run ordered from the pool
     server = settings.server
     for name in (server, *settings.devices):
         c = ctx[name]
         run_dir = run_dir_on(c, settings.run_id)
-        lines.node_code(name, "workers", c)
-        lines.add(name, "workers", "clear the run's output", command_line(["rm", "-rf", f"{run_dir}/out"]))
+        lines.node_code(name, "stage", c)
+        lines.add(name, "stage", "remove what an earlier run with this id left", command_line(["rm", "-rf", run_dir]))
         if name in settings.devices:
-            lines.store(name, "workers", "store the device's schedule", f"{run_dir}/schedule-{name}.jsonl")
-        lines.store(name, "workers", "store the run config", f"{run_dir}/run.json")
+            lines.store(name, "stage", "store the device's schedule", f"{run_dir}/schedule-{name}.jsonl")
+        lines.store(name, "stage", "store the run config", f"{run_dir}/run.json")
     files = pool_files(ctx[server], pool_name(settings))
-    lines.add(server, "workers", "clear what an earlier pool of this shape left", command_line(start_script(files)),
+    lines.add(server, "stage", "clear what an earlier pool of this shape left", command_line(start_script(files)),
               "if-cold")  # fmt: skip
     words = prefix_words(sudo=False, env=launch_env(plan.launch.timeout_s))
-    lines.detached(server, "workers", "start the warm worker pool with mpiexec (detached)",
+    lines.detached(server, "stage", "start the warm worker pool with mpiexec (detached)",
                    [*words, *launch_argv(plan.launch, files.status)], files.pidfile, files.log, "if-cold")  # fmt: skip
     lines.store(server, "workers", "order the run from the pool", files.order)
     record = f"{run_dir_on(ctx[server], settings.run_id)}/{POOL_RECORD}"
@@ -224,12 +221,6 @@ def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:
         lines.add(name, "configure", "read tc back", _sh(_read_script(plan_devices(plans))), "if-differs")
     if plan.trace is not None:
         _trace_lines(lines, plan)
-    for name, plans in by_node.items():
-        lines.add(name, "configure", "read the journal back", _sh(node_journal.read_script(workdir)))
-        node = lab.node(name)
-        devices = [node.data.interface] if node.data else []
-        lines.add(name, "configure", "read tc back for the manifest",
-                  _sh(_read_script(list(dict.fromkeys(devices + plan_devices(plans))))))  # fmt: skip
 
 
 def _trace_lines(lines: _Lines, plan: RunPlan) -> None:

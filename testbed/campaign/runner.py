@@ -205,7 +205,7 @@ def run_campaign(
         by_id = {r.run_id: r for r in campaign.runs}
         facts = gather_node_facts(campaign)
         report("campaign", {"counts": ledger.counts(), "total": len(campaign.runs)})
-        pools = PoolKeeper(campaign.inventory, directory / POOLS, warm=campaign.spec.warm_workers)
+        pools = PoolKeeper(campaign.inventory, directory / POOLS, warm=campaign.spec.warm_runs)
         held = Kept()  # what the last run left set for the next one
         stopped = False
         try:
@@ -225,7 +225,8 @@ def run_campaign(
                                      "position": row.position, "counts": ledger.counts()})  # fmt: skip
                 work = attempt_dir(directory, row.run_id, attempt)
                 following = _following(ledger, by_id, row.run_id)
-                keep = configured_nodes(campaign, following.settings) if following else (frozenset(), frozenset())
+                keep = (configured_nodes(campaign, following.settings) if following and campaign.spec.warm_runs
+                        else (frozenset(), frozenset()))  # fmt: skip
                 outcome = execute_run(campaign, run, attempt, work, facts=facts, pools=pools, keep=keep,
                                       report=report)  # fmt: skip
                 held = outcome.kept

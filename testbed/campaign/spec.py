@@ -145,7 +145,10 @@ class CampaignSpec(_Strict):
     # random: shuffled by the seed, then runs that one warm worker pool can serve (same server, devices
     # and stages) and that load the same model parts made adjacent; listed: as the matrix lists them
     order: Literal["random", "listed"] = "random"
-    warm_workers: StrictBool = True  # keep the ranks up between runs of one shape (false: every run cold)
+    # a run starts where the one before left off: the same warm worker pool when the shape is the same,
+    # and the power modes and shaping it will set again still in place (false: every run starts cold,
+    # with new ranks, and configures and restores the nodes on its own)
+    warm_runs: StrictBool = True
     run_timeout_s: float = Field(600.0, ge=5, le=86_400)
     failure: FailurePolicy = FailurePolicy()
 

@@ -131,10 +131,11 @@ def store_script(path: str, size: int) -> str:
     ``size`` bytes arrived: a controller killed mid-transfer leaves no truncated file under ``path``."""
     d = _node_path(path.rsplit("/", 1)[0] or "/", "directory")
     f = _node_path(path, "path")
+    t = f"{f}.tmp$$"  # one per storing shell: two stores of the same file at once do not share it
     return (
-        f"mkdir -p {d} && cat > {f}.tmp && n=$(wc -c < {f}.tmp) && "
-        f'{{ [ "$n" -eq {size:d} ] || {{ rm -f {f}.tmp; echo "incomplete: $n of {size:d} bytes" >&2; exit 1; }}; }} && '
-        f"(sync {f}.tmp 2>/dev/null || sync) && mv {f}.tmp {f} && (sync {d} 2>/dev/null || true)"
+        f"mkdir -p {d} && cat > {t} && n=$(wc -c < {t}) && "
+        f'{{ [ "$n" -eq {size:d} ] || {{ rm -f {t}; echo "incomplete: $n of {size:d} bytes" >&2; exit 1; }}; }} && '
+        f"(sync {t} 2>/dev/null || sync) && mv {t} {f} && (sync {d} 2>/dev/null || true)"
     )
 
 

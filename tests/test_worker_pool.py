@@ -1,0 +1,185 @@
+"""A warm worker pool on this host (``python -m nodes.workers --pool``, real MPI ranks started by this
+machine's mpiexec): it serves runs one after another with the tokens a single-run launch computes,
+reuses the model parts a run shares with the one before and loads the ones it does not, starts every
+run afresh (its seed, schedule and clock origin), stops on a stop order or after its idle timeout, and
+ends the whole pool (MPI_Abort) on a run whose ranks do not match its shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nodes.workers.part_cache import PartCache
+from nodes.workers.run_config import DraftSettings, RankSpec, RunConfig
+from testbed.split_run import data_plane_env
+from tests.conftest import REPO
+
+TINY = REPO / "examples" / "models" / "tiny"
+PROMPTS = ("def read_config(path):\n    with open(path) as handle:\n        return", "class Stack:\n    def push(self, x):")
+LIMIT_S = 120.0
+
+
+def write_run(runs: Path, run_id: str, method: str, *, devices: int = 1, seed: int = 0) -> Path:
+    """A run directory with its config and one schedule per device (two requests each)."""
+    directory = runs / run_id
+    directory.mkdir(parents=True)
+    ranks = [RankSpec("stage", "server", 0), RankSpec("stage", "server", 1)]
+    for index in range(devices):
+        schedule = directory / f"schedule-{index}.jsonl"
+        schedule.write_text("".join(json.dumps({"request_id": i, "arrival_s": 0.05 * i, "prompt": p,
+                                                "max_new_tokens": 6}) + "\n" for i, p in enumerate(PROMPTS)))  # fmt: skip
+        ranks.append(RankSpec("device", f"dev{index}", index, schedule=str(schedule)))
+    config = RunConfig(run_id, method, str(TINY), "float32", 2, 2, 128, str(directory / "out"), tuple(ranks), seed,
+                       DraftSettings())  # fmt: skip
+    (directory / "run.json").write_text(json.dumps(config.to_json()))
+    return directory / "run.json"
+
+
+def mpiexec(ranks: int, *args: str) -> list[str]:
+    env = [a for k, v in data_plane_env("lo").items() for a in ("-env", k, v)]
+    return [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), *env, sys.executable, "-m", "nodes.workers",
+            *args]  # fmt: skip
+
+
+def start_pool(tmp: Path, ranks: int = 3, idle_timeout_s: float = 60.0) -> subprocess.Popen:
+    (tmp / "pool").mkdir(exist_ok=True)
+    return subprocess.Popen(
+        mpiexec(ranks, "--pool", str(tmp / "pool"), "--runs", str(tmp / "runs"), "--idle-timeout-s", str(idle_timeout_s)),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def order(tmp: Path, number: int, **what: str) -> None:
+    path = tmp / "pool" / "order.json"
+    path.with_suffix(".tmp").write_text(json.dumps({"number": number, **what}))
+    path.with_suffix(".tmp").rename(path)
+
+
+def served(tmp: Path, run_id: str, pool: subprocess.Popen) -> dict:
+    record = tmp / "runs" / run_id / "pool-run.json"
+    deadline = time.monotonic() + LIMIT_S
+    while time.monotonic() < deadline:
+        if record.exists():
+            return json.loads(record.read_text())
+        assert pool.poll() is None, pool.communicate()[0][-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"the pool never finished {run_id}")
+
+
+def tokens(tmp: Path, run_id: str) -> dict[tuple[str, int], list[int]]:
+    out = {}
+    for path in (tmp / "runs" / run_id / "out").glob("device-*/requests.jsonl"):
+        for line in path.read_text().splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                out[(row["node"], row["request_id"])] = row["token_ids"]
+    return out
+
+
+def origins(tmp: Path, run_id: str) -> list[float]:
+    path = next((tmp / "runs" / run_id / "out").glob("device-*/requests.jsonl"))
+    return [json.loads(path.read_text().splitlines()[0][1:])["clock_origin_monotonic_s"]]
+
+
+def test_a_pool_serves_runs_in_turn_with_the_tokens_of_a_single_run_launch(tmp_path):
+    for run_id, method in (("a", "ushape"), ("b", "usarathi"), ("c", "centralized"), ("single", "usarathi")):
+        write_run(tmp_path / "runs", run_id, method, seed=ord(run_id[0]))
+    single = subprocess.run(mpiexec(3, str(tmp_path / "runs" / "single" / "run.json")), cwd=REPO, capture_output=True,
+                            text=True, timeout=LIMIT_S, check=False)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    pool = start_pool(tmp_path)
+    try:
+        records = {}
+        for number, run_id in enumerate(("a", "b", "c"), 1):
+            order(tmp_path, number, run=run_id)
+            records[run_id] = served(tmp_path, run_id, pool)
+        order(tmp_path, 4, stop="the test is done")
+        output, _ = pool.communicate(timeout=LIMIT_S)
+    finally:
+        if pool.poll() is None:
+            pool.kill()
+    assert pool.returncode == 0, output[-3000:]
+    assert "stops after 3 runs: the test is done" in output
+    assert [records[r]["runs_before"] for r in "abc"] == [0, 1, 2]
+    # a and b hold the same parts (usarathi differs from ushape only on the server's side): b reuses them
+    # all; c (centralized) needs the whole model on the server and nothing on the device
+    first, second, third = (records[r]["ranks"] for r in "abc")
+    assert all(rank["loaded"] and not rank["reused"] for rank in first)
+    assert all(rank["reused"] and not rank["loaded"] for rank in second)
+    assert all(rank["setup_s"] < min(r["setup_s"] for r in first) for rank in second)
+    assert all(rank["loaded"] for rank in third if rank["role"] == "stage")
+    assert not any(rank["loaded"] or rank["reused"] for rank in third if rank["role"] == "device")
+    # a warm run computes what a cold launch computes; every run has its own files and clock origin
+    assert tokens(tmp_path, "b") == tokens(tmp_path, "single") and len(tokens(tmp_path, "b")) == 2
+    assert tokens(tmp_path, "a") == tokens(tmp_path, "b")  # ushape and usarathi: the same greedy tokens
+    assert origins(tmp_path, "a") < origins(tmp_path, "b") < origins(tmp_path, "c")
+    assert all((tmp_path / "runs" / r / "out" / "stage-0-server" / "iterations.csv").exists() for r in "abc")
+
+
+def test_an_idle_pool_stops_by_itself(tmp_path):
+    pool = start_pool(tmp_path, idle_timeout_s=2.0)
+    output, _ = pool.communicate(timeout=LIMIT_S)
+    assert pool.returncode == 0 and "stops after 0 runs: no order for 2 s" in output
+
+
+def test_a_run_of_another_shape_ends_the_pool(tmp_path):
+    write_run(tmp_path / "runs", "one-device", "ushape")
+    write_run(tmp_path / "runs", "two-devices", "ushape", devices=2)
+    pool = start_pool(tmp_path)
+    try:
+        order(tmp_path, 1, run="one-device")
+        served(tmp_path, "one-device", pool)
+        order(tmp_path, 2, run="two-devices")
+        output, _ = pool.communicate(timeout=LIMIT_S)
+    finally:
+        if pool.poll() is None:
+            pool.kill()
+    assert pool.returncode != 0
+    assert "lists 4 ranks, the pool has 3" in output
+    assert not (tmp_path / "runs" / "two-devices" / "pool-run.json").exists()
+
+
+def test_the_part_cache_keeps_only_what_the_last_run_asked_for():
+    cache = PartCache()
+    loads = []
+
+    def loader(name):
+        return lambda: loads.append(name) or name
+
+    assert cache.get("a", loader("a"), "part a") == "a" and cache.get("b", loader("b"), "part b") == "b"
+    cache.settle()
+    assert cache.take_report() == {"loaded": ["part a", "part b"], "reused": []}
+    cache.get("a", loader("a"), "part a")
+    cache.settle()  # b was not asked for: dropped
+    assert cache.take_report() == {"loaded": [], "reused": ["part a"]}
+    cache.get("b", loader("b"), "part b")
+    assert loads == ["a", "b", "b"]
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_ranks():
+    """Every rank a test started is gone within seconds of its mpiexec (an aborted rank takes a moment)."""
+    yield
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pool_rank(p)]
+        if not left:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"pool ranks left running: {left}")
+
+
+def _pool_rank(proc: Path) -> bool:
+    try:
+        words = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"nodes.workers" in words and b"--pool" in words and os.getpid() != int(proc.name) and any(
+        b"pytest-of" in w for w in words)
