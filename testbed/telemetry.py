@@ -218,15 +218,23 @@ def start_recording(
     session: str | None = None,
     say: Say = lambda _: None,
     contexts: Mapping[str, NodeContext] | None = None,
+    proven: Mapping[str, ProbeResult] | None = None,
 ) -> Recording:
     """Probe, measure clock offsets, and start a detached sampler for every selected node. The
-    samplers' files go under ``<workdir>/telemetry/<session>/`` (default: a new timestamped name)."""
+    samplers' files go under ``<workdir>/telemetry/<session>/`` (default: a new timestamped name).
+    ``proven``: probes that a sampler of the same kind has just borne out on those nodes (it delivered
+    every sample), taken as they are instead of probing again."""
     selected = {n.name: n for n in inventory.select(nodes)}
-    say(f"probing telemetry on {len(selected)} nodes")
-    probed = probe_telemetry(
-        inventory, list(selected), require_energy=require_energy, jetson_source=jetson_source, contexts=contexts
-    )
-    probes = _all_or_raise(probed, "probe")
+    known = {name: probe for name, probe in (proven or {}).items() if name in selected}
+    to_probe = [name for name in selected if name not in known]
+    say(f"probing telemetry on {len(to_probe)} nodes")
+    probes = dict(known)
+    if to_probe:
+        probed = probe_telemetry(
+            inventory, to_probe, require_energy=require_energy, jetson_source=jetson_source, contexts=contexts
+        )
+        probes.update(_all_or_raise(probed, "probe"))
+    probes = {name: probes[name] for name in selected}
     for probe in probes.values():
         for s in probe.problems:
             say(f"  {probe.node}: {s.sensor} {s.metric}: {s.problem or 'no reading'}")

@@ -38,6 +38,7 @@ from foundation.jsonable import jsonable
 from nodes.contracts.durable import SyncedLines, write_json_atomic
 from nodes.contracts.rank_dirs import device_glob
 from testbed.campaign import manifest as manifest_mod
+from testbed.campaign.carryover import Carryover
 from testbed.campaign.plan import RunPlan, plan_run
 from testbed.campaign.results import write_results
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, run_nodes
@@ -123,13 +124,15 @@ def execute_run(
     directory: Path,
     *,
     facts: dict[str, Any],
-    pools: PoolKeeper,
+    carry: Carryover,
     keep: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
     report: Report = lambda _event, _details: None,
 ) -> RunOutcome:
     """Run ``run`` into ``directory`` (the attempt's own directory) and return how it ended.
-    ``pools`` serves it; ``keep``: (power nodes, shaped nodes) the next run sets again, left
-    configured if this run succeeds."""
+    ``carry``: what it takes over from the run before (its warm pool serves it); ``keep``: (power
+    nodes, shaped nodes) the next run sets again, left configured if this run succeeds."""
+    carry.start_run()
+    pools = carry.pools
     directory.mkdir(parents=True, exist_ok=True)
     events = EventLog(directory / "events.jsonl", run.run_id)
     state = _RunState()
@@ -138,9 +141,9 @@ def execute_run(
     events.write("run_start", attempt=attempt, label=run.label())
     Step = tuple[str, Callable[[], None]]
     steps: list[list[Step]] = [  # the phases of one entry run side by side
-        [("preflight", lambda: _preflight(campaign, run, attempt, directory, state))],
+        [("preflight", lambda: _preflight(campaign, run, attempt, directory, state, carry))],
         [("configure", lambda: _configure(campaign, settings, state, events)),
-         ("telemetry", lambda: _start_telemetry(campaign, directory, state)),
+         ("telemetry", lambda: _start_telemetry(campaign, directory, state, carry)),
          ("stage", lambda: _stage(directory, state, pools))],
         [("workers", lambda: _workers(campaign, directory, state, report, pools))],
         [("drain", lambda: time.sleep(settings.drain_s))],
@@ -150,7 +153,7 @@ def execute_run(
             if state.failure is not None:
                 break
             _side_by_side([lambda p=phase, s=step: _phase(p, s, state, events, report) for phase, step in together])
-        _phase("collect", lambda: _collect(campaign, directory, state), state, events, report)
+        _phase("collect", lambda: _collect(campaign, run, directory, state, carry), state, events, report)
     finally:
         kept = keep if state.failure is None else (frozenset(), frozenset())
         _phase("restore", lambda: _restore(lab, state, kept), state, events, report)
@@ -212,7 +215,9 @@ def _phase(name: str, step: Callable[[], None], state: _RunState, events: EventL
 # Phases
 
 
-def _preflight(campaign: Campaign, run: PlannedRun, attempt: int, directory: Path, state: _RunState) -> None:
+def _preflight(
+    campaign: Campaign, run: PlannedRun, attempt: int, directory: Path, state: _RunState, carry: Carryover
+) -> None:
     """Reach the nodes, check their provisioning agrees, make the run plan with the nodes read back
     (``plan.json``), and write the device schedules it carries."""
     lab, settings = campaign.inventory, run.settings
@@ -227,7 +232,7 @@ def _preflight(campaign: Campaign, run: PlannedRun, attempt: int, directory: Pat
     differences = compare_records({name: r for name, r in state.records.items() if r})
     if differences:
         raise TestbedError("the run's nodes cannot run together: " + "; ".join(differences))
-    plan = plan_run(campaign, run, attempt, live=True)
+    plan = plan_run(campaign, run, attempt, live=True, reads=carry.reads)
     state.plan = plan
     write_json_atomic(directory / "plan.json", plan.to_json())
     state.schedules = {device: [dict(r) for r in rows] for device, rows in plan.split.schedules}
@@ -307,17 +312,20 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
                             f"({jsonable(worst)})")  # fmt: skip
 
 
-def _start_telemetry(campaign: Campaign, directory: Path, state: _RunState) -> None:
+def _start_telemetry(campaign: Campaign, directory: Path, state: _RunState, carry: Carryover) -> None:
     plan = _plan(state)
     if plan.telemetry is None:
         return
     from testbed.telemetry import start_recording
 
     tel = plan.telemetry
+    proven = carry.proven_probes(tel.jetson_source)
     recording = start_recording(
         campaign.inventory, [s.node for s in tel.samplers], interval_s=tel.interval_s, max_seconds=tel.max_seconds,
-        jetson_source=tel.jetson_source, session=tel.session, contexts=plan.contexts,
+        jetson_source=tel.jetson_source, session=tel.session, contexts=plan.contexts, proven=proven,
     )  # fmt: skip
+    state.telemetry["probes_borne_out_by"] = {n.node: carry.proven_by(n.node) for n in recording.nodes
+                                              if n.node in proven}  # fmt: skip
     state.recording = recording
     _note_processes(directory, [{"node": r.node, "host": r.host, "pidfile": r.pidfile} for r in recording.nodes])
 
@@ -352,14 +360,15 @@ def _workers(campaign: Campaign, directory: Path, state: _RunState, report: Repo
         report("served", {"served": state.completed, "scheduled": scheduled})
 
 
-def _collect(campaign: Campaign, directory: Path, state: _RunState) -> None:
+def _collect(campaign: Campaign, run: PlannedRun, directory: Path, state: _RunState, carry: Carryover) -> None:
     errors = []
     if state.recording is not None:
         from testbed.telemetry import finish_recording
 
         try:
             result = finish_recording(campaign.inventory, state.recording, directory / "telemetry")
-            state.telemetry = {
+            carry.note_samplers(run.run_id, state.recording, result, run.settings.telemetry.jetson_source)
+            state.telemetry = {**state.telemetry,
                 "nodes": {n.node: {"rows": n.rows, "sampler": n.stopped, "max_gap_s": n.max_gap_s,
                                    "clock_start": dataclasses.asdict(n.clock_start),
                                    "clock_end": dataclasses.asdict(n.clock_end), "drift_ppm": n.drift_ppm,
@@ -450,11 +459,15 @@ def _require(result: Any, what: str) -> None:
         raise NodeError(first.node, f"{what}: {first.error}")
 
 
+_PROCESSES_LOCK = threading.Lock()  # telemetry and staging note their processes side by side
+
+
 def _note_processes(directory: Path, entries: list[dict[str, str]]) -> None:
     """Add processes about to be started on nodes to ``processes.json`` (synced before they start)."""
     path = directory / "processes.json"
-    known = json.loads(path.read_text()) if path.exists() else []
-    write_json_atomic(path, known + entries)
+    with _PROCESSES_LOCK:
+        known = json.loads(path.read_text()) if path.exists() else []
+        write_json_atomic(path, known + entries)
 
 
 def _count_served(lab: Inventory, plan: RunPlan) -> int:

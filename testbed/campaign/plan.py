@@ -12,9 +12,13 @@ state. Reading is all a plan does on a node.
 ``commands`` lists every shell line the run sends, in phase order, each tagged with when it is sent:
 ``once``; ``per-campaign`` (the nodes' facts, gathered when a campaign starts); ``if-missing`` (the
 node code bundle, stored only when the node lacks it); ``polled`` (repeated while waiting);
-``on-failure`` (rolling back, ending a launch that timed out); ``live`` (decided from what the node
-reports at that moment). A stored file's line carries its byte count, shown as ``<N>`` (contents such
-as a journal's timestamp are only known when written).
+``on-failure`` (rolling back, ending a pool that failed or timed out); ``live`` (decided from what
+the node reports at that moment, or from what the run before found); ``if-cold`` (starting the warm
+worker pool, only when none of the run's shape is up); ``if-differs`` (a power mode or tc classes the
+node does not hold already); ``at-release`` (stopping the pool and restoring the nodes: after the last
+run in a row that needs them, when a run fails, and when the campaign ends). A stored file's line
+carries its byte count, shown as ``<N>`` (contents such as a journal's timestamp are only known when
+written).
 """
 
 from __future__ import annotations
@@ -200,6 +204,12 @@ class NodeReads:
         self.unreachable: dict[str, str] = {}
         self.mpiexec: dict[tuple[str, str], str | None] = {}
         self.probes: dict[tuple[str, tuple[str, ...]], NodeProbe] = {}
+
+    def forget_per_run(self) -> None:
+        """Drop what may change between runs (tc state, nodes that could not be reached), keeping home
+        directories and ``mpiexec``: a campaign's next run reads only those again."""
+        self.probes.clear()
+        self.unreachable.clear()
 
     def read_contexts(self, lab: Inventory, names: Sequence[str]) -> None:
         todo = [n for n in names if n not in self.contexts and n not in self.unreachable]

@@ -127,8 +127,8 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
         for sampler in tel.samplers:
             c = ctx[sampler.node]
             lines.node_code(sampler.node, "telemetry", c)
-            lines.add(sampler.node, "telemetry", "probe the sensors",
-                      command_line([*sampler_command(sampler, c), "--probe"]))  # fmt: skip
+            lines.add(sampler.node, "telemetry", "probe the sensors (unless the last run's sampler bore them out)",
+                      command_line([*sampler_command(sampler, c), "--probe"]), "live")  # fmt: skip
         for sampler in tel.samplers:
             lines.add(sampler.node, "telemetry", "measure the clock offset",
                       command_line(["sh", "-c", echo_script(lab.spec.defaults.python)]))  # fmt: skip

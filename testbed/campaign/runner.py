@@ -35,6 +35,7 @@ from typing import Any
 
 from foundation.errors import TestbedError
 from nodes.contracts.durable import write_json_atomic
+from testbed.campaign.carryover import Carryover
 from testbed.campaign.execution import Kept, Report, execute_run, release_nodes
 from testbed.campaign.ledger import Ledger
 from testbed.campaign.plan import configured_nodes
@@ -206,6 +207,7 @@ def run_campaign(
         facts = gather_node_facts(campaign)
         report("campaign", {"counts": ledger.counts(), "total": len(campaign.runs)})
         pools = PoolKeeper(campaign.inventory, directory / POOLS, warm=campaign.spec.warm_runs)
+        carry = Carryover(pools)
         held = Kept()  # what the last run left set for the next one
         stopped = False
         try:
@@ -227,7 +229,7 @@ def run_campaign(
                 following = _following(ledger, by_id, row.run_id)
                 keep = (configured_nodes(campaign, following.settings) if following and campaign.spec.warm_runs
                         else (frozenset(), frozenset()))  # fmt: skip
-                outcome = execute_run(campaign, run, attempt, work, facts=facts, pools=pools, keep=keep,
+                outcome = execute_run(campaign, run, attempt, work, facts=facts, carry=carry, keep=keep,
                                       report=report)  # fmt: skip
                 held = outcome.kept
                 if outcome.state == "failed":
