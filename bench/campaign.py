@@ -1,17 +1,19 @@
-"""Campaign throughput on the emulated testbed: each campaign run twice in one invocation, with warm
-worker pools and node configuration kept between runs, and with every run cold (``warm_runs: false``: new
-ranks, configured and restored on its own, as before warm runs existed), and then, optionally, a warm campaign
+"""Campaign throughput on the emulated testbed: each campaign run in one invocation with warm runs
+(worker pools and node configuration kept between runs) and with every run cold (``warm_runs:
+false``: new ranks, configured and restored on its own), optionally also with the checkout of an
+earlier commit (``--baseline``: the code before warm runs), and then, optionally, a warm campaign
 killed with SIGKILL at random moments and resumed each time.
 
 Per run, the serving time is the span of the request timelines (from the workers' start barrier to
 the last request done, over every device; requests.parquet) and the run's wall time is its manifest's
 start to end. Reported per campaign and way: the serving share (sum of serving over sum of run wall
 times, and over the campaign's wall time), the median run wall time and phase times, and the total
-campaign time; then the cold/warm ratio of total times, and warm against cold per request: the same
-tokens, and the differences of TTFT and mean time between tokens.
+campaign time; then the cold/warm (and baseline/warm) ratios of total times, and warm against the
+others per request: the same tokens, and the differences of TTFT and mean time between tokens.
 
     python bench/campaign.py                        # demo + hat (Table 5, one repetition), warm and cold
     python bench/campaign.py --campaigns demo --kills 20
+    python bench/campaign.py --baseline 4e6efb0      # also the commit before warm runs, every run cold
 
 Writes bench/results/campaign.json. Needs root (network namespaces); brings the repository's
 inventory.yaml up if it is not (and down again after).
@@ -47,8 +49,9 @@ CAMPAIGNS = {
 }
 
 
-def campaign_copy(name: str, directory: Path, *, warm: bool) -> Path:
-    """The example campaign with ``warm_runs`` set (and the bench's changes), its paths absolute."""
+def campaign_copy(name: str, directory: Path, *, warm: bool | None) -> Path:
+    """The example campaign with ``warm_runs`` set (and the bench's changes), its paths absolute;
+    ``warm`` None: without the key, for a checkout from before warm runs."""
     from ruamel.yaml import YAML
 
     source, changes = CAMPAIGNS[name]
@@ -60,17 +63,29 @@ def campaign_copy(name: str, directory: Path, *, warm: bool) -> Path:
     if "trace" in link:
         link["trace"] = str((source.parent / link["trace"]).resolve())
     data.update(changes)
-    data["warm_runs"] = warm
-    path = directory / f"{name}-{'warm' if warm else 'cold'}.yaml"
+    if warm is not None:
+        data["warm_runs"] = warm
+    path = directory / f"{name}-{'baseline' if warm is None else 'warm' if warm else 'cold'}.yaml"
     with path.open("w") as f:
         yaml.dump(data, f)
     return path
 
 
-def testbed(*args: str, log: Path) -> subprocess.Popen:
+def testbed(*args: str, log: Path, checkout: Path = REPO) -> subprocess.Popen:
+    """``testbed ARGS`` as a subprocess, from ``checkout`` (another commit's worktree for a baseline)."""
+    env = dict(os.environ, PYTHONPATH=str(checkout))
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "testbed", *args], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        return subprocess.Popen([sys.executable, "-m", "testbed", *args], cwd=checkout, stdout=out,
+                                stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+
+def baseline_checkout(commit: str, directory: Path) -> Path:
+    """A worktree of ``commit`` (e.g. the one before warm runs), to run the same campaign the old way."""
+    path = directory / f"baseline-{commit[:12]}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), commit], check=True,
+                       capture_output=True)  # fmt: skip
+    return path
 
 
 def run_serving(run_dir: Path) -> dict[str, Any]:
@@ -124,7 +139,7 @@ def request_table(out: Path) -> pd.DataFrame:
 def compare(warm_out: Path, cold_out: Path) -> dict[str, Any]:
     """Warm against cold, request by request (the same run ids, schedules and seeds)."""
     warm, cold = request_table(warm_out), request_table(cold_out)
-    both = warm.join(cold, lsuffix="_warm", rsuffix="_cold", how="inner")
+    both = warm.add_suffix("_warm").join(cold.add_suffix("_cold"), how="inner")
     same_tokens = sum(list(a) == list(b) for a, b in zip(both.token_ids_warm, both.token_ids_cold, strict=True))
     out: dict[str, Any] = {"requests_warm": len(warm), "requests_cold": len(cold), "matched": len(both),
                            "same_tokens": same_tokens}  # fmt: skip
@@ -140,22 +155,28 @@ def compare(warm_out: Path, cold_out: Path) -> dict[str, Any]:
     return out
 
 
-def run_both_ways(name: str, directory: Path, ways: list[str]) -> dict[str, Any]:
+def run_both_ways(name: str, directory: Path, ways: list[str], baseline: str | None) -> dict[str, Any]:
     result: dict[str, Any] = {}
     outs = {}
-    for way in ways:
-        campaign = campaign_copy(name, directory, warm=way == "warm")
+    for way in [*ways, *(["baseline"] if baseline else [])]:
+        warm = None if way == "baseline" else way == "warm"
+        campaign = campaign_copy(name, directory, warm=warm)
+        checkout = baseline_checkout(baseline, directory) if way == "baseline" and baseline else REPO
         out = directory / f"{name}-{way}"
         started = time.monotonic()
-        done = testbed("run", str(campaign), "--out", str(out), log=directory / f"{name}-{way}.log").wait()
+        log = directory / f"{name}-{way}.log"
+        done = testbed("run", str(campaign), "--out", str(out), log=log, checkout=checkout).wait()
         wall = time.monotonic() - started
         print(f"{name} {way}: exit status {done} in {wall:.1f} s", file=sys.stderr)
         result[way] = campaign_figures(out, wall)
         outs[way] = out
-    if len(outs) == 2:
-        ratio = result["cold"]["campaign_wall_s"] / result["warm"]["campaign_wall_s"]
-        result["cold_over_warm_total_time"] = round(ratio, 3)
-        result["warm_vs_cold"] = compare(outs["warm"], outs["cold"])
+    for other in ("cold", "baseline"):
+        if "warm" in outs and other in outs:
+            ratio = result[other]["campaign_wall_s"] / result["warm"]["campaign_wall_s"]
+            result[f"{other}_over_warm_total_time"] = round(ratio, 3)
+            result[f"warm_vs_{other}"] = compare(outs["warm"], outs[other])
+    if baseline:
+        result["baseline_commit"] = baseline
     return result
 
 
@@ -182,11 +203,11 @@ def our_processes() -> list[str]:
 
 def node_leftovers() -> dict[str, Any]:
     """What is shaped (our qdiscs, journals) or in a changed power mode on the lab's nodes."""
-    from testbed.inventory import load_inventory
+    from testbed.emulation.resolved import load_lab
     from testbed.links.apply import show_nodes
     from testbed.power import show_power
 
-    lab = load_inventory(INVENTORY)
+    lab = load_lab(INVENTORY)
     shaped = {o.node: (o.value.journal is not None or any(
         (s.root_qdisc or {}).get("handle") == "1f7b:" for s in o.value.states.values()))
         for o in show_nodes(lab).outcomes if o.value}  # fmt: skip
@@ -242,6 +263,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1, help="seed of the kill moments")
     parser.add_argument("--ways", default="warm,cold", help="comma-separated: warm, cold (default: both)")
     parser.add_argument("--work", type=Path, help="where the campaigns go (default: a new directory, kept)")
+    parser.add_argument("--baseline", metavar="COMMIT",
+                        help="also run each campaign with this commit's checkout (e.g. the one before warm runs)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root: the emulated testbed builds network namespaces")
@@ -258,16 +281,17 @@ def main() -> None:
     print(f"campaigns in {work}", file=sys.stderr)
     try:
         for name in [c for c in args.campaigns.split(",") if c]:
-            results[name] = run_both_ways(name, work, [w for w in args.ways.split(",") if w])
+            results[name] = run_both_ways(name, work, [w for w in args.ways.split(",") if w], args.baseline)
         if args.kills:
             results["kills"] = kills("demo", work, args.kills, args.seed)
     finally:
         if not was_up:
             down(load_inventory(INVENTORY), say=lambda _: None)
     path = write("campaign", results)
-    summary = {name: {k: r.get(k) for k in ("cold_over_warm_total_time",)} | {
-        way: {k: r[way][k] for k in ("campaign_wall_s", "serving_share_of_run_wall", "serving_share_of_campaign_wall")}
-        for way in ("warm", "cold") if way in r} for name, r in results.items() if name != "kills"}  # fmt: skip
+    figures = ("campaign_wall_s", "serving_share_of_run_wall", "serving_share_of_campaign_wall")
+    summary = {name: {k: r.get(k) for k in ("cold_over_warm_total_time", "baseline_over_warm_total_time")} | {
+        way: {k: r[way][k] for k in figures} for way in ("warm", "cold", "baseline") if way in r}
+        for name, r in results.items() if name != "kills"}  # fmt: skip
     print(json.dumps(summary, indent=1))
     print(f"wrote {path}")
 

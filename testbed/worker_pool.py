@@ -116,6 +116,11 @@ def run_wait_script(record: str, status: str) -> str:
     )
 
 
+def alive_check(files: PoolFiles) -> list[str]:
+    """Succeeds when the pool has ended: its exit status is there."""
+    return ["test", "-s", files.status]
+
+
 def start_script(files: PoolFiles) -> list[str]:
     """Clear what an earlier pool of the same shape left (its order, exit status and output)."""
     return ["rm", "-f", files.order, files.status, files.log]
@@ -187,6 +192,8 @@ class PoolKeeper:
         name = pool_name(spec)
         if self.pool is not None and self.pool.name != name:
             self.release("the next run has another shape")
+        if self.pool is not None and not self._alive(self.pool):
+            self.discard()  # it ended between runs (its idle timeout, a crash): this run starts a new one
         try:
             staged = stage_run(self.inventory, spec, contexts)
             if self.pool is not None:
@@ -215,6 +222,11 @@ class PoolKeeper:
         except BaseException:
             self.discard()
             raise
+
+    def _alive(self, pool: WorkerPool) -> bool:
+        """Whether the pool's mpiexec has not ended (it writes its exit status when it does)."""
+        with open_transport(self.inventory, self.inventory.node(pool.server)) as t:
+            return t.run(alive_check(pool.files), timeout_s=30.0).exit_code != 0
 
     def _start(self, pool: WorkerPool) -> None:
         with open_transport(self.inventory, self.inventory.node(pool.server)) as t:

@@ -31,7 +31,15 @@ from testbed.transport.base import (
 )
 from testbed.transport.clock import echo_script
 from testbed.transport.facts import facts_script
-from testbed.worker_pool import POOL_RECORD, pool_files, pool_name, run_wait_script, start_script, stop_wait_script
+from testbed.worker_pool import (
+    POOL_RECORD,
+    alive_check,
+    pool_files,
+    pool_name,
+    run_wait_script,
+    start_script,
+    stop_wait_script,
+)
 
 if TYPE_CHECKING:
     from testbed.campaign.plan import RunPlan
@@ -152,6 +160,7 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
             lines.store(name, "stage", "store the device's schedule", f"{run_dir}/schedule-{name}.jsonl")
         lines.store(name, "stage", "store the run config", f"{run_dir}/run.json")
     files = pool_files(ctx[server], pool_name(settings))
+    lines.add(server, "stage", "has the warm pool ended since the last run?", command_line(alive_check(files)), "live")
     lines.add(server, "stage", "clear what an earlier pool of this shape left", command_line(start_script(files)),
               "if-cold")  # fmt: skip
     words = prefix_words(sudo=False, env=launch_env(plan.launch.timeout_s))
