@@ -15,7 +15,8 @@ others per request: the same tokens, and the differences of TTFT and mean time b
     python bench/campaign.py --campaigns demo --kills 20
     python bench/campaign.py --baseline 4e6efb0      # also the commit before warm runs, every run cold
 
-Writes bench/results/campaign.json. Needs root (network namespaces); brings the repository's
+Writes bench/results/campaign.json, one entry per command line (another selection keeps the last
+one's figures). Needs root (network namespaces); brings the repository's
 inventory.yaml up if it is not (and down again after).
 """
 
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pandas as pd
 
-from bench._common import write
+from bench._common import RESULTS, machine, write
 
 REPO = Path(__file__).resolve().parent.parent
 INVENTORY = REPO / "inventory.yaml"
@@ -215,30 +216,20 @@ def node_leftovers() -> dict[str, Any]:
     return {"shaped": sorted(n for n, v in shaped.items() if v), "power": power}
 
 
-def kills(name: str, directory: Path, count: int, seed: int) -> dict[str, Any]:
+def ledger_counts(out: Path) -> dict[str, int]:
+    """Runs per state in a campaign's ledger (read while the controller may be writing it)."""
     import sqlite3
 
-    rng = random.Random(seed)
-    campaign = campaign_copy(name, directory, warm=True)
-    out = directory / f"{name}-kills"
-    log = directory / f"{name}-kills.log"
-    before = node_leftovers()
-    moments = []
-    started = time.monotonic()
-    for index in range(count):
-        controller = testbed("run", str(campaign), "--out", str(out), *(["--resume"] if index else []), log=log)
-        moment = rng.uniform(1.0, 25.0)
-        try:
-            controller.wait(timeout=moment)
-            moments.append({"after_s": round(moment, 2), "killed": False, "exit": controller.returncode})
-            if controller.returncode == 0:
-                break
-        except subprocess.TimeoutExpired:
-            controller.send_signal(signal.SIGKILL)
-            controller.wait()
-            moments.append({"after_s": round(moment, 2), "killed": True})
-    final = testbed("run", str(campaign), "--out", str(out), "--resume", log=log).wait()
-    wall = time.monotonic() - started
+    if not (out / "ledger.sqlite").is_file():
+        return {}
+    with sqlite3.connect(f"file:{out / 'ledger.sqlite'}?mode=ro", uri=True, timeout=5) as db:
+        return dict(db.execute("SELECT state, COUNT(*) FROM runs GROUP BY state").fetchall())
+
+
+def campaign_outcome(out: Path) -> dict[str, Any]:
+    """Runs done, attempts, and request rows duplicated or incomplete in one killed-and-resumed campaign."""
+    import sqlite3
+
     with sqlite3.connect(out / "ledger.sqlite") as db:
         rows = db.execute("SELECT run_id, state, attempts FROM runs ORDER BY position").fetchall()
     duplicates, missing = 0, 0
@@ -246,13 +237,65 @@ def kills(name: str, directory: Path, count: int, seed: int) -> dict[str, Any]:
         requests = pd.read_parquet(out / "runs" / run_id / "requests.parquet")
         duplicates += int(requests.duplicated(["node", "request_id"]).sum())
         missing += int((~requests.completed).sum())
-    after = node_leftovers()
     return {
-        "kills": sum(m["killed"] for m in moments), "moments": moments, "final_exit": final, "wall_s": round(wall, 1),
         "runs": len(rows), "runs_done": sum(r[1] == "done" for r in rows),
         "attempts": {r[0]: r[2] for r in rows}, "interrupted_attempts": len(list((out / "runs").glob("*.interrupted"))),
         "duplicate_request_rows": duplicates, "incomplete_requests": missing,
-        "nodes_before": before, "nodes_after": after, "processes_left": our_processes(),
+    }  # fmt: skip
+
+
+def kills(name: str, directory: Path, count: int, seed: int) -> dict[str, Any]:
+    """SIGKILL the controller ``count`` times at random moments, each time followed by ``--resume``.
+
+    Moments are drawn over a whole warm campaign (1-60 s after each start), so that kills land in a cold
+    start, inside a warm pool's runs and between runs; a kill is "in a warm pool" when this controller had
+    already finished a run (its pool served the next one). When a campaign finishes before ``count`` kills,
+    a fresh copy of it takes the remaining ones.
+    """
+    rng = random.Random(seed)
+    campaign = campaign_copy(name, directory, warm=True)
+    log = directory / f"{name}-kills.log"
+    before = node_leftovers()
+    moments: list[dict[str, Any]] = []
+    outs: list[Path] = []
+    started = time.monotonic()
+    while sum(m["killed"] for m in moments) < count:
+        if outs and not {"todo", "running"} & set(ledger_counts(outs[-1])):
+            # every run done: a resume finishes what a kill at the very end left (a pool, held modes)
+            testbed("run", str(campaign), "--out", str(outs[-1]), "--resume", log=log).wait()
+        if not outs or not {"todo", "running"} & set(ledger_counts(outs[-1])):
+            outs.append(directory / f"{name}-kills-{len(outs) + 1}")
+        out = outs[-1]
+        resume = (out / "ledger.sqlite").is_file()
+        done_before = ledger_counts(out).get("done", 0)
+        controller = testbed("run", str(campaign), "--out", str(out), *(["--resume"] if resume else []), log=log)
+        moment = rng.uniform(1.0, 60.0)
+        try:
+            controller.wait(timeout=moment)
+            moments.append({"campaign": len(outs), "after_s": round(moment, 2), "killed": False,
+                            "exit": controller.returncode})  # fmt: skip
+            if controller.returncode != 0:
+                break
+        except subprocess.TimeoutExpired:
+            counts = ledger_counts(out)
+            controller.send_signal(signal.SIGKILL)
+            controller.wait()
+            moments.append({
+                "campaign": len(outs), "after_s": round(moment, 2), "killed": True,
+                "in_warm_pool": counts.get("done", 0) > done_before, "during_a_run": bool(counts.get("running")),
+            })  # fmt: skip
+    finals = [testbed("run", str(campaign), "--out", str(out), "--resume", log=log).wait() for out in outs]
+    wall = time.monotonic() - started
+    outcomes = [campaign_outcome(out) for out in outs]
+    killed = [m for m in moments if m["killed"]]
+    return {
+        "kills": len(killed), "kills_in_warm_pool": sum(m["in_warm_pool"] for m in killed),
+        "kills_during_a_run": sum(m["during_a_run"] for m in killed), "moments": moments,
+        "final_exits": finals, "wall_s": round(wall, 1), "campaigns": outcomes,
+        "runs": sum(o["runs"] for o in outcomes), "runs_done": sum(o["runs_done"] for o in outcomes),
+        "duplicate_request_rows": sum(o["duplicate_request_rows"] for o in outcomes),
+        "incomplete_requests": sum(o["incomplete_requests"] for o in outcomes),
+        "nodes_before": before, "nodes_after": node_leftovers(), "processes_left": our_processes(),
     }  # fmt: skip
 
 
@@ -263,8 +306,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1, help="seed of the kill moments")
     parser.add_argument("--ways", default="warm,cold", help="comma-separated: warm, cold (default: both)")
     parser.add_argument("--work", type=Path, help="where the campaigns go (default: a new directory, kept)")
-    parser.add_argument("--baseline", metavar="COMMIT",
-                        help="also run each campaign with this commit's checkout (e.g. the one before warm runs)")
+    parser.add_argument(
+        "--baseline",
+        metavar="COMMIT",
+        help="also run each campaign with this commit's checkout (e.g. the one before warm runs)",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root: the emulated testbed builds network namespaces")
@@ -287,7 +333,11 @@ def main() -> None:
     finally:
         if not was_up:
             down(load_inventory(INVENTORY), say=lambda _: None)
-    path = write("campaign", results)
+    # one entry per command line: a run of another selection does not erase the figures of the last one
+    invocation = " ".join(["python", "bench/campaign.py", *sys.argv[1:]])
+    previous = RESULTS / "campaign.json"
+    runs = json.loads(previous.read_text()).get("invocations", {}) if previous.is_file() else {}
+    path = write("campaign", {"invocations": {**runs, invocation: {"machine": machine(), **results}}})
     figures = ("campaign_wall_s", "serving_share_of_run_wall", "serving_share_of_campaign_wall")
     summary = {name: {k: r.get(k) for k in ("cold_over_warm_total_time", "baseline_over_warm_total_time")} | {
         way: {k: r[way][k] for k in figures} for way in ("warm", "cold", "baseline") if way in r}

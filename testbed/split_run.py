@@ -187,7 +187,7 @@ def run_config_for(spec: SplitRunSpec, model_dir: str, run_dir: str, ranks: tupl
     return RunConfig(
         run_id=spec.run_id, method=spec.method, model=model_dir, dtype=spec.dtype, device_layers=spec.device_layers,
         stages=spec.stages, chunk_tokens=spec.chunk_tokens, out_dir=f"{run_dir}/out", ranks=ranks,
-        draft=DraftSettings(**draft),
+        draft=DraftSettings(**draft), deadline_s=spec.timeout_s,
     )  # fmt: skip
 
 
@@ -222,9 +222,7 @@ class StagedRun:
         return self.info[self.server.name]["run_dir"]
 
 
-def stage_run(
-    inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, NodeContext] | None = None
-) -> StagedRun:
+def stage_run(inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, NodeContext] | None = None) -> StagedRun:
     """Check the run's nodes can run together, then put the run's files on every node: the node code
     (when it lacks it), a new run directory, each device's schedule, and each node's run config."""
     server, devices = check_spec(inventory, spec)

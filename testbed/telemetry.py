@@ -223,7 +223,7 @@ def start_recording(
     """Probe, measure clock offsets, and start a detached sampler for every selected node. The
     samplers' files go under ``<workdir>/telemetry/<session>/`` (default: a new timestamped name).
     ``proven``: probes that a sampler of the same kind has just borne out on those nodes (it delivered
-    every sample), taken as they are instead of probing again."""
+    samples without a long gap: ``testbed.campaign.carryover``), taken as they are instead of probing again."""
     selected = {n.name: n for n in inventory.select(nodes)}
     known = {name: probe for name, probe in (proven or {}).items() if name in selected}
     to_probe = [name for name in selected if name not in known]
@@ -358,8 +358,16 @@ def finish_recording(
         drift = alignment_of(start, end).drift_ppm
         results.append(
             NodeTelemetry(
-                name, len(frame), path, stopped.values().get(name, "?"), max_gap_s(frame), start[1], end[1], drift,
-                start[0], end[0],
+                name,
+                len(frame),
+                path,
+                stopped.values().get(name, "?"),
+                max_gap_s(frame),
+                start[1],
+                end[1],
+                drift,
+                start[0],
+                end[0],
             )
         )
         say(f"  {name}: {len(frame)} rows -> {path}")

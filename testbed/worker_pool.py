@@ -31,6 +31,7 @@ from typing import Any
 
 from foundation.errors import NodeError
 from nodes.contracts.durable import write_json_atomic
+from nodes.contracts.pool_orders import IDLE_TIMEOUT_S, ORDER_FILE, RUN_RECORD
 from testbed.inventory import Inventory
 from testbed.node_context import NodeContext
 from testbed.split_run import (
@@ -48,11 +49,10 @@ from testbed.split_run import (
     stage_run,
 )
 from testbed.transport import open_transport
-from testbed.transport.base import Transport
+from testbed.transport.base import Transport, background_running_script
 
-IDLE_TIMEOUT_S = 300.0  # a pool without an order for this long stops by itself
 STOP_WAIT_S = 15.0  # how long a pool asked to stop may take before it is ended by its pidfile
-POOL_RECORD = "pool-run.json"  # rank 0's record of a run it served, in the run's directory
+POOL_RECORD = RUN_RECORD  # rank 0's record of a run it served, in the run's directory
 
 
 def pool_name(spec: SplitRunSpec) -> str:
@@ -69,7 +69,7 @@ class PoolFiles:
 
     @property
     def order(self) -> str:
-        return f"{self.directory}/order.json"
+        return f"{self.directory}/{ORDER_FILE}"
 
     @property
     def pidfile(self) -> str:
@@ -116,9 +116,10 @@ def run_wait_script(record: str, status: str) -> str:
     )
 
 
-def alive_check(files: PoolFiles) -> list[str]:
-    """Succeeds when the pool has ended: its exit status is there."""
-    return ["test", "-s", files.status]
+def alive_check(files: PoolFiles) -> str:
+    """sh that succeeds when the pool has ended: its exit status is there, or its mpiexec is gone
+    without one (killed, the node rebooted)."""
+    return f"[ -s {shlex.quote(files.status)} ] || ! ( {background_running_script(files.pidfile)}\n)"
 
 
 def start_script(files: PoolFiles) -> list[str]:
@@ -161,6 +162,10 @@ class PoolRun:
     warm: bool  # the pool had served an earlier run
     runs_before: int
     record: dict[str, Any]  # rank 0's pool-run.json: each rank's setup time, parts loaded and reused
+
+
+class _StoppedBeforeOrder(Exception):
+    """The pool had stopped by itself (idle timeout) before it could take the run's order."""
 
 
 class PoolKeeper:
@@ -218,7 +223,14 @@ class PoolKeeper:
         try:
             if self.pool is not prepared.pool:
                 raise NodeError(prepared.pool.server, f"the worker pool {prepared.pool.pool_id} is no longer up")
-            return self._run(prepared.pool, prepared.spec, prepared.staged, out_dir, prepared.warm, on_wait)
+            try:
+                return self._run(prepared.pool, prepared.spec, prepared.staged, out_dir, prepared.warm, on_wait)
+            except _StoppedBeforeOrder:  # its idle timeout ran out while this run was configured: start anew
+                old = prepared.pool
+                self.pool = WorkerPool(f"{old.name}/{prepared.spec.run_id}", old.name, old.launch, old.files)
+                self._register(self.pool)
+                self._start(self.pool)
+                return self._run(self.pool, prepared.spec, prepared.staged, out_dir, False, on_wait)
         except BaseException:
             self.discard()
             raise
@@ -226,7 +238,7 @@ class PoolKeeper:
     def _alive(self, pool: WorkerPool) -> bool:
         """Whether the pool's mpiexec has not ended (it writes its exit status when it does)."""
         with open_transport(self.inventory, self.inventory.node(pool.server)) as t:
-            return t.run(alive_check(pool.files), timeout_s=30.0).exit_code != 0
+            return t.run_script(alive_check(pool.files), timeout_s=30.0).exit_code != 0
 
     def _start(self, pool: WorkerPool) -> None:
         with open_transport(self.inventory, self.inventory.node(pool.server)) as t:
@@ -244,6 +256,9 @@ class PoolKeeper:
             t.store(pool.files.order, order_bytes(pool.orders, run=spec.run_id))
             started = time.monotonic()
             answer = _wait(t, run_wait_script(record_path, pool.files.status), spec.timeout_s, started, on_wait)
+            if answer == "exit 0":  # a pool ends well only on a stop order or its idle timeout, never in a run
+                pool.orders -= 1
+                raise _StoppedBeforeOrder(pool.pool_id)
             seconds = time.monotonic() - started
             log = t.run(["tail", "-c", "200000", pool.files.log], timeout_s=30.0).stdout
             record = {}
@@ -261,7 +276,10 @@ class PoolKeeper:
         pool.served += 1
         result = SplitRunResult(out_dir, pool.launch, seconds, tuple(rank_dirs))
         if not self.warm:
-            self.release("every run starts cold (warm_runs: false)")
+            try:
+                self.release("every run starts cold (warm_runs: false)")
+            except Exception as exc:  # the run was served: it is recorded, the pool is ended on --resume
+                record = dict(record, release_error=f"could not stop the pool after the run: {exc}")
         return PoolRun(result, pool.pool_id, warm, runs_before, record)
 
     def release(self, reason: str) -> None:
@@ -289,9 +307,7 @@ def stop_wait_script(status: str) -> str:
     return f"i=0; while [ ! -s {s} ] && [ $i -lt {int(STOP_WAIT_S / 0.1)} ]; do sleep 0.1; i=$((i+1)); done"
 
 
-def _wait(
-    t: Transport, script: str, timeout_s: float, started: float, on_wait: Callable[[float], None]
-) -> str | None:
+def _wait(t: Transport, script: str, timeout_s: float, started: float, on_wait: Callable[[float], None]) -> str | None:
     """``done``, ``exit <status>``, or None when the run outlived ``timeout_s`` (plus a margin)."""
     deadline = started + timeout_s + LAUNCH_MARGIN_S
     while time.monotonic() < deadline:
@@ -307,6 +323,7 @@ def end_registered_pools(inventory: Inventory, registry: Path, say: Callable[[st
     if not registry.is_file():
         return
     names = {n.name for n in inventory.nodes}
+    failed = []
     for entry in json.loads(registry.read_text()):
         if entry["node"] not in names:
             continue
@@ -317,4 +334,8 @@ def end_registered_pools(inventory: Inventory, registry: Path, say: Callable[[st
                 say(f"{entry['node']}: ended the worker pool {entry['pool']} the interrupted campaign had left ({how})")
         except Exception as exc:  # a node that cannot be reached now is reported, not fatal
             say(f"{entry['node']}: could not end the worker pool {entry['pool']}: {exc}")
-    registry.unlink()
+            failed.append(entry)
+    if failed:  # kept for the next --resume to try again
+        write_json_atomic(registry, failed)
+    else:
+        registry.unlink()

@@ -146,17 +146,30 @@ def test_random_order_is_a_shuffle_of_the_listed_runs_with_the_same_ids(tmp_path
 def test_random_order_makes_runs_of_one_worker_shape_adjacent(tmp_path: Path) -> None:
     # stages decide the pool (a warm pool serves one server, devices and stages), the method family the
     # parts its ranks hold: four shapes, each a block of consecutive runs, in an order the seed decides
-    matrix = "matrix:\n  method: [ushape, centralized]\n  partition.stages: [1, 2]\n  link.profile: [wifi-up, wifi-far]\n"
+    matrix = (
+        "matrix:\n  method: [ushape, centralized]\n  partition.stages: [1, 2]\n  link.profile: [wifi-up, wifi-far]\n"
+    )
     campaign = load_campaign(write(tmp_path, BASE + matrix + "repetitions: 2\nseed: 5\n"))
     blocks = [(r.settings.partition.stages, r.settings.method) for r in campaign.runs]
     changes = sum(1 for a, b in itertools.pairwise(blocks) if a != b)
     assert len(blocks) == 16 and len(set(blocks)) == 4 and changes == 3
+    # the pool's shape (stages here) changes once: both method families of one pool come together
+    pools = [r.settings.partition.stages for r in campaign.runs]
+    assert sum(1 for a, b in itertools.pairwise(pools) if a != b) == 1
     # still a seeded shuffle: within a block the order is not the listed one, and the same file gives it again
     listed = load_campaign(write(tmp_path, BASE + matrix + "repetitions: 2\nseed: 5\norder: listed\n", "l.yaml"))
     assert sorted(r.run_id for r in campaign.runs) == sorted(r.run_id for r in listed.runs)
     assert [r.run_id for r in campaign.runs] == [r.run_id for r in load_campaign(tmp_path / "campaign.yaml").runs]
-    first = [(r.repetition, r.overrides) for r in campaign.runs if (r.settings.partition.stages, r.settings.method) == blocks[0]]
-    in_listed = [(r.repetition, r.overrides) for r in listed.runs if (r.settings.partition.stages, r.settings.method) == blocks[0]]
+    first = [
+        (r.repetition, r.overrides)
+        for r in campaign.runs
+        if (r.settings.partition.stages, r.settings.method) == blocks[0]
+    ]
+    in_listed = [
+        (r.repetition, r.overrides)
+        for r in listed.runs
+        if (r.settings.partition.stages, r.settings.method) == blocks[0]
+    ]
     assert sorted(first) == sorted(in_listed) and first != in_listed
     # listed keeps the matrix order, shapes interleaved
     listed_blocks = [(r.settings.partition.stages, r.settings.method) for r in listed.runs]
@@ -230,28 +243,40 @@ def test_schedules_are_identical_for_two_loads_of_the_same_campaign(tmp_path: Pa
 BAD_CASES = {
     # name: (text, the text on the line the problem must name, a word the message must contain)
     "unknown method in base": (BASE.replace("method: ushape", "method: warp"), "method: warp", "warp"),
-    "unknown method as a matrix value": (
-        BASE + "matrix:\n  method:\n    - ushape\n    - warp\n", "- warp", "warp"),
+    "unknown method as a matrix value": (BASE + "matrix:\n  method:\n    - ushape\n    - warp\n", "- warp", "warp"),
     "matrix key that is not a field of link": (BASE + "matrix:\n  link.speed: [1, 2]\n", "link.speed", "speed"),
     "matrix key that is not a field": (BASE + "matrix:\n  methods: [ushape]\n", "methods:", "methods"),
     "power matrix key for an unknown node": (
-        BASE + "matrix:\n  power.nosuchnode: [MAXN]\n", "power.nosuchnode", "nosuchnode"),
+        BASE + "matrix:\n  power.nosuchnode: [MAXN]\n",
+        "power.nosuchnode",
+        "nosuchnode",
+    ),
     "missing inventory file": (
-        BASE.replace(f"inventory: {INVENTORY}", "inventory: no/such/inventory.yaml"), "inventory:", "inventory"),
+        BASE.replace(f"inventory: {INVENTORY}", "inventory: no/such/inventory.yaml"),
+        "inventory:",
+        "inventory",
+    ),
     "device the inventory lacks": (BASE.replace("[orin, xavier]", "[orin, ghost]"), "ghost", "ghost"),
     "unknown link profile": (BASE.replace("profile: wifi-up", "profile: moon"), "moon", "moon"),
     "power mode an emulated board lacks": (
-        BASE.replace("power: {orin: MAXN}", "power: {orin: MODE_99W}"), "MODE_99W", "MODE_99W"),
+        BASE.replace("power: {orin: MAXN}", "power: {orin: MODE_99W}"),
+        "MODE_99W",
+        "MODE_99W",
+    ),
     "more stages than server layers": (BASE.replace("stages: 2", "stages: 7"), "stages: 7", "stages"),
     "no server layers left": (
         BASE.replace("device_layers: 2", "device_layers: 8").replace("stages: 2", "stages: 1"),
-        "device_layers: 8", "device"),
+        "device_layers: 8",
+        "device",
+    ),
     "unknown top-level key": (BASE + "repetition: 2\n", "repetition: 2", "repetition"),
     "YAML syntax error": (BASE.replace("server: server", "server: server: oops"), "server: oops", "YAML"),
     "bad matrix value of power": (
-        BASE + "matrix:\n  power.orin:\n    - MAXN\n    - MODE_99W\n", "- MODE_99W", "MODE_99W"),
-    "bad matrix value of stages": (
-        BASE + "matrix:\n  partition.stages:\n    - 2\n    - 7\n", "- 7", "stages"),
+        BASE + "matrix:\n  power.orin:\n    - MAXN\n    - MODE_99W\n",
+        "- MODE_99W",
+        "MODE_99W",
+    ),
+    "bad matrix value of stages": (BASE + "matrix:\n  partition.stages:\n    - 2\n    - 7\n", "- 7", "stages"),
 }
 
 
@@ -268,10 +293,12 @@ TWO_PROBLEMS = {
     # name: (text, the texts on the lines the problems must name)
     "two inventory problems in base": (
         BASE.replace("[orin, xavier]", "[orin, ghost]").replace("profile: wifi-up", "profile: moon"),
-        ("ghost", "moon")),
+        ("ghost", "moon"),
+    ),
     "two bad matrix values": (
         BASE + "matrix:\n  method:\n    - ushape\n    - warp\n  link.profile:\n    - wifi-up\n    - moon\n",
-        ("- warp", "- moon")),
+        ("- warp", "- moon"),
+    ),
     "two shape problems": (BASE.replace("method: ushape", "method: warp") + "repetition: 2\n", ("warp", "repetition:")),
 }
 
@@ -327,7 +354,9 @@ def test_roles_are_checked_against_the_inventory(tmp_path: Path) -> None:
     assert any(f == "base.devices" and "orin is the run's server" in m for _, f, m in problems), problems
     text = BASE.replace("devices: [orin, xavier]", "devices: [orin, server]")
     problems = problems_of(write(tmp_path, text, "server-device.yaml"))
-    assert [(line, field) for line, field, _ in problems] == [(line_of(text, "devices: [orin, server]"), "base.devices")]
+    assert [(line, field) for line, field, _ in problems] == [
+        (line_of(text, "devices: [orin, server]"), "base.devices")
+    ]
     assert "server is the run's server" in problems[0][2]
 
 
@@ -335,7 +364,8 @@ def test_a_trace_needs_links_between_the_devices_and_a_server(tmp_path: Path) ->
     inventory = tmp_path / "no-downlinks.yaml"
     inventory.write_text(INVENTORY.read_text().replace("  - {from: server, to: devices, profile: wifi-down}\n", ""))
     text = BASE.replace(str(INVENTORY), str(inventory)).replace(
-        "link: {profile: wifi-up}", f"link: {{trace: {REPO / 'examples' / 'traces' / 'hat-mid.csv'}}}")
+        "link: {profile: wifi-up}", f"link: {{trace: {REPO / 'examples' / 'traces' / 'hat-mid.csv'}}}"
+    )
     problems = problems_of(write(tmp_path, text))
     assert [(line, field) for line, field, _ in problems] == [(line_of(text, "link: {trace:"), "base.link.trace")]
     assert "has no downlink between 'orin' and a server-role node" in problems[0][2]
@@ -420,6 +450,7 @@ def test_ledger_skip_only_from_todo(ledger: Ledger) -> None:
 def test_ledger_quarantines_a_node_after_k_failures_in_a_row(tmp_path: Path) -> None:
     runs = [(f"r{i}", f"run {i}", ["server", "orin"]) for i in range(8)]
     with Ledger.create(tmp_path / "ledger.sqlite", {}, runs) as ledger:
+
         def fail(run_id: str) -> list[str]:
             ledger.start(run_id)
             return ledger.finish(run_id, "failed", reason=f"{run_id} broke", node="orin",
@@ -489,7 +520,9 @@ def test_ledger_uses_wal_and_its_state_survives_reopening(tmp_path: Path) -> Non
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     with Ledger.open(path) as reopened:
         assert [(r.run_id, r.state, r.attempts) for r in reopened.runs()] == [
-            ("r0", "done", 1), ("r1", "failed", 1), ("r2", "running", 1)
+            ("r0", "done", 1),
+            ("r1", "failed", 1),
+            ("r2", "running", 1),
         ]
         assert reopened.run("r1").reason == "oops"
         assert set(reopened.quarantined()) == {"xavier"}

@@ -80,9 +80,12 @@ def ledger_rows(out: Path) -> list[tuple]:
     if not path.exists():
         return []
     with sqlite3.connect(path, timeout=30) as db:
-        return db.execute(
-            "SELECT position, run_id, state, attempts, reason, failed_node FROM runs ORDER BY position"
-        ).fetchall()
+        try:
+            return db.execute(
+                "SELECT position, run_id, state, attempts, reason, failed_node FROM runs ORDER BY position"
+            ).fetchall()
+        except sqlite3.OperationalError:  # the controller has created the file, not yet its tables
+            return []
 
 
 def orin_requests_file(inventory: Path, run_id: str, attempt: int) -> Path:
@@ -126,10 +129,10 @@ def device_worker_pids(inventory: Path) -> list[int]:
     return pids
 
 
-def node_state(inventory: Path) -> dict[str, str]:
-    """What tc has on orin's data veth and orin's power mode as nvpmodel reads it back."""
+def node_state(inventory: Path, node: str = "orin") -> dict[str, str]:
+    """What tc has on the node's data veth and its power mode as nvpmodel reads it back."""
     lab = load_lab(inventory)
-    with open_transport(lab, lab.node("orin")) as t:
+    with open_transport(lab, lab.node(node)) as t:
         qdiscs = t.run(["tc", "qdisc", "show", "dev", "data0"]).check().stdout
         mode = t.run(["nvpmodel", "-q"]).check().stdout
     return {"qdiscs": qdiscs, "mode": mode}
@@ -208,6 +211,7 @@ def test_a_killed_device_worker_fails_its_run_and_the_next_run_proceeds(lab, tmp
     assert done.completed.all() and len(done) == 5
     state = node_state(lab)
     assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state
+    assert "1f7b:" not in node_state(lab, "orin-nx")["qdiscs"]
     assert not device_worker_pids(lab)  # the campaign's end stopped the second pool
 
 
@@ -227,6 +231,16 @@ def test_sigkill_of_the_controller_then_resume_does_every_run_exactly_once(lab, 
     assert [r[2] for r in rows] == ["done", "running", "todo"], rows
     left = node_state(lab)
     assert "1f7b:" in left["qdiscs"] and "MODE_50W" in left["mode"], left  # the crash left orin changed
+    # and orin-nx, which the runs shape (its links to the server: the devices group) without running on it
+    assert "1f7b:" in node_state(lab, "orin-nx")["qdiscs"]
+    # what --resume does first (recover) restores both, before any run could fail and leave them
+    from testbed.campaign.load import load_campaign
+    from testbed.campaign.runner import open_campaign, recover
+
+    loaded = load_campaign(campaign)
+    with open_campaign(loaded, out) as ledger:
+        assert recover(loaded, out, ledger, say=lambda _: None) == [killed_id]
+    assert "1f7b:" not in node_state(lab, "orin-nx")["qdiscs"] and "1f7b:" not in node_state(lab)["qdiscs"]
 
     resumed = start_campaign(campaign, out, "--resume")
     assert resumed.wait(timeout=WAIT_LIMIT_S * 2) == 0, (out.parent / "out-controller.log").read_text()[-3000:]
@@ -251,6 +265,7 @@ def test_sigkill_of_the_controller_then_resume_does_every_run_exactly_once(lab, 
     assert starts == ["cold", "cold", "warm"], starts
     state = node_state(lab)
     assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state
+    assert "1f7b:" not in node_state(lab, "orin-nx")["qdiscs"]
     assert not device_worker_pids(lab)
     pools = list((lab.parent / "state" / "nodes" / "server" / "home" / "hil-testbed" / "pools").glob("*/order.json"))
     pools = [p.parent for p in pools]
@@ -262,3 +277,28 @@ def _alive(pidfile: Path) -> bool:
     """Whether the process a pidfile names (``pid starttime``) is still running."""
     pid = int(pidfile.read_text().split()[0])
     return Path(f"/proc/{pid}").exists()
+
+
+def test_sigterm_in_a_warm_run_restores_what_the_runs_had_left_set(lab, tmp_path):
+    # SIGTERM (as Ctrl-C) while the second run is served by the warm pool, with orin's mode and every
+    # link held from the first run: the interrupted run keeps nothing, the campaign's end stops the pool
+    campaign = campaign_file(tmp_path, lab, name="terminated", methods=["ushape", "usarathi", "centralized"],
+                             requests=4)  # fmt: skip
+    out = tmp_path / "out"
+    controller = start_campaign(campaign, out)
+    try:
+        run_id = wait_until_serving(out, lab, 1, controller)
+        controller.send_signal(signal.SIGTERM)
+        assert controller.wait(timeout=WAIT_LIMIT_S) != 0
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+    rows = ledger_rows(out)
+    assert [r[2] for r in rows] == ["done", "running", "todo"], rows  # --resume runs it again
+    manifest = json.loads((out / "runs" / f"{run_id}.attempt1" / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["reason"].startswith("interrupted")
+    assert "kept_for_next_run" not in manifest["restore"]
+    state = node_state(lab)
+    assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state
+    assert "1f7b:" not in node_state(lab, "orin-nx")["qdiscs"]
+    assert not device_worker_pids(lab)

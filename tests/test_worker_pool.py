@@ -22,22 +22,34 @@ from testbed.split_run import data_plane_env
 from tests.conftest import REPO
 
 TINY = REPO / "examples" / "models" / "tiny"
-PROMPTS = ("def read_config(path):\n    with open(path) as handle:\n        return", "class Stack:\n    def push(self, x):")
+PROMPTS = (
+    "def read_config(path):\n    with open(path) as handle:\n        return",
+    "class Stack:\n    def push(self, x):",
+)
 LIMIT_S = 120.0
 
 
-def write_run(runs: Path, run_id: str, method: str, *, devices: int = 1, seed: int = 0) -> Path:
-    """A run directory with its config and one schedule per device (two requests each)."""
+def write_run(
+    runs: Path,
+    run_id: str,
+    method: str,
+    *,
+    devices: int = 1,
+    seed: int = 0,
+    gap_s: float = 0.05,
+    deadline_s: float | None = None,
+) -> Path:
+    """A run directory with its config and one schedule per device (two requests each, ``gap_s`` apart)."""
     directory = runs / run_id
     directory.mkdir(parents=True)
     ranks = [RankSpec("stage", "server", 0), RankSpec("stage", "server", 1)]
     for index in range(devices):
         schedule = directory / f"schedule-{index}.jsonl"
-        schedule.write_text("".join(json.dumps({"request_id": i, "arrival_s": 0.05 * i, "prompt": p,
+        schedule.write_text("".join(json.dumps({"request_id": i, "arrival_s": gap_s * i, "prompt": p,
                                                 "max_new_tokens": 6}) + "\n" for i, p in enumerate(PROMPTS)))  # fmt: skip
         ranks.append(RankSpec("device", f"dev{index}", index, schedule=str(schedule)))
     config = RunConfig(run_id, method, str(TINY), "float32", 2, 2, 128, str(directory / "out"), tuple(ranks), seed,
-                       DraftSettings())  # fmt: skip
+                       DraftSettings(), deadline_s)  # fmt: skip
     (directory / "run.json").write_text(json.dumps(config.to_json()))
     return directory / "run.json"
 
@@ -146,6 +158,21 @@ def test_a_run_of_another_shape_ends_the_pool(tmp_path):
     assert not (tmp_path / "runs" / "two-devices" / "pool-run.json").exists()
 
 
+def test_a_run_past_its_deadline_ends_the_pool(tmp_path):
+    write_run(tmp_path / "runs", "slow", "ushape", gap_s=30.0, deadline_s=2.0)  # its second request comes at 30 s
+    pool = start_pool(tmp_path)
+    started = time.monotonic()
+    try:
+        order(tmp_path, 1, run="slow")
+        output, _ = pool.communicate(timeout=LIMIT_S)
+    finally:
+        if pool.poll() is None:
+            pool.kill()
+    assert pool.returncode != 0 and time.monotonic() - started < 25.0
+    assert "run slow still going 2 s after its start: ended" in output
+    assert not (tmp_path / "runs" / "slow" / "pool-run.json").exists()
+
+
 def test_the_part_cache_keeps_only_what_the_last_run_asked_for():
     cache = PartCache()
     loads = []
@@ -161,6 +188,17 @@ def test_the_part_cache_keeps_only_what_the_last_run_asked_for():
     assert cache.take_report() == {"loaded": [], "reused": ["part a"]}
     cache.get("b", loader("b"), "part b")
     assert loads == ["a", "b", "b"]
+
+
+def test_the_part_cache_drops_what_the_run_has_not_asked_for_before_it_loads():
+    cache = PartCache()
+    held_while_loading = []
+    cache.get("old", lambda: "old", "old part")
+    cache.settle()
+    cache.get("new", lambda: held_while_loading.extend(cache._held) or "new", "new part")
+    assert held_while_loading == []  # the old part was gone before the new one was loaded
+    cache.get("old", lambda: "old", "old part")  # asked for again in the same run: loaded again, kept
+    assert sorted(cache._held) == ["new", "old"]
 
 
 @pytest.fixture(autouse=True)
@@ -181,5 +219,35 @@ def _pool_rank(proc: Path) -> bool:
         words = (proc / "cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"nodes.workers" in words and b"--pool" in words and os.getpid() != int(proc.name) and any(
-        b"pytest-of" in w for w in words)
+    return (
+        b"nodes.workers" in words
+        and b"--pool" in words
+        and os.getpid() != int(proc.name)
+        and any(b"pytest-of" in w for w in words)
+    )
+
+
+def test_a_pool_counts_as_ended_when_its_status_is_there_or_its_process_is_gone(tmp_path):
+    from testbed.worker_pool import PoolFiles, alive_check
+
+    files = PoolFiles(str(tmp_path))
+
+    def ended() -> bool:
+        return subprocess.run(["sh", "-c", alive_check(files)], check=False).returncode == 0
+
+    assert ended()  # never started: no pidfile
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        start = Path(f"/proc/{sleeper.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        Path(files.pidfile).write_text(f"{sleeper.pid} {start}\n")
+        assert not ended()
+        Path(files.pidfile).write_text(f"{sleeper.pid} 1\n")  # the pid now names another process
+        assert ended()
+        Path(files.pidfile).write_text(f"{sleeper.pid} {start}\n")
+        Path(files.status).write_text("0\n")
+        assert ended()
+        Path(files.status).unlink()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert ended()

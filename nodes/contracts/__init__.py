@@ -7,7 +7,8 @@ sides import these modules:
 - ``tool_answers`` and ``tool_errors``: what node tools answer (JSON) and how they fail (exit status);
 - ``schedules``: request ids; ``draft``: the draft adapter's default place;
 - ``speculative_metrics``: the acceptance length, for the workers and the analysis alike;
-- ``durable``: atomic writes and synced appends.
+- ``durable``: atomic writes and synced appends;
+- ``pool_orders``: the files by which the controller orders runs from a warm worker pool.
 
 The run config itself (``nodes/workers/run_config.py``) is the other half of the contract: it lives
 with the workers because it reads the method registry (``nodes/workers/methods``).

@@ -10,9 +10,8 @@ import argparse
 import sys
 import traceback
 
+from nodes.contracts.pool_orders import IDLE_TIMEOUT_S
 from nodes.contracts.tool_errors import BAD_INPUT, NODE_FAILED, OK
-
-DEFAULT_IDLE_TIMEOUT_S = 300.0
 
 
 def main(argv=None) -> int:
@@ -20,7 +19,7 @@ def main(argv=None) -> int:
     parser.add_argument("run_config", nargs="?", help="path of the run config JSON (as seen on this node)")
     parser.add_argument("--pool", metavar="DIR", help="serve as a warm pool: orders arrive in DIR/order.json")
     parser.add_argument("--runs", metavar="DIR", help="with --pool: where the runs' directories are on this node")
-    parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+    parser.add_argument("--idle-timeout-s", type=float, default=IDLE_TIMEOUT_S,
                         help="with --pool: stop after this long without an order (default %(default)s)")  # fmt: skip
     args = parser.parse_args(argv)
     if bool(args.pool) == bool(args.run_config) or bool(args.pool) != bool(args.runs):

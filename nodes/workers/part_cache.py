@@ -7,8 +7,9 @@ from typing import Any, Callable, Dict, Hashable, List
 class PartCache:
     """Model parts and draft adapters a rank has loaded, kept for the next run that asks for the same.
 
-    A run asks through :meth:`get` while its worker is built; :meth:`settle` then drops what it did
-    not ask for, so a pool never holds more than one run's parts (a 7B model's part fills a board)."""
+    A run asks through :meth:`get` while its worker is built. A part it must load is loaded only
+    after what it has not asked for so far is dropped, and :meth:`settle` drops the rest of what it
+    did not ask for, so a pool never holds more than one run's parts (a 7B model's part fills a board)."""
 
     def __init__(self) -> None:
         self._held = {}  # type: Dict[Hashable, Any]
@@ -20,6 +21,8 @@ class PartCache:
         if key in self._held:
             self.reused.append(what)
         else:
+            for other in [k for k in self._held if k not in self._asked]:
+                del self._held[other]  # before loading: the old part and the new one never both in memory
             self._held[key] = load()
             self.loaded.append(what)
         self._asked.add(key)

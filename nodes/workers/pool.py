@@ -24,14 +24,11 @@ import time
 from typing import Any, Dict, Optional
 
 from nodes.contracts.durable import write_json_atomic
+from nodes.contracts.pool_orders import ORDER_FILE, RUN_RECORD
 from nodes.contracts.tool_errors import BAD_INPUT, NODE_FAILED, OK
 
 TAG_ORDER = 21  # rank 0 -> every other rank: the next order, as JSON bytes
 ORDER_POLL_S = 0.02  # how often rank 0 looks for the next order, and the others for rank 0's message
-RUN_RECORD = "pool-run.json"
-
-
-ORDER_FILE = "order.json"
 
 
 def _wait_for_order(pool_dir: str, number: int, idle_timeout_s: float) -> Dict[str, Any]:
@@ -116,8 +113,9 @@ def serve_pool(comm: Any, pool_dir: str, runs_dir: str, idle_timeout_s: float) -
             import traceback
 
             spec = config.ranks[rank]
-            sys.stderr.write("rank %d (%s %s) failed in run %s:\n%s" % (rank, spec.role, spec.node, run_id,
-                                                                          traceback.format_exc()))
+            sys.stderr.write(
+                "rank %d (%s %s) failed in run %s:\n%s" % (rank, spec.role, spec.node, run_id, traceback.format_exc())
+            )
             sys.stderr.flush()
             comm.Abort(NODE_FAILED)
             return NODE_FAILED

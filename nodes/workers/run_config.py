@@ -62,6 +62,9 @@ class RunConfig(NamedTuple):
     ranks: Tuple[RankSpec, ...]
     seed: int = 0
     draft: DraftSettings = DraftSettings()
+    # a rank still in the run this long after the start barrier ends it (a hung run in a warm pool
+    # must not outlive its run's timeout); None: no limit
+    deadline_s: Optional[float] = None
 
     @property
     def method_spec(self) -> Method:
@@ -101,7 +104,7 @@ class RunConfig(NamedTuple):
             "run_id": self.run_id, "method": self.method, "model": self.model, "dtype": self.dtype,
             "partition": {"device_layers": self.device_layers, "stages": self.stages},
             "chunk_tokens": self.chunk_tokens, "out_dir": self.out_dir, "ranks": ranks, "seed": self.seed,
-            "draft": self.draft._asdict(),
+            "draft": self.draft._asdict(), "deadline_s": self.deadline_s,
         }  # fmt: skip
 
     def rank_dir(self, rank: int) -> str:
@@ -197,6 +200,9 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
     for name in ("max_draft_tokens", "top_k", "max_parallel_steps"):
         if getattr(draft, name) > DRAFT_LIMITS[name][1]:
             raise RunConfigError("%s: draft.%s must be at most %d" % (source, name, DRAFT_LIMITS[name][1]))
+    deadline = raw.get("deadline_s")
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0):
+        raise RunConfigError("%s: field 'deadline_s' must be a positive number of seconds" % source)
     return RunConfig(
         run_id=str(raw.get("run_id", "run")),
         method=method,
@@ -209,6 +215,7 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
         ranks=tuple(ranks),
         seed=int(raw.get("seed", 0)),
         draft=draft,
+        deadline_s=None if deadline is None else float(deadline),
     )
 
 

@@ -3,15 +3,28 @@
 the clock origin there, serve or replay, and meet them again at the end."""
 
 import os
+import sys
+import threading
 import time
 from typing import Any, Dict
+
+from nodes.contracts.tool_errors import NODE_FAILED
 
 from .run_config import RunConfig
 
 
+def _overrun(config: RunConfig, rank: int) -> None:
+    """The run outlived its deadline: end this process (mpiexec then ends every rank of the launch)."""
+    sys.stderr.write(
+        "rank %d: run %s still going %.0f s after its start: ended\n" % (rank, config.run_id, config.deadline_s)
+    )
+    sys.stderr.flush()
+    os._exit(NODE_FAILED)
+
+
 def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, Any]:
     """Run ``config`` on this rank; what the rank did to set up (seconds, parts loaded or reused).
-    ``parts``: the rank's :class:`~nodes.workers.pool.PartCache`."""
+    ``parts``: the rank's :class:`~nodes.workers.part_cache.PartCache`."""
     import torch
 
     spec = config.ranks[rank]
@@ -30,11 +43,19 @@ def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, An
     parts.settle()
     setup_s = time.monotonic() - started
     comm.Barrier()
+    watchdog = None
+    if config.deadline_s is not None:
+        watchdog = threading.Timer(config.deadline_s, _overrun, (config, rank))
+        watchdog.daemon = True
+        watchdog.start()
     worker.start(time.monotonic())
     if spec.role == "stage":
         worker.serve()
     else:
         worker.run()
     comm.Barrier()
-    return dict({"rank": rank, "role": spec.role, "node": spec.node, "setup_s": round(setup_s, 6)},
-                **parts.take_report())
+    if watchdog is not None:
+        watchdog.cancel()
+    return dict(
+        {"rank": rank, "role": spec.role, "node": spec.node, "setup_s": round(setup_s, 6)}, **parts.take_report()
+    )

@@ -115,6 +115,13 @@ class _RunState:
     workers: dict[str, Any] = field(default_factory=dict)  # which pool served the run, warm or cold
     kept: Kept = Kept()
     prepared: PreparedRun | None = None  # staged, with its pool up
+    _failing: threading.Lock = field(default_factory=threading.Lock)  # phases side by side may fail at once
+
+    def fail(self, phase: str, reason: str, node: str | None) -> None:
+        """Record the run's failure: the first one to happen (the others are in events.jsonl)."""
+        with self._failing:
+            if self.failure is None:
+                self.failure = (phase, reason, node)
 
 
 def execute_run(
@@ -154,12 +161,15 @@ def execute_run(
                 break
             _side_by_side([lambda p=phase, s=step: _phase(p, s, state, events, report) for phase, step in together])
         _phase("collect", lambda: _collect(campaign, run, directory, state, carry), state, events, report)
+    except BaseException as exc:  # Ctrl-C, SIGTERM: the run failed, so nothing is kept for a next run
+        state.fail("interrupted", f"the controller was interrupted ({type(exc).__name__})", None)
+        raise
     finally:
         kept = keep if state.failure is None else (frozenset(), frozenset())
         _phase("restore", lambda: _restore(lab, state, kept), state, events, report)
         scheduled = sum(len(rows) for rows in state.schedules.values())
-        if state.failure is None and state.completed < scheduled:
-            state.failure = ("collect", f"only {state.completed} of {scheduled} requests completed", None)
+        if state.completed < scheduled:
+            state.fail("collect", f"only {state.completed} of {scheduled} requests completed", None)
         outcome = RunOutcome(
             "failed" if state.failure else "done",
             f"{state.failure[0]}: {state.failure[1]}" if state.failure else None,
@@ -202,10 +212,14 @@ def _phase(name: str, step: Callable[[], None], state: _RunState, events: EventL
     except Exception as exc:  # a failed phase ends the run, never the campaign
         node = exc.node if isinstance(exc, NodeError) else None
         reason = str(exc) if isinstance(exc, (NodeError, TestbedError)) else f"{type(exc).__name__}: {exc}"
-        events.write("phase_error", phase=name, node=node, error=reason,
-                     traceback=None if isinstance(exc, (NodeError, TestbedError)) else traceback.format_exc())
-        if state.failure is None:
-            state.failure = (name, reason, node)
+        events.write(
+            "phase_error",
+            phase=name,
+            node=node,
+            error=reason,
+            traceback=None if isinstance(exc, (NodeError, TestbedError)) else traceback.format_exc(),
+        )
+        state.fail(name, reason, node)
     finally:
         state.phases_s[name] = round(time.monotonic() - started, 3)
         events.write("phase_end", phase=name, seconds=state.phases_s[name])
@@ -258,6 +272,8 @@ def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, even
     if settings.link.shaped:
         calls.append(collecting(lambda: _shape(campaign, settings, state, events)))
     _side_by_side(calls)
+    for extra in errors[1:]:  # the phase fails with the first; the others are recorded too
+        events.write("phase_error", phase="configure", node=getattr(extra, "node", None), error=str(extra))
     if errors:
         raise errors[0]
 
@@ -355,6 +371,10 @@ def _workers(campaign: Campaign, directory: Path, state: _RunState, report: Repo
     try:
         done = pools.serve(state.prepared, directory / "workers", on_wait=served)
         state.workers["ranks"] = done.record.get("ranks", [])
+        # a pool that had stopped by itself before taking the order was started anew: cold, another pool
+        state.workers.update(pool=done.pool_id, start="warm" if done.warm else "cold", runs_before=done.runs_before)
+        if "release_error" in done.record:
+            state.workers["release_error"] = done.record["release_error"]
     finally:
         state.completed = _count_rows(directory / "workers" / "ranks")
         report("served", {"served": state.completed, "scheduled": scheduled})

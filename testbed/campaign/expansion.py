@@ -37,8 +37,8 @@ MatrixPoint = tuple[tuple[tuple[str, Any], ...], RunSettings]  # (matrix key, va
 
 def expand(spec: CampaignSpec, points: Sequence[MatrixPoint]) -> tuple[PlannedRun, ...]:
     """Matrix points x repetitions, ids by content; unless ``listed``, shuffled by the campaign seed and
-    then grouped by worker shape, the groups in the order their first run drew (a stable sort: within
-    a group the shuffled order stays)."""
+    then grouped by pool shape (server, devices, stages) and within it by the parts the ranks hold, the
+    groups in the order their first run drew (a stable sort: within a group the shuffled order stays)."""
     runs = []
     for repetition in range(spec.repetitions):
         seed = derive_seed(spec.seed, "repetition", repetition)
@@ -48,8 +48,9 @@ def expand(spec: CampaignSpec, points: Sequence[MatrixPoint]) -> tuple[PlannedRu
         random.Random(derive_seed(spec.seed, "order")).shuffle(runs)
         first: dict[tuple[Any, ...], int] = {}
         for index, (_o, settings, _r, _s) in enumerate(runs):
-            first.setdefault(worker_shape(settings), index)
-        runs.sort(key=lambda r: first[worker_shape(r[1])])
+            first.setdefault(worker_shape(settings)[:3], index)  # the pool's shape: server, devices, stages
+            first.setdefault(worker_shape(settings), index)  # within it, the parts its ranks hold
+        runs.sort(key=lambda r: (first[worker_shape(r[1])[:3]], first[worker_shape(r[1])]))
     planned = []
     seen: set[str] = set()
     for overrides, settings, repetition, seed in runs:
@@ -120,5 +121,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list):
         return [_plain(v) for v in value]
     return value
-
-

@@ -160,7 +160,7 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
             lines.store(name, "stage", "store the device's schedule", f"{run_dir}/schedule-{name}.jsonl")
         lines.store(name, "stage", "store the run config", f"{run_dir}/run.json")
     files = pool_files(ctx[server], pool_name(settings))
-    lines.add(server, "stage", "has the warm pool ended since the last run?", command_line(alive_check(files)), "live")
+    lines.add(server, "stage", "has the warm pool ended since the last run?", _sh(alive_check(files)), "live")
     lines.add(server, "stage", "clear what an earlier pool of this shape left", command_line(start_script(files)),
               "if-cold")  # fmt: skip
     words = prefix_words(sudo=False, env=launch_env(plan.launch.timeout_s))
@@ -221,9 +221,8 @@ def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:
                       _sh(node_journal.read_script(workdir)))  # fmt: skip
     for name, plans in by_node.items():
         probe = probes.get(name)
-        when = "once" if probe is not None else "live"
+        when = "if-differs" if probe is not None else "live"
         commands = [c for p in plans for c in (commands_for(p, probe.states) if probe else p.apply_commands())]
-        when = "if-differs" if when == "once" else when
         lines.store(name, "configure", "write the link journal (the interfaces as they were)",
                     node_journal.journal_path(workdir), "if-differs")  # fmt: skip
         lines.add(name, "configure", "shape the links", _sh(node_journal.commands_script(commands, sudo_words)), when)
@@ -303,5 +302,3 @@ def _trace_stop_lines(lines: _Lines, plan: RunPlan) -> None:
         lines.add(name, "restore", "stop the trace player", _sh(background_stop_script(pidfile, 5.0)), "live")
         lines.store(name, "restore", "drop the trace player from the journal", node_journal.journal_path(workdir),
                     "live")  # fmt: skip
-
-

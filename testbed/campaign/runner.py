@@ -105,8 +105,10 @@ def recover(campaign: Campaign, directory: Path, ledger: Ledger, *, say: Callabl
     end_registered_pools(campaign.inventory, directory / POOLS, say)
     for row in interrupted:
         _end_processes(campaign, attempt_dir(directory, row.run_id, row.attempts), say)
-    # also between runs a dead controller leaves nodes set for the next run: restore them all
-    restore_nodes(campaign, list(campaign.nodes()), say)
+    # also between runs a dead controller leaves nodes set for the next run: restore them all, with the
+    # nodes a run shapes without running on them (a device of the link group that the run does not use)
+    shaped = {name for run in campaign.runs for name in configured_nodes(campaign, run.settings)[1]}
+    restore_nodes(campaign, [n.name for n in campaign.inventory.nodes if n.name in {*campaign.nodes(), *shaped}], say)
     requeued = []
     for row in interrupted:
         finished = final_dir(directory, row.run_id) / "manifest.json"
@@ -231,9 +233,12 @@ def run_campaign(
                         else (frozenset(), frozenset()))  # fmt: skip
                 outcome = execute_run(campaign, run, attempt, work, facts=facts, carry=carry, keep=keep,
                                       report=report)  # fmt: skip
-                held = outcome.kept
                 if outcome.state == "failed":
                     pools.discard()  # a failed run's pool may be broken: the next run starts cold
+                    # what the run before left set and this one never reached (it failed before
+                    # configuring them) is restored now, not at the campaign's end
+                    _release_unneeded(campaign, held, (outcome.kept.power, outcome.kept.links), say)
+                held = outcome.kept
                 _settle_directory(directory, row.run_id, work)
                 newly = ledger.finish(
                     row.run_id, outcome.state, reason=outcome.reason, node=outcome.failed_node,
@@ -256,15 +261,15 @@ def run_campaign(
 def _following(ledger: Ledger, by_id: dict[str, PlannedRun], run_id: str) -> PlannedRun | None:
     """The run after ``run_id`` in the ledger's order that is still to do (what it will set is kept)."""
     rows = ledger.runs()
-    after = [r for r in rows[[r.run_id for r in rows].index(run_id) + 1:] if r.state == "todo"]
+    after = [r for r in rows[[r.run_id for r in rows].index(run_id) + 1 :] if r.state == "todo"]
     return by_id[after[0].run_id] if after else None
 
 
 def _release_unneeded(
     campaign: Campaign, held: Kept, needed: tuple[frozenset[str], frozenset[str]], say: Callable[[str], None]
 ) -> Kept:
-    """Restore what the last run kept but the next one does not set (its expected successor was
-    skipped); what is left held."""
+    """Restore what ``held`` (what the last run kept) has beyond ``needed`` (what the next run sets; after
+    a failed run, what it kept itself: nothing); what is left held."""
     release = Kept(held.power - needed[0], held.links - needed[1], held.contexts)
     if release:
         for problem in release_nodes(campaign.inventory, release, {}):

@@ -165,6 +165,15 @@ cat "$P"
 """
 
 
+def background_running_script(pidfile: str) -> str:
+    """sh that succeeds while the process ``pidfile`` names is running (the same pid and start time)."""
+    return f"""P={_node_path(pidfile, "pidfile")}
+[ -s "$P" ] || exit 1
+read pid start < "$P"
+{_ALIVE}
+alive && [ "$({_starttime("$pid")})" = "$start" ]"""
+
+
 def background_stop_script(pidfile: str, grace_s: float) -> str:
     steps = max(1, int(grace_s / 0.1))
     return f"""P={_node_path(pidfile, "pidfile")}
