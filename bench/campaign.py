@@ -186,7 +186,12 @@ def run_both_ways(name: str, directory: Path, ways: list[str], baseline: str | N
 
 
 def our_processes() -> list[str]:
-    """Command lines of testbed processes on this host (the emulated nodes are processes here)."""
+    """Command lines of testbed processes of the benchmark's lab on this host (the emulated nodes are
+    processes here; those of another lab, e.g. a test suite's, name its own state directory)."""
+    from testbed.emulation.plan import state_dir_of
+    from testbed.inventory import load_inventory
+
+    state = str(state_dir_of(load_inventory(INVENTORY)))
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -196,8 +201,9 @@ def our_processes() -> list[str]:
         except OSError:
             continue
         line = b" ".join(words).decode(errors="replace")
-        if any(m in line for m in ("nodes.workers", "nodes.telemetry", "link_trace_player", "hydra_pmi_proxy",
-                                   "mpiexec")):  # fmt: skip
+        ours = state + "/" in line
+        if ours and any(m in line for m in ("nodes.workers", "nodes.telemetry", "link_trace_player",
+                                            "hydra_pmi_proxy", "mpiexec")):  # fmt: skip
             found.append(line[:200])
     return found
 
