@@ -34,7 +34,7 @@ from testbed.split_run import MpiLaunchPlan, RankGroup, SplitRunSpec, check_spec
 
 
 def frame_size(*payload_bytes: int) -> int:
-    return 16 + 64 * len(payload_bytes) + sum(payload_bytes)
+    return 20 + 64 * len(payload_bytes) + sum(payload_bytes)  # frame header: 20 bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -100,7 +100,7 @@ def test_several_segments_with_a_release_and_server_times():
 
 def test_stop_frame_is_only_the_frame_header():
     buffer = encode(STOP, 5, [])
-    assert len(buffer) == 16
+    assert len(buffer) == 20
     assert decode(buffer) == wire.Frame(STOP, 5, ())
 
 
@@ -111,18 +111,19 @@ def test_layout_is_little_endian_at_fixed_offsets():
     assert buffer[4] == wire.VERSION and buffer[5] == DATA
     assert struct.unpack_from("<H", buffer, 6) == (1,)
     assert bytes(buffer[8:16]) == bytes([8, 7, 6, 5, 4, 3, 2, 1])
-    seg = 16
+    assert struct.unpack_from("<I", buffer, 16) == (0,)  # no padding
+    seg = 20
     assert struct.unpack_from("<Q", buffer, seg) == (0xAABBCCDD11,)
     assert bytes(buffer[seg + 8 : seg + 12]) == bytes([4, 3, 2, 1])  # device rank, least significant first
     assert (buffer[seg + 12], buffer[seg + 13], buffer[seg + 14]) == (DECODE, 3, 1)  # phase, int32 code, flags
     assert struct.unpack_from("<IIII", buffer, seg + 16) == (300, 2, 1, 8)  # start, tokens, width, bytes
-    assert struct.unpack_from("<ii", buffer, 16 + 64) == (1, 2)  # payload right after the headers
+    assert struct.unpack_from("<ii", buffer, 20 + 64) == (1, 2)  # payload right after the headers
 
 
 def test_decoded_payload_shares_the_buffer():
     buffer = encode(DATA, 0, [Segment(1, 0, DECODE, 0, 1, torch.tensor([[7]], dtype=torch.int32))])
     payload = decode(buffer).segments[0].payload
-    struct.pack_into("<i", buffer, 16 + 64, 99)
+    struct.pack_into("<i", buffer, 20 + 64, 99)
     assert payload.item() == 99
 
 
@@ -131,7 +132,7 @@ def test_decoded_payload_shares_the_buffer():
     [
         (lambda b: b.__setitem__(slice(0, 4), b"XXXX"), "magic"),
         (lambda b: b.__setitem__(4, wire.VERSION + 1), "version"),
-        (lambda b: b.extend(b"\0\0\0"), "3 trailing bytes"),
+        (lambda b: b.extend(b"\0\0\0"), "3 bytes after its payloads, its header says 0"),
         (lambda b: b.__delitem__(slice(8, None)), "shorter than its header"),
     ],
 )
@@ -587,8 +588,9 @@ def _one_segment_frame() -> bytearray:
     [
         lambda b: struct.pack_into("<H", b, 6, 2),  # two segments announced, one present
         lambda b: b.__delitem__(slice(len(b) - 4, None)),  # payload cut short
-        lambda b: struct.pack_into("<B", b, 16 + 13, 9),  # unknown dtype code
-        lambda b: struct.pack_into("<I", b, 16 + 24, 3),  # width that disagrees with the byte count
+        lambda b: struct.pack_into("<B", b, 20 + 13, 9),  # unknown dtype code
+        lambda b: struct.pack_into("<I", b, 20 + 24, 3),  # width that disagrees with the byte count
+        lambda b: struct.pack_into("<I", b, 16, 5),  # padding the frame does not have
     ],
 )
 def test_decode_names_every_inconsistent_frame_a_wire_error(damage):

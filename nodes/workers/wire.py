@@ -5,7 +5,10 @@ then the segments' payloads in order. Everything is little-endian with explicit 
 travel as their raw bit patterns (bf16 as its 16-bit pattern), so ARM devices and an x86 server
 read each other's frames without MPI datatype conversion.
 
-Frame header ``<4sBBHQ``: magic ``HILW``, version, kind (DATA or STOP), segment count, iteration.
+Frame header ``<4sBBHQI``: magic ``HILW``, version, kind (DATA or STOP), segment count, iteration,
+padding bytes. Padding (zeros after the payloads, ignored on arrival) makes hidden states weigh on the
+wire what the emulated target model's would (8 KiB a token for Vicuna-7B in fp16, against the tiny
+model's 1 KiB): :func:`padding_for`.
 
 Segment header ``<QIBBBBIIIIdddd`` (64 bytes): request id, device rank, phase (prefill, decode,
 release, verify, state), dtype, flags (last prompt chunk), reserved, start position, token count, width (hidden
@@ -27,8 +30,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 MAGIC = b"HILW"
-VERSION = 1
-FRAME = struct.Struct("<4sBBHQ")
+VERSION = 2
+FRAME = struct.Struct("<4sBBHQI")
 SEGMENT = struct.Struct("<QIBBBBIIIIdddd")
 
 DATA, STOP = 1, 2
@@ -85,8 +88,22 @@ def _payload_bytes(tensor: Optional[torch.Tensor]) -> Tuple[bytes, int, int]:
     return raw, DTYPE_CODES[tensor.dtype], t.shape[1]
 
 
-def encode(kind: int, iteration: int, segments: Sequence[Segment]) -> bytearray:
-    """One frame as a bytearray ready for ``Send([buf, MPI.BYTE], ...)``."""
+def padding_for(segments: Sequence[Segment], bytes_per_token: Optional[int]) -> int:
+    """Bytes to add to a frame so that its hidden-state payloads weigh ``bytes_per_token`` a token
+    (token ids and payloads already that large are not padded; None: no padding)."""
+    if bytes_per_token is None:
+        return 0
+    pad = 0
+    for s in segments:
+        hidden = s.phase in (PREFILL, DECODE, VERIFY) and s.payload is not None and s.payload.dim() == 2
+        if hidden and s.payload.shape[1] > 1:
+            real = s.payload.shape[1] * s.payload.element_size()
+            pad += s.tokens * max(0, bytes_per_token - real)
+    return pad
+
+
+def encode(kind: int, iteration: int, segments: Sequence[Segment], pad: int = 0) -> bytearray:
+    """One frame as a bytearray ready for ``Send([buf, MPI.BYTE], ...)``, with ``pad`` zero bytes."""
     headers, payloads = [], []
     for s in segments:
         raw, dtype_code, width = _payload_bytes(s.payload)
@@ -115,9 +132,11 @@ def encode(kind: int, iteration: int, segments: Sequence[Segment]) -> bytearray:
             raise WireError("segment of request %r does not fit its header: %s" % (s.request_id, error)) from None
         headers.append(packed)
         payloads.append(raw)
-    out = bytearray(FRAME.pack(MAGIC, VERSION, kind, len(segments), iteration))
+    out = bytearray(FRAME.pack(MAGIC, VERSION, kind, len(segments), iteration, pad))
     for part in headers + payloads:
         out += part
+    if pad:
+        out += bytes(pad)
     return out
 
 
@@ -125,7 +144,7 @@ def decode(buffer: bytearray) -> Frame:
     """Parse a frame; payload tensors share the buffer's memory (no copy)."""
     if len(buffer) < FRAME.size:
         raise WireError("frame of %d bytes is shorter than its header" % len(buffer))
-    magic, version, kind, count, iteration = FRAME.unpack_from(buffer, 0)
+    magic, version, kind, count, iteration, pad = FRAME.unpack_from(buffer, 0)
     if magic != MAGIC or version != VERSION:
         raise WireError("not a version-%d frame (magic %r, version %d)" % (VERSION, magic, version))
     offset = FRAME.size
@@ -171,6 +190,6 @@ def decode(buffer: bytearray) -> Frame:
         segments.append(
             Segment(request_id, device, phase, start, tokens, payload, flags, queue_s, compute_s, arrival_s, depart_s)
         )
-    if offset != len(buffer):
-        raise WireError("frame has %d trailing bytes" % (len(buffer) - offset))
+    if offset + pad != len(buffer):
+        raise WireError("frame has %d bytes after its payloads, its header says %d" % (len(buffer) - offset, pad))
     return Frame(kind, iteration, tuple(segments))
