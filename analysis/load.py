@@ -11,7 +11,12 @@
   controller's clock (the device's wall clock, aligned as telemetry is: offset and drift);
 - ``telemetry``: every node's samples (long format, ``ts_s`` on the controller's clock, ``t_s``
   seconds from the run's start barrier, the axis request times use);
-- ``events``: the orchestration events.
+- ``events``: the orchestration events;
+- ``steps``: the paced steps of runs that emulate a target (real and target seconds per step; see
+  :mod:`analysis.fidelity`).
+
+A run with ``target.dilation`` k ran everything k times slower: its request and token times are
+divided back by k here (the instants on the controller's clock are not), and ``time_dilation`` says k.
 
 Only runs whose ledger state is ``done`` or ``failed`` are read (``failed`` ones keep what they
 collected; filter on ``runs.state``); interrupted attempts are never read.
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -36,6 +41,7 @@ class CampaignData:
     tokens: pd.DataFrame
     telemetry: pd.DataFrame
     events: pd.DataFrame
+    steps: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def _flatten(prefix: str, value: object, out: dict[str, object]) -> None:
@@ -82,10 +88,23 @@ def _aligned_requests(frame: pd.DataFrame, manifest: dict) -> pd.DataFrame:
     return frame
 
 
+def _undilated(frame: pd.DataFrame, dilation: float) -> pd.DataFrame:
+    """Durations and instants relative to the start barrier divided by the run's dilation (not clock
+    readings, not what the schedule expected of the user)."""
+    frame["time_dilation"] = dilation
+    if dilation == 1.0:
+        return frame
+    for column in frame.columns:
+        relative = column.endswith("_s") and not column.endswith(("_unix_s", "_ts_s", "_monotonic_s"))
+        if relative and not column.startswith("expected_") and pd.api.types.is_numeric_dtype(frame[column]):
+            frame[column] = frame[column] / dilation
+    return frame
+
+
 def load(campaign_dir: str | Path) -> CampaignData:
     directory = Path(campaign_dir)
     runs = _ledger_runs(directory)
-    settings_rows, requests, tokens, telemetry, events = [], [], [], [], []
+    settings_rows, requests, tokens, telemetry, events, steps = [], [], [], [], [], []
     for run_id in runs.loc[runs.state.isin(["done", "failed"]), "run_id"]:
         run_dir = directory / "runs" / run_id
         manifest_path = run_dir / "manifest.json"
@@ -96,6 +115,7 @@ def load(campaign_dir: str | Path) -> CampaignData:
                                   "seed": manifest.get("seed")}  # fmt: skip
         _flatten("", manifest.get("settings", {}), row)
         settings_rows.append(row)
+        dilation = float(((manifest.get("settings") or {}).get("target") or {}).get("dilation") or 1.0)
         for name, bucket in (("requests", requests), ("tokens", tokens)):
             path = run_dir / f"{name}.parquet"
             if path.is_file():
@@ -104,7 +124,9 @@ def load(campaign_dir: str | Path) -> CampaignData:
                     frame = _aligned_requests(frame, manifest)
                     origins = frame["arrival_ts_s"] - frame["arrival_s"] if "arrival_s" in frame else pd.Series()
                     row["origin_ts_s"] = origins.min() if origins.notna().any() else float("nan")
-                bucket.append(_with_run(frame, run_id))
+                bucket.append(_with_run(_undilated(frame, dilation), run_id))
+        if (run_dir / "steps.parquet").is_file():
+            steps.append(_with_run(pd.read_parquet(run_dir / "steps.parquet"), run_id))
         for path in sorted((run_dir / "telemetry").glob("*.parquet")):
             frame = _with_run(pd.read_parquet(path), run_id)
             origin = row.get("origin_ts_s", float("nan"))
@@ -121,4 +143,4 @@ def load(campaign_dir: str | Path) -> CampaignData:
     def concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
-    return CampaignData(runs, concat(requests), concat(tokens), concat(telemetry), concat(events))
+    return CampaignData(runs, concat(requests), concat(tokens), concat(telemetry), concat(events), concat(steps))

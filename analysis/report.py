@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis import metrics, plots
+from analysis import fidelity, metrics, plots
 from analysis.cost_model import DEVICE_USD_PER_PFLOP, ModelShape
 from analysis.load import CampaignData, load
 from analysis.summary import attention_lines, write_summary
@@ -136,6 +136,27 @@ def method_lines(directory: Path) -> list[str]:
     return [*lines, ""]
 
 
+def fidelity_section(report: Report, steps: pd.DataFrame, done: pd.DataFrame) -> None:
+    """The target emulation's fidelity: per run and node, the share of paced steps that overran the
+    time the compute profile gave them; runs over the limit are named (their latencies are in part
+    this machine's). Nothing when no run was paced."""
+    if steps.empty:
+        return
+    shares = fidelity.violation_shares(steps[steps["run_id"].isin(set(done["run_id"]))])
+    limit = f"{fidelity.VIOLATION_LIMIT:.0%}"
+    report.lines += ["## Fidelity of the target emulation", ""]
+    report.table("fidelity", shares,
+                 "Paced steps per run and node: how many overran their target time (the real computation took "
+                 f"longer than the compute profile predicts for the target), and their share; over {limit} flags "
+                 "the run.", digits=4)  # fmt: skip
+    flagged = sorted(set(shares.loc[shares["flagged"], "run_id"]))
+    if flagged:
+        report.lines += [f"**Flagged runs:** {', '.join(flagged)}: more than {limit} of a node's steps overran; "
+                         "raise `target.dilation` (or emulate fewer nodes) so that this machine keeps up.", ""]
+    else:
+        report.lines += [f"Every node of every run kept its overruns at or under {limit} of its steps.", ""]
+
+
 def build_report(campaign_dir: str | Path, options: ReportOptions | None = None) -> Path:
     """Compute every metric of the campaign, write the report's tables, figures and markdown into
     ``<campaign>/report/`` and return the markdown file's path."""
@@ -199,6 +220,7 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
               "(`link.rate_scale`, so that a small model's hidden states take as long to send as the paper's); "
               "their absolute latencies stand for the paper's testbed, not for this one's unscaled links.",
               ""]  # fmt: skip
+    fidelity_section(report, data.steps, done)
     if axes:
         r += ["## Latency by configuration", ""]
         report.table("latency_by_configuration", metrics.latency_table(requests, tokens, done, by=axes, gaps=gaps),

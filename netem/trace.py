@@ -155,15 +155,18 @@ def hat_trace(
     )
 
 
-def scale_trace(trace: BandwidthTrace, rate_scale: float) -> BandwidthTrace:
-    """The trace with every rate multiplied by ``rate_scale`` (a campaign's ``link.rate_scale``)."""
-    if rate_scale == 1.0:
+def scale_trace(trace: BandwidthTrace, rate_scale: float, time_scale: float = 1.0) -> BandwidthTrace:
+    """The trace with every rate multiplied by ``rate_scale`` (a campaign's ``link.rate_scale``) and its
+    time axis and delays by ``time_scale`` (a target's dilation: everything happens that much slower)."""
+    if rate_scale == 1.0 and time_scale == 1.0:
         return trace
     steps = tuple(
-        replace(s, up_bit_s=s.up_bit_s * rate_scale, down_bit_s=s.down_bit_s * rate_scale)
+        replace(s, t_s=s.t_s * time_scale, up_bit_s=s.up_bit_s * rate_scale, down_bit_s=s.down_bit_s * rate_scale,
+                delay_s=None if s.delay_s is None else s.delay_s * time_scale)
         for s in trace.steps
-    )
-    return BandwidthTrace(f"{trace.source} x {rate_scale:g}", steps)
+    )  # fmt: skip
+    slower = f", time x {time_scale:g}" if time_scale != 1.0 else ""
+    return BandwidthTrace(f"{trace.source} x {rate_scale:g}{slower}", steps)
 
 
 def traced_links(

@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import NodeError, TestbedError
+from nodes.contracts.compute_profile import rates_from_json
 from nodes.contracts.draft import default_adapter_dir
 from nodes.contracts.rank_dirs import parse_rank_dir
 from nodes.contracts.schedules import request_id
+from nodes.contracts.target_model import from_json as target_from_json
 from nodes.workers.methods import method_named
 from nodes.workers.methods import names as method_names
-from nodes.workers.run_config import DraftSettings, RankSpec, RunConfig
+from nodes.workers.run_config import DraftSettings, RankSpec, RunConfig, TargetSettings
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
 from testbed.provision import compare_records, load_record
@@ -172,11 +174,15 @@ def check_spec(inventory: Inventory, spec: SplitRunSpec) -> tuple[NodeSpec, list
 def _rank_specs(
     spec: SplitRunSpec, server: NodeSpec, devices: Sequence[NodeSpec], schedules: dict[str, str]
 ) -> tuple[RankSpec, ...]:
-    """The run's ranks in MPI order: the server's P stages, then one rank per device."""
+    """The run's ranks in MPI order: the server's P stages, then one rank per device; each with its
+    node's compute profile when the run emulates a target (``extra["target"]``)."""
     device = _torch_device(server)
-    ranks = [RankSpec("stage", server.name, i, device, spec.threads_per_rank) for i in range(spec.stages)]
-    ranks += [RankSpec("device", node.name, i, "cpu", spec.threads_per_rank, schedules[node.name])
-              for i, node in enumerate(devices)]  # fmt: skip
+    profiles = {name: rates_from_json(entry["rates"])
+                for name, entry in ((spec.extra.get("target") or {}).get("nodes") or {}).items()}  # fmt: skip
+    ranks = [RankSpec("stage", server.name, i, device, spec.threads_per_rank, profile=profiles.get(server.name))
+             for i in range(spec.stages)]  # fmt: skip
+    ranks += [RankSpec("device", node.name, i, "cpu", spec.threads_per_rank, schedules[node.name],
+                       profiles.get(node.name)) for i, node in enumerate(devices)]  # fmt: skip
     return tuple(ranks)
 
 
@@ -184,10 +190,13 @@ def run_config_for(spec: SplitRunSpec, model_dir: str, run_dir: str, ranks: tupl
     """The run config one node's ranks read (the model as that node has it: a placed part or the
     checkpoint); the draft adapter stays with the checkpoint, also when the node runs a placed part."""
     draft = {"adapter": default_adapter_dir(spec.model), **(spec.extra.get("draft") or {})}
+    target = spec.extra.get("target")
     return RunConfig(
         run_id=spec.run_id, method=spec.method, model=model_dir, dtype=spec.dtype, device_layers=spec.device_layers,
         stages=spec.stages, chunk_tokens=spec.chunk_tokens, out_dir=f"{run_dir}/out", ranks=ranks,
         draft=DraftSettings(**draft), deadline_s=spec.timeout_s,
+        target=None if target is None else TargetSettings(
+            target_from_json(target["model"]), float(target["dilation"]), bool(target["pad_payloads"])),
     )  # fmt: skip
 
 

@@ -43,6 +43,7 @@ from nodes.inference.tokenizer import Tokenizer
 
 from . import mpi_link, wire
 from .hat_sizing import LinkEstimator, MovingAverage, chunk_tokens_eq3, parallel_steps_eq6
+from .pacing import PacedAdapter, PacedPart, pacer_for
 from .part_cache import PartCache
 from .run_config import RunConfig, ScheduledRequest, load_schedule
 from .state_monitor import ServerState
@@ -62,6 +63,7 @@ class DeviceWorker:
         self.centralized = config.method_spec.token_ids_only
         self.part = None
         self.speculative: Optional[SpeculativeDevice] = None
+        self.pacer = pacer_for(config, rank)
         if not self.centralized:
             partition = UShapePartition.make(model_config.num_hidden_layers, config.device_layers, config.stages)
             layers = tuple(partition.device_layer_ids())
@@ -71,16 +73,22 @@ class DeviceWorker:
                                   device=spec.torch_device),
                 "device part: embedding, layers %s, head" % (list(layers),),
             )  # fmt: skip
+            loaded = self.part
+            if self.pacer is not None:  # the target's m layers and head, at the target's speed
+                self.part = PacedPart(loaded, self.pacer, config.device_layers, "device")
             if config.uses("sd"):
                 where = config.draft.adapter or adapter_dir(config.model)
                 adapter = parts.get(
-                    ("adapter", where, config.device_layers, str(self.part.dtype), spec.torch_device),
-                    lambda: load_adapter(where, model_config, config.device_layers, self.part.dtype, spec.torch_device),
+                    ("adapter", where, config.device_layers, str(loaded.dtype), spec.torch_device),
+                    lambda: load_adapter(where, model_config, config.device_layers, loaded.dtype, spec.torch_device),
                     "draft adapter %s" % where,
                 )
+                if self.pacer is not None:
+                    adapter = PacedAdapter(adapter, self.pacer)
                 self.speculative = SpeculativeDevice(self.part, adapter, config.draft.eta)
-            # A of Eq. 3 and Eq. 6: the bytes of one token's hidden state on the wire
-            self.bytes_per_token = model_config.hidden_size * torch.empty((), dtype=self.part.dtype).element_size()
+            # A of Eq. 3 and Eq. 6: the bytes of one token's hidden state on the wire (the target's)
+            real = model_config.hidden_size * torch.empty((), dtype=loaded.dtype).element_size()
+            self.bytes_per_token = config.wire_bytes_per_token or real
         self.last_stage = config.stages - 1
         self.link = LinkEstimator()
         self.draft_step_s = MovingAverage()  # one draft step's delay
@@ -104,6 +112,8 @@ class DeviceWorker:
         directory = self.config.rank_dir(self.rank)
         self.requests = JsonLinesLog(directory + "/requests.jsonl", header)
         self.tokens = CsvLog(directory + "/tokens.csv", TOKEN_COLUMNS, header)
+        if self.pacer is not None:
+            self.pacer.start(directory + "/steps.csv", header, t0)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -117,6 +127,8 @@ class DeviceWorker:
         mpi_link.send(self.comm, wire.encode(wire.STOP, 0, []), 0, mpi_link.TAG_UP)
         self.requests.close()
         self.tokens.close()
+        if self.pacer is not None:
+            self.pacer.close()
 
     # -- the device's share of the model -----------------------------------------------------------
     def _prompt_ids(self, request: ScheduledRequest) -> List[int]:
@@ -144,8 +156,12 @@ class DeviceWorker:
             return int(torch.argmax(logits[-1]).item())
 
     # -- the link ----------------------------------------------------------------------------------
+    def _frame(self, segment: wire.Segment) -> bytearray:
+        """The segment as a frame, padded to the target model's bytes when the run emulates one."""
+        return wire.encode(wire.DATA, 0, [segment], wire.padding_for([segment], self.config.wire_bytes_per_token))
+
     def _send(self, segment: wire.Segment) -> Dict[str, Any]:
-        frame = wire.encode(wire.DATA, 0, [segment])
+        frame = self._frame(segment)
         sent_at = self.now()
         mpi_link.send(self.comm, frame, 0, mpi_link.TAG_UP)
         return {"send_start_s": sent_at, "send_end_s": self.now(), "up_bytes": len(frame)}
@@ -196,7 +212,7 @@ class DeviceWorker:
             last = done + size == len(ids)
             segment = wire.Segment(request.request_id, self.rank, wire.PREFILL, done, size, payload,
                                    wire.LAST_CHUNK if last else 0)  # fmt: skip
-            frame = wire.encode(wire.DATA, 0, [segment])
+            frame = self._frame(segment)
             sent_at = self.now()
             first_send = sent_at if first_send is None else first_send
             if last:

@@ -17,7 +17,10 @@ import json
 import os
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+from nodes.contracts.compute_profile import ModeRates, rates_from_json
 from nodes.contracts.rank_dirs import RankDir
+from nodes.contracts.target_model import TargetModel, TargetModelError
+from nodes.contracts.target_model import from_json as target_from_json
 
 from .methods import Method, method_named, names
 
@@ -33,6 +36,17 @@ class RankSpec(NamedTuple):
     torch_device: str = "cpu"
     threads: Optional[int] = None
     schedule: Optional[str] = None
+    profile: Optional[ModeRates] = None  # the node's compute profile in its power mode: steps are paced
+
+
+class TargetSettings(NamedTuple):
+    """What the emulated testbed stands for: the target model's shape decides step times (with each
+    rank's profile) and the bytes of hidden states on the wire; ``dilation`` stretches every modeled
+    duration."""
+
+    model: TargetModel
+    dilation: float = 1.0
+    pad_payloads: bool = True  # hidden states on the wire at the target's width and dtype
 
 
 class DraftSettings(NamedTuple):
@@ -65,6 +79,7 @@ class RunConfig(NamedTuple):
     # a rank still in the run this long after the start barrier ends it (a hung run in a warm pool
     # must not outlive its run's timeout); None: no limit
     deadline_s: Optional[float] = None
+    target: Optional[TargetSettings] = None
 
     @property
     def method_spec(self) -> Method:
@@ -89,6 +104,13 @@ class RunConfig(NamedTuple):
         """m as the server sees it: 0 when the device sends token ids (the server runs every layer)."""
         return 0 if self.method_spec.token_ids_only else self.device_layers
 
+    @property
+    def wire_bytes_per_token(self) -> Optional[int]:
+        """One token's hidden state on the wire when payloads are padded to the target's (else None)."""
+        if self.target is None or not self.target.pad_payloads:
+            return None
+        return self.target.model.hidden_bytes_per_token
+
     def to_json(self) -> Dict[str, Any]:
         """The run config file's JSON, as :func:`parse` reads it back (``parse(c.to_json()) == c``):
         the controller builds a RunConfig and writes this, never a hand-made dict."""
@@ -99,12 +121,17 @@ class RunConfig(NamedTuple):
                 entry["threads"] = spec.threads
             if spec.schedule is not None:
                 entry["schedule"] = spec.schedule
+            if spec.profile is not None:
+                entry["profile"] = spec.profile.to_json()
             ranks.append(entry)
         return {
             "run_id": self.run_id, "method": self.method, "model": self.model, "dtype": self.dtype,
             "partition": {"device_layers": self.device_layers, "stages": self.stages},
             "chunk_tokens": self.chunk_tokens, "out_dir": self.out_dir, "ranks": ranks, "seed": self.seed,
             "draft": self.draft._asdict(), "deadline_s": self.deadline_s,
+            "target": None if self.target is None else {
+                "model": self.target.model.to_json(), "dilation": self.target.dilation,
+                "pad_payloads": self.target.pad_payloads},
         }  # fmt: skip
 
     def rank_dir(self, rank: int) -> str:
@@ -163,6 +190,7 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
                 torch_device=str(entry.get("torch_device", "cpu")),
                 threads=entry.get("threads"),
                 schedule=entry.get("schedule"),
+                profile=_profile(entry.get("profile"), "%s: ranks[%d].profile" % (source, position)),
             )
         )
         counters[role] += 1
@@ -216,7 +244,34 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
         seed=int(raw.get("seed", 0)),
         draft=draft,
         deadline_s=None if deadline is None else float(deadline),
+        target=_target(raw.get("target"), source),
     )
+
+
+def _profile(raw: Any, where: str) -> Optional[ModeRates]:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) - set(ModeRates._fields):
+        raise RunConfigError("%s must be a mapping of %s" % (where, ", ".join(ModeRates._fields)))
+    rates = rates_from_json(raw)
+    if min(rates.mem_bw_gbps, rates.peak_tflops, rates.bw_efficiency, rates.flops_efficiency) <= 0:
+        raise RunConfigError("%s: bandwidth, throughput and efficiencies must be > 0" % where)
+    return rates
+
+
+def _target(raw: Any, source: str) -> Optional[TargetSettings]:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
+        raise RunConfigError("%s: field 'target' must be a mapping with 'model'" % source)
+    try:
+        model = target_from_json(raw["model"])
+    except TargetModelError as error:
+        raise RunConfigError("%s: %s" % (source, error)) from None
+    dilation = raw.get("dilation", 1.0)
+    if isinstance(dilation, bool) or not isinstance(dilation, (int, float)) or dilation <= 0:
+        raise RunConfigError("%s: target.dilation must be a number > 0" % source)
+    return TargetSettings(model, float(dilation), bool(raw.get("pad_payloads", True)))
 
 
 class ScheduledRequest(NamedTuple):

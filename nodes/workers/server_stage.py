@@ -29,6 +29,7 @@ from nodes.inference.model import Segment as CacheSegment
 from nodes.inference.partition import UShapePartition
 
 from . import mpi_link, wire
+from .pacing import PacedPart, pacer_for, target_stage_layers
 from .part_cache import PartCache
 from .run_config import RunConfig
 from .state_monitor import StateMonitor
@@ -108,6 +109,9 @@ class ServerStage:
             "stage %d part: layers %s%s%s" % (self.stage, list(layers), ", embedding" if embedding else "",
                                                ", head" if head else ""),
         )  # fmt: skip
+        self.pacer = pacer_for(config, rank)
+        if self.pacer is not None:  # the target's layers of this stage, at the target GPU's speed
+            self.part = PacedPart(self.part, self.pacer, target_stage_layers(config, self.stage), "stage")
         self.caches: Dict[Tuple[int, int], object] = {}
         self.monitor = StateMonitor()
         self.outbox = mpi_link.Outbox()
@@ -128,6 +132,10 @@ class ServerStage:
                 "clock_origin_unix_s": time.time() - (time.monotonic() - t0),
             },
         )
+        if self.pacer is not None:
+            header = {"role": "stage", "stage": self.stage, "node": self.config.ranks[self.rank].node,
+                      "clock_origin_monotonic_s": t0}  # fmt: skip
+            self.pacer.start("%s/steps.csv" % self.config.rank_dir(self.rank), header, t0)
 
     # -- stage 0: forming iterations ---------------------------------------------------------------
     def serve(self) -> None:
@@ -137,6 +145,8 @@ class ServerStage:
             self._serve_later()
         self.outbox.wait_all()
         self.log.close()
+        if self.pacer is not None:
+            self.pacer.close()
 
     def _serve_first(self) -> None:
         devices = set(self.config.device_ranks)
@@ -321,7 +331,8 @@ class ServerStage:
             for replies in by_device.values():
                 replies.append(wire.Segment(0, 0, wire.STATE, 0, 1, state))
         for device, replies in by_device.items():
-            self.outbox.send(self.comm, wire.encode(wire.DATA, self.iteration, replies), device, mpi_link.TAG_DOWN)
+            pad = wire.padding_for(replies, self.config.wire_bytes_per_token)  # the target's bytes on the link
+            self.outbox.send(self.comm, wire.encode(wire.DATA, self.iteration, replies, pad), device, mpi_link.TAG_DOWN)
 
     def _stop_downstream(self) -> None:
         if not self.last:

@@ -115,6 +115,8 @@ class _RunState:
     workers: dict[str, Any] = field(default_factory=dict)  # which pool served the run, warm or cold
     kept: Kept = Kept()
     prepared: PreparedRun | None = None  # staged, with its pool up
+    fidelity: dict[str, Any] = field(default_factory=dict)  # per node: paced steps that overran their target
+    flag: str | None = None  # said of a run that is done but not faithful (over the violation limit)
     _failing: threading.Lock = field(default_factory=threading.Lock)  # phases side by side may fail at once
 
     def fail(self, phase: str, reason: str, node: str | None) -> None:
@@ -172,7 +174,7 @@ def execute_run(
             state.fail("collect", f"only {state.completed} of {scheduled} requests completed", None)
         outcome = RunOutcome(
             "failed" if state.failure else "done",
-            f"{state.failure[0]}: {state.failure[1]}" if state.failure else None,
+            f"{state.failure[0]}: {state.failure[1]}" if state.failure else state.flag,
             state.failure[2] if state.failure else None,
             scheduled,
             state.completed,
@@ -401,8 +403,31 @@ def _collect(campaign: Campaign, run: PlannedRun, directory: Path, state: _RunSt
         finally:
             state.recording = None
     write_results(directory / "workers" / "ranks", state.schedules, directory)
+    _fidelity(directory, state)
     if errors:
         raise TestbedError("; ".join(errors))
+
+
+def _fidelity(directory: Path, state: _RunState) -> None:
+    """Per node, the share of paced steps whose real computation overran the target's time; a node
+    above the limit flags the run (its reason says so in the ledger)."""
+    if not (directory / "steps.parquet").is_file():
+        return
+    import pandas as pd
+
+    from analysis.fidelity import VIOLATION_LIMIT, violation_shares
+
+    shares = violation_shares(pd.read_parquet(directory / "steps.parquet"))
+    state.fidelity = {
+        row.node: {"steps": int(row.steps), "overruns": int(row.overruns),
+                   "violation_share": round(float(row.violation_share), 4), "flagged": bool(row.flagged)}
+        for row in shares.itertuples()
+    }  # fmt: skip
+    flagged = {n: f["violation_share"] for n, f in state.fidelity.items() if f["flagged"]}
+    if flagged:
+        worst = max(flagged, key=lambda n: flagged[n])
+        state.flag = (f"fidelity: {flagged[worst]:.1%} of {worst}'s paced steps overran their target (limit "
+                      f"{VIOLATION_LIMIT:.0%}); raise target.dilation")  # fmt: skip
 
 
 def _plan(state: _RunState) -> RunPlan:

@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 
 
 def run_id_of(settings: RunSettings, repetition: int, seed: int) -> str:
-    body = json.dumps(
-        {"settings": settings.model_dump(mode="json"), "repetition": repetition, "seed": seed}, sort_keys=True
-    )
+    dumped = settings.model_dump(mode="json")
+    if dumped.get("target") is None:  # runs without a target keep the ids they had before it existed
+        dumped.pop("target", None)
+    body = json.dumps({"settings": dumped, "repetition": repetition, "seed": seed}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 

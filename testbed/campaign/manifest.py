@@ -94,9 +94,24 @@ def modeled_statements(lab: Inventory, names: list[str], state: Any) -> list[str
             if sensor.get("kind") == "modeled" and sensor.get("value") is not None and not sensor.get("problem"):
                 out.append(f"{name}: {sensor.get('sensor')} {sensor.get('metric')} is modeled")
                 break
+    target = _target(state)
+    if target is not None:
+        model = target["model"]
+        out.append(f"step times are modeled: each paced step lasts what the compute profile predicts for "
+                   f"{model['name']} on the node's hardware (x{target['dilation']:g} dilation); tokens are the "
+                   "real checkpoint's")  # fmt: skip
+        if target.get("pad_payloads"):
+            out.append(f"bytes on the data plane are modeled: hidden states padded to {model['name']}'s "
+                       f"{model['hidden']} x {model['dtype']}")  # fmt: skip
     if lab.spec.emulation.instance is not None and lab.spec.emulation.instance.mode == "local":
         out.append("local mode: nodes are processes on one host; no isolation, no shaping, no CPU quotas")
     return out
+
+
+def _target(state: Any) -> dict[str, Any] | None:
+    """The run's target (model, dilation, each node's profile and mode), when it emulates one."""
+    plan = getattr(state, "plan", None)
+    return plan.split.extra.get("target") if plan is not None else None
 
 
 def model_config(directory: Path) -> dict[str, Any] | None:
@@ -178,6 +193,8 @@ def build_manifest(
         "clock_offsets": clocks,
         "telemetry": state.telemetry,
         "restore": state.restore,
+        "target": _target(state),  # what the run emulated: model, dilation, each node's profile in its mode
+        "fidelity": state.fidelity,  # per node: paced steps, overruns and their share
         "modeled": modeled_statements(lab, names, state),
     }
 

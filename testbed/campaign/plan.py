@@ -30,6 +30,7 @@ from typing import Any
 
 from foundation.errors import TestbedError
 from netem.plan import TcPlan
+from netem.profile import LinkProfile
 from netem.trace import BandwidthTrace
 from nodes.contracts.draft import default_adapter_dir
 from testbed.campaign.plan_commands import PlannedCommand, normalised_line, plan_commands
@@ -64,7 +65,8 @@ def run_trace(campaign: Campaign, settings: RunSettings) -> BandwidthTrace:
     """The run's bandwidth trace, its rates multiplied by ``link.rate_scale``."""
     from netem.trace import load_trace, scale_trace
 
-    return scale_trace(load_trace(campaign.resolve(settings.link.trace)), settings.link.rate_scale)
+    dilation = dilation_of(settings)
+    return scale_trace(load_trace(campaign.resolve(settings.link.trace)), settings.link.rate_scale / dilation, dilation)
 
 
 def run_links(
@@ -88,14 +90,26 @@ def run_links(
         links = tuple(dataclasses.replace(lk, profile_name=link.profile, profile=profile) for lk in lab.links)
     else:
         links = lab.links
-    if link.rate_scale == 1.0:
+    dilation = dilation_of(settings)
+    scale = link.rate_scale / dilation
+    if scale == 1.0 and dilation == 1.0:
         return links
-    scale = link.rate_scale
     return tuple(
-        dataclasses.replace(lk, profile=lk.profile.model_copy(update={"rate_bit_s": lk.profile.rate_bit_s * scale}))
-        if lk.profile.rate_bit_s and (lk.source, lk.destination) not in driven else lk
+        dataclasses.replace(lk, profile=dilated_profile(lk.profile, scale, dilation))
+        if (lk.source, lk.destination) not in driven else lk
         for lk in links
     )  # fmt: skip
+
+
+def dilated_profile(profile: LinkProfile, rate_scale: float, dilation: float) -> LinkProfile:
+    """A link profile with its rate multiplied by ``rate_scale`` and its delay and jitter by ``dilation``."""
+    update: dict[str, float] = {}
+    if profile.rate_bit_s:
+        update["rate_bit_s"] = profile.rate_bit_s * rate_scale
+    for name in ("delay_s", "jitter_s"):
+        if getattr(profile, name):
+            update[name] = getattr(profile, name) * dilation
+    return profile.model_copy(update=update)
 
 
 def draft_config(campaign: Campaign, settings: RunSettings) -> dict[str, Any]:
@@ -343,14 +357,31 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
         workload_spec(settings), devices, seed=run.seed, model_dir=campaign.resolve(settings.model),
         base_dir=campaign.base_dir,
     )  # fmt: skip
+    extra: dict[str, Any] = {"draft": draft_config(campaign, settings)}
+    if settings.target is not None:
+        from testbed.target_emulation import resolve_target
+
+        target = resolve_target(lab, campaign.base_dir, settings, list(lab.select([settings.server, *devices])))
+        extra["target"] = target.to_json()
+        schedules = {d: dilated_schedule(rows, target.dilation) for d, rows in schedules.items()}
     return SplitRunSpec(
         method=settings.method, model=str(campaign.resolve(settings.model)), server=settings.server,
         devices=devices, stages=settings.partition.stages, device_layers=settings.partition.device_layers,
         chunk_tokens=settings.chunk_tokens, dtype=settings.dtype,
         schedules=tuple((d, tuple(schedules[d])) for d in devices), run_id=node_run_id(run, attempt),
-        timeout_s=campaign.spec.run_timeout_s, threads_per_rank=settings.threads_per_rank,
-        extra={"draft": draft_config(campaign, settings)},
+        timeout_s=campaign.spec.run_timeout_s, threads_per_rank=settings.threads_per_rank, extra=extra,
     )  # fmt: skip
+
+
+def dilation_of(settings: RunSettings) -> float:
+    return settings.target.dilation if settings.target is not None else 1.0
+
+
+def dilated_schedule(rows: list[dict[str, Any]], dilation: float) -> list[dict[str, Any]]:
+    """A device's schedule on the dilated time axis: every arrival ``dilation`` times later."""
+    if dilation == 1.0:
+        return rows
+    return [dict(row, arrival_s=float(row["arrival_s"]) * dilation) for row in rows]
 
 
 __all__ = ["PlannedCommand", "RunPlan", "TelemetryStep", "node_run_id", "normalised_line", "plan_run", "run_links"]

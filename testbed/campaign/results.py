@@ -7,7 +7,8 @@ seconds on the device's clock from the run's start barrier, nested timings flatt
 ``completed`` false, so a failed run's tables say what was missing. ``clock_origin_unix_s`` is the
 device's wall clock at its start barrier (from the rank file's header), which lets analysis put
 request times on the controller's clock. ``tokens.parquet`` has one row
-per delivered token (``node``, ``request_id``, ``index``, ``token_id``, ``ts_s``).
+per delivered token (``node``, ``request_id``, ``index``, ``token_id``, ``ts_s``). A run that
+emulates a target also gets ``steps.parquet``: every paced step with its real and target seconds.
 """
 
 from __future__ import annotations
@@ -114,11 +115,32 @@ def requests_table(ranks: Path, schedules: Mapping[str, Sequence[Mapping[str, An
     return table.sort_values(["node", "request_id"], kind="stable").reset_index(drop=True)
 
 
+def read_steps(ranks: Path) -> pd.DataFrame:
+    """Every paced step of every rank (``steps.csv``, written when the run emulates a target), with the
+    rank's ``role``, ``index`` and ``node`` in front; empty when nothing was paced."""
+    frames = []
+    for path in sorted(ranks.glob("*/steps.csv")) if ranks.is_dir() else []:
+        rank = parse_rank_dir(path.parent.name)
+        body = "\n".join(_lines(path))
+        if rank is None or body.count("\n") < 1:
+            continue
+        frame = pd.read_csv(io.StringIO(body))
+        frame.insert(0, "node", rank.node)
+        frame.insert(0, "index", rank.index)
+        frame.insert(0, "role", rank.role)
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
 def write_results(ranks: Path, schedules: Mapping[str, Sequence[Mapping[str, Any]]], directory: Path) -> None:
-    """Write ``requests.parquet`` and ``tokens.parquet`` into ``directory`` from ``ranks``."""
+    """Write ``requests.parquet`` and ``tokens.parquet`` (and ``steps.parquet`` for a paced run) into
+    ``directory`` from ``ranks``."""
     requests_table(ranks, schedules).to_parquet(directory / "requests.parquet", index=False)
     tokens = read_tokens(ranks) if ranks.is_dir() else read_tokens(Path("/nonexistent"))
     tokens.to_parquet(directory / "tokens.parquet", index=False)
+    steps = read_steps(ranks)
+    if not steps.empty:
+        steps.to_parquet(directory / "steps.parquet", index=False)
 
 
 def _node_of(rank_dir: Path) -> str:

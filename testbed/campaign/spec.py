@@ -103,6 +103,18 @@ class TelemetrySettings(_Strict):
     jetson_source: Literal["tegrastats", "jtop"] = "tegrastats"
 
 
+class TargetSettings(_Strict):
+    """What the emulated testbed stands for (``testbed/target_emulation.py``): the target model, whose
+    shape decides step times with each node's compute profile and the bytes of hidden states on the
+    wire; ``dilation`` slows every modeled duration, trace and arrival and divides every link rate by
+    one factor (analysis divides times back), so that this machine can keep up with a faster target."""
+
+    model: str  # a built-in shape (vicuna-7b, llama-2-13b, opt-66b, ...) or a config.json / checkpoint directory
+    dtype: Literal["float16", "bfloat16", "float32", "int8", "q4f16"] | None = None  # default: the model's
+    dilation: float = Field(1.0, ge=1.0, le=1000)
+    pad_payloads: StrictBool = True  # hidden states on the wire at the target's width and dtype
+
+
 class RunSettings(_Strict):
     """One run's configuration: what a matrix key may override (``link.profile``, ``power.orin``)."""
 
@@ -120,6 +132,7 @@ class RunSettings(_Strict):
     dtype: Literal["float32", "float16", "bfloat16", "auto"] = "float32"
     threads_per_rank: StrictInt = Field(1, ge=1, le=256)
     drain_s: float = Field(1.0, ge=0, le=600)  # telemetry kept running after the last token
+    target: TargetSettings | None = None  # None: this machine's speed and the real model's bytes
 
     @field_validator("method")
     @classmethod

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from foundation.errors import InputProblem, TestbedError
+from foundation.errors import InputError, InputProblem, TestbedError
 from foundation.user_files import FieldPath, YamlSource, field_name
 from nodes.workers.methods import MethodCheck, method_named
 from testbed.campaign.spec import CampaignSpec, RunSettings, workload_spec
@@ -44,6 +45,9 @@ def matrix_key_problems(spec: CampaignSpec, source: YamlSource, lab: Inventory) 
                 )  # fmt: skip
                 break
             annotation = fields[part].annotation
+            optional = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(optional) == 1 and type(None) in typing.get_args(annotation):
+                annotation = optional[0]  # X | None: X's fields (the base must set it for them to apply)
             if part == "power" and model is RunSettings:
                 if depth + 1 < len(parts) and parts[depth + 1] not in names:
                     yield source.problem(("matrix", key), f"{key!r}: {parts[depth + 1]!r} is not a node or group "
@@ -116,6 +120,8 @@ class SettingsChecker:
                         yield f"power.{name}", f"{node.name} has no power mode {mode!r}", f"it has: {listing}"
         yield from self._link_problems(s)
         yield from self._model_problems(s)
+        if s.target is not None:
+            yield from self._target_problems(s)
         spec = workload_spec(s)
         for field, message in spec.problems():
             yield f"workload.{field}", message, ""
@@ -169,6 +175,33 @@ class SettingsChecker:
         check = MethodCheck(s.model, str(directory), layers, s.partition.device_layers, s.partition.stages,
                             str(relative_path(self.source.path, s.draft.adapter)) if s.draft.adapter else None)
         yield from method_named(s.method).problems(check)
+
+
+    def _target_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
+        """The target model must load and split like the run; every run node needs a profile with its mode."""
+        from nodes.inference.partition import PartitionError, UShapePartition
+        from testbed.target_emulation import load_target_model, resolve_target
+
+        target = s.target
+        if target is None:
+            return
+        try:
+            model = load_target_model(target.model, self.source.path.parent, target.dtype)
+        except TestbedError as exc:
+            yield "target.model", str(exc), "name a built-in model or a config.json relative to the campaign file"
+            return
+        m = 0 if method_named(s.method).token_ids_only else s.partition.device_layers
+        try:
+            UShapePartition.make(model.layers, m, s.partition.stages)
+        except PartitionError as exc:
+            yield "target.model", f"{model.name}: {exc}", ""
+        names = [s.server, *s.devices]
+        if not all(name in self.names for name in names):
+            return  # reported above
+        try:
+            resolve_target(self.lab, self.source.path.parent, s, list(self.lab.select(names)))
+        except (TestbedError, InputError) as exc:
+            yield "target", str(exc), "compute profiles live in examples/profiles (testbed/compute_profiles.py)"
 
 
 def _with_role(lab: Inventory, role: str) -> str:

@@ -134,6 +134,8 @@ class NodeSpec(_Strict):
     adb: AdbAttachment | None = None
     tags: tuple[Name, ...] = ()
     registry_access: StrictBool | None = None  # overrides defaults.registry_access for this node
+    # the hardware the node is (or stands for, emulated): a profile in examples/profiles or a file
+    compute_profile: SafePath | None = None
     emulated: EmulatedSpec | None = None
 
 

@@ -1,0 +1,34 @@
+"""How faithful an emulated run was to its target hardware: the share of paced steps whose real
+computation overran the time the compute profile gave them (``steps.parquet``, one row per step of
+every rank; ``overrun`` is 1 when the rank could not keep up and the step took longer than modeled).
+
+A run above :data:`VIOLATION_LIMIT` is flagged: its latencies are this machine's, not the target's,
+in those steps. The remedy is dilation (``target.dilation``: every modeled duration, trace and link
+slowed by one factor), which gives the real computation more room.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+VIOLATION_LIMIT = 0.05  # share of a node's steps that may overrun before its run is flagged
+
+
+def violation_shares(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per run and node: steps, overruns, their share, real and target seconds, and whether it is flagged."""
+    columns = ["run_id", "node", "steps", "overruns", "violation_share", "real_s", "target_s", "flagged"]
+    if steps.empty:
+        return pd.DataFrame(columns=columns)
+    keys = [k for k in ("run_id", "node") if k in steps.columns]
+    grouped = steps.groupby(keys, sort=True).agg(
+        steps=("overrun", "size"), overruns=("overrun", "sum"), real_s=("real_s", "sum"), target_s=("target_s", "sum")
+    )
+    grouped["violation_share"] = grouped["overruns"] / grouped["steps"]
+    grouped["flagged"] = grouped["violation_share"] > VIOLATION_LIMIT
+    return grouped.reset_index()[[c for c in columns if c in keys or c not in ("run_id", "node")]]
+
+
+def run_violation_share(steps: pd.DataFrame) -> float:
+    """One run's worst node's share of overrun steps (0 when nothing was paced)."""
+    shares = violation_shares(steps)
+    return float(shares["violation_share"].max()) if not shares.empty else 0.0

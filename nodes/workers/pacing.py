@@ -1,0 +1,147 @@
+"""Paced steps: a rank computes each step for real, then waits until the target hardware would be done.
+
+With a compute profile in the run config, every step of the model a rank runs (its decoder layers on a
+packed batch, the LM head, HAT's draft adapter) takes the time the target hardware takes: the real
+computation runs (the tokens stay exact), then the rank sleeps until start + predicted x dilation
+(:func:`nodes.contracts.compute_profile.step_seconds` with the target model's shape and this rank's
+share of its layers). A step whose real computation took longer than that is a fidelity violation:
+the emulation could not keep up, and the step is as slow as this machine made it.
+
+Each step is a row of ``steps.csv`` in the rank's directory: its operation, layers (of the target),
+tokens, sequences, context, real and target seconds, and whether it overran.
+
+Steps that follow each other directly (the device's shallow layers, then the adapter, then the LM
+head) are chained: the next one starts at the previous one's due time, not at the moment the sleep
+returned, so a sleep's lateness (tens of microseconds) does not add up over a request.
+"""
+
+import time
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+from nodes.contracts.compute_profile import ModeRates, step_seconds
+from nodes.contracts.records import CsvLog
+from nodes.contracts.target_model import TargetModel
+from nodes.inference.partition import UShapePartition
+
+STEP_COLUMNS = ("ts_s", "op", "layers", "tokens", "sequences", "context_tokens", "real_s", "target_s", "overrun")
+CHAIN_S = 0.002  # a step that starts this soon after the last one's due time continues from it
+
+
+class Pacer:
+    """Waits out each step's predicted time; logs real and target seconds (the fidelity monitor)."""
+
+    def __init__(self, rates: ModeRates, model: TargetModel, dilation: float = 1.0) -> None:
+        self.rates, self.model, self.dilation = rates, model, dilation
+        self.log: Optional[CsvLog] = None
+        self.t0 = 0.0
+        self._due = 0.0
+        self.steps = 0
+        self.overruns = 0
+
+    def start(self, path: str, header: Any, t0: float) -> None:
+        self.log = CsvLog(path, STEP_COLUMNS, header)
+        self.t0, self._due, self.steps, self.overruns = t0, 0.0, 0, 0
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def target_s(
+        self, layers: int, segments: Sequence[Tuple[int, int]], head_tokens: int = 0, attention_layers: int = 0
+    ) -> float:
+        return step_seconds(self.rates, self.model, layers, segments, head_tokens, attention_layers) * self.dilation
+
+    def pace(self, op: str, started: float, target_s: float, layers: int, segments: Sequence[Tuple[int, int]]) -> None:
+        """After a step's real computation (begun at ``started``): sleep until it is due, log it."""
+        begin = self._due if 0.0 <= started - self._due < CHAIN_S else started
+        due = begin + target_s
+        now = time.monotonic()
+        overrun = now > due
+        if not overrun:
+            time.sleep(due - now)
+        self._due = max(due, now)
+        self.steps += 1
+        self.overruns += overrun
+        if self.log is not None:
+            self.log.write({
+                "ts_s": round(begin - self.t0, 6), "op": op, "layers": layers,
+                "tokens": sum(n for n, _ in segments), "sequences": len(segments),
+                "context_tokens": sum(c for _, c in segments), "real_s": round(now - started, 6),
+                "target_s": round(target_s, 6), "overrun": int(overrun),
+            })  # fmt: skip
+
+
+class PacedPart:
+    """A model part whose ``run_layers`` and ``logits`` are paced; everything else is the part's.
+
+    ``target_layers``: how many of the target model's layers this part stands for (the target's own
+    U-shaped split), whatever the real checkpoint's split is."""
+
+    def __init__(self, part: Any, pacer: Pacer, target_layers: int, role: str) -> None:
+        self._part, self._pacer, self._layers, self._role = part, pacer, target_layers, role
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._part, name)
+
+    def run_layers(self, hidden: Any, segments: Sequence[Any]) -> Any:
+        shape = [(s.tokens, s.cache.length) for s in segments]
+        target = self._pacer.target_s(self._layers, shape)
+        return _paced(self._pacer, self._role + "_layers", self._layers, shape, target,
+                      lambda: self._part.run_layers(hidden, segments))  # fmt: skip
+
+    def logits(self, hidden: Any) -> Any:
+        rows = int(hidden.shape[0]) if hidden.dim() > 1 else 1
+        shape = [(rows, 0)]
+        target = self._pacer.target_s(0, shape, head_tokens=rows)
+        return _paced(self._pacer, self._role + "_head", 0, shape, target, lambda: self._part.logits(hidden))
+
+
+class PacedAdapter:
+    """HAT's draft adapter (one attention module of the target's shape), paced."""
+
+    def __init__(self, adapter: Any, pacer: Pacer) -> None:
+        self._adapter, self._pacer = adapter, pacer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adapter, name)
+
+    def run(self, hidden: Any, segments: Sequence[Any]) -> Any:
+        shape = [(s.tokens, s.cache.length) for s in segments]
+        target = self._pacer.target_s(0, shape, attention_layers=1)
+        return _paced(self._pacer, "draft_adapter", 0, shape, target, lambda: self._adapter.run(hidden, segments))
+
+
+def _paced(pacer: Pacer, op: str, layers: int, shape: Sequence[Tuple[int, int]], target_s: float,
+           compute: Callable[[], Any]) -> Any:  # fmt: skip
+    """Run ``compute`` for real (a GPU's queue drained), then pace it to ``target_s``."""
+    started = time.monotonic()
+    out = compute()
+    _synchronize(out)
+    pacer.pace(op, started, target_s, layers, shape)
+    return out
+
+
+def _synchronize(tensor: Any) -> None:
+    """Wait for a GPU's queued work, so that the real time is the computation's."""
+    if getattr(tensor, "is_cuda", False):
+        import torch
+
+        torch.cuda.synchronize(tensor.device)
+
+
+def pacer_for(config: Any, rank: int) -> Optional[Pacer]:
+    """The rank's pacer when the run names a target and the rank's node has a profile, else None
+    (the rank runs at this machine's speed)."""
+    spec = config.ranks[rank]
+    if config.target is None or spec.profile is None:
+        return None
+    return Pacer(spec.profile, config.target.model, config.target.dilation)
+
+
+def target_stage_layers(config: Any, stage: int) -> int:
+    """How many of the target's layers server stage ``stage`` stands for: the target model split the
+    run's way (m layers on the device, the middle over P stages)."""
+    split = UShapePartition.make(config.target.model.layers, config.server_device_layers, config.stages)
+    return len(split.stage_layer_ids()[stage])
+

@@ -1,0 +1,145 @@
+"""A campaign that emulates a target (Vicuna-7B on an AGX Orin and RTX A6000 stages) on the emulated
+testbed, through the real ``testbed run``: every step is paced to its compute profile's prediction and
+logged, hidden states cross the shaped link at the target's 8 KiB a token, the manifest says what was
+emulated and how faithfully, dilation stretches the schedule and analysis divides it back; campaigns
+that name an unknown target or a node without a profile are refused at their line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis.load import load
+from analysis.report import build_report
+from nodes.contracts.compute_profile import step_seconds
+from nodes.contracts.target_model import builtin
+from testbed.compute_profiles import PROFILES_DIR, load_profile
+from tests.conftest import REPO, emulated_inventory, emulated_lab
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
+    pytest.mark.slow,
+    pytest.mark.root,
+]
+
+TINY = REPO / "examples" / "models" / "tiny"
+VICUNA_7B = builtin("vicuna-7b")
+FRAME_AND_SEGMENT_HEADERS = 20 + 64
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("target")
+    path = emulated_inventory(directory, "tg", 222)
+    with emulated_lab(path):
+        yield path
+
+
+def campaign(directory: Path, inventory: Path, target: str, name: str = "target") -> Path:
+    path = directory / f"{name}.yaml"
+    path.write_text(f"""name: {name}
+inventory: {inventory}
+base:
+  method: ushape
+  model: {TINY}
+  partition: {{device_layers: 2, stages: 2}}
+  devices: [orin]
+  workload: {{arrival: constant, rate_per_s: 1.0, requests_per_device: 3, max_new_tokens: 12, prompts: specbench}}
+  link: {{profile: wifi-up}}
+  power: {{orin: MODE_50W}}
+  target: {target}
+  drain_s: 0.2
+matrix:
+  target.dilation: [1, 2]
+order: listed
+seed: 3
+run_timeout_s: 120
+""")
+    return path
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "testbed", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, check=False)  # fmt: skip
+
+
+def test_a_target_campaign_paces_every_step_pads_the_wire_and_dilation_divides_back(lab, tmp_path):
+    out = tmp_path / "out"
+    done = run("run", str(campaign(tmp_path, lab, "{model: vicuna-7b}")), "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = load(out)
+    first, second = (data.runs.loc[data.runs["target.dilation"] == k, "run_id"].item() for k in (1.0, 2.0))
+    manifest = json.loads((out / "runs" / first / "manifest.json").read_text())
+    # what was emulated: the target's shape, each node's profile in the mode the run set
+    nodes = manifest["target"]["nodes"]
+    assert manifest["target"]["model"]["name"] == "vicuna-7b" and manifest["target"]["dilation"] == 1.0
+    assert (nodes["orin"]["profile"], nodes["orin"]["mode"]) == ("agx-orin", "MODE_50W")
+    assert (nodes["server"]["profile"], nodes["server"]["mode"]) == ("rtx-a6000", "default")
+    assert any("step times are modeled" in line for line in manifest["modeled"])
+    assert set(manifest["fidelity"]) == {"orin", "server"}
+    assert all(f["steps"] > 0 and 0 <= f["violation_share"] <= 1 for f in manifest["fidelity"].values())
+
+    # every step's target is the profile's prediction for the target model's share of layers
+    steps = pd.read_parquet(out / "runs" / first / "steps.parquet")
+    orin = load_profile(PROFILES_DIR / "agx-orin.yaml").rates("MODE_50W")
+    a6000 = load_profile(PROFILES_DIR / "rtx-a6000.yaml").rates()
+    assert {"device_layers", "device_head", "stage_layers"} <= set(steps["op"])
+    for row in steps[steps["op"] == "device_layers"].itertuples():
+        assert row.layers == 2 and row.target_s == pytest.approx(
+            step_seconds(orin, VICUNA_7B, 2, [(row.tokens, row.context_tokens)]), abs=2e-6)
+    for row in steps[steps["op"] == "device_head"].itertuples():
+        assert row.target_s == pytest.approx(step_seconds(orin, VICUNA_7B, 0, [(row.tokens, 0)], row.tokens), abs=2e-6)
+    stage = steps[(steps["op"] == "stage_layers") & (steps["sequences"] == 1)]
+    assert set(stage["layers"]) == {15}  # Vicuna-7B's 30 middle layers over 2 stages, whatever the tiny split
+    for row in stage.itertuples():
+        assert row.target_s == pytest.approx(
+            step_seconds(a6000, VICUNA_7B, 15, [(row.tokens, row.context_tokens)]), abs=2e-6)
+    # a step lasts at least its target: the device's prefill layers before the first token
+    requests = pd.read_parquet(out / "runs" / first / "requests.parquet")
+    assert (requests["prefill_device_head_s"] >= 0.95 * requests["prompt_tokens"].map(
+        lambda n: step_seconds(orin, VICUNA_7B, 2, [(n, 0)]))).all()  # fmt: skip
+
+    # the prompt crossed the link at Vicuna-7B's 4096 x fp16 = 8 KiB a token
+    assert (requests["prefill_upload_bytes"] == FRAME_AND_SEGMENT_HEADERS + 8192 * requests["prompt_tokens"]).all()
+
+    # dilation 2: the schedule ran twice as slow, and analysis divides it back to the same arrivals
+    raw = pd.read_parquet(out / "runs" / second / "requests.parquet")
+    plain = pd.read_parquet(out / "runs" / first / "requests.parquet")
+    assert list(raw["arrival_s"]) == pytest.approx([2 * a for a in plain["arrival_s"]])
+    loaded = data.requests
+    assert list(loaded.loc[loaded["run_id"] == second, "arrival_s"]) == pytest.approx(list(plain["arrival_s"]))
+    assert set(loaded.loc[loaded["run_id"] == second, "time_dilation"]) == {2.0}
+    # the report shows each node's overrun share, from the same steps
+    report = build_report(out).read_text()
+    fidelity = pd.read_csv(out / "report" / "fidelity.csv")
+    assert "## Fidelity of the target emulation" in report and len(fidelity) == 4  # 2 runs x (orin, server)
+    row = fidelity[(fidelity["run_id"] == first) & (fidelity["node"] == "orin")].iloc[0]
+    assert row["violation_share"] == pytest.approx(manifest["fidelity"]["orin"]["violation_share"], abs=1e-4)
+    second_steps = pd.read_parquet(out / "runs" / second / "steps.parquet")
+    head = second_steps[second_steps["op"] == "device_head"].iloc[0]
+    assert head.target_s == pytest.approx(2 * step_seconds(orin, VICUNA_7B, 0, [(head.tokens, 0)], head.tokens),
+                                          abs=4e-6)  # fmt: skip
+
+
+def test_an_unknown_target_or_a_node_without_a_profile_is_refused_at_its_line(lab, tmp_path):
+    bad = run("run", str(campaign(tmp_path, lab, "{model: vicuna-700b}", "unknown")), "--out", str(tmp_path / "o1"))
+    assert bad.returncode == 2
+    assert "unknown.yaml:11: base.target.model: no built-in model 'vicuna-700b'" in bad.stderr + bad.stdout
+    # the same lab as another inventory (its own prefix and state, not up: nothing is reached) with a
+    # profile that does not exist
+    text = lab.read_text().replace("compute_profile: agx-orin", "compute_profile: no-such-board")
+    text = text.replace("name_prefix: tg", "name_prefix: tz").replace(str(lab.parent / "state"), str(tmp_path / "s"))
+    other = tmp_path / "inventory.yaml"
+    other.write_text(text)
+    path = campaign(tmp_path, other, "{model: vicuna-7b}", "profileless")
+    refused = run("run", str(path), "--out", str(tmp_path / "o2"))
+    assert refused.returncode == 2
+    said = refused.stderr + refused.stdout
+    assert "profileless.yaml:11: base.target: " in said and "node orin: compute_profile 'no-such-board'" in said
