@@ -164,3 +164,23 @@ def test_padded_frames_weigh_the_targets_bytes_and_decode_unchanged():
     with pytest.raises(wire.WireError):
         wire.decode(padded[:-1])
 
+
+
+def test_fitting_measurements_of_a_known_profile_gives_it_back():
+    from testbed.profiling import FULL_GRID, Measurement, agreement, fit_profile
+
+    truth = rates("agx-orin", "MAXN")
+    ints = {k: [int(v) for v in FULL_GRID[k].split(",")] for k in FULL_GRID}
+    points = [("layers", n, t, 1, 0) for n in ints["layers"] for t in ints["prefill"]]
+    points += [("layers", n, 1, b, c) for n in ints["layers"] for b in ints["batch"] for c in ints["context"]]
+    points += [("head", 0, t, 1, 0) for t in ints["head"]]
+    rows = [Measurement(op, n, t, b, c, 0.0) for op, n, t, b, c in points]
+    rows = [Measurement(r.op, r.layers, r.tokens, r.sequences, r.context_tokens, r.predicted_s(truth, VICUNA_7B))
+            for r in rows]  # fmt: skip
+    fit = fit_profile(rows, VICUNA_7B, truth.mem_bw_gbps, truth.peak_tflops)
+    assert fit.points == len(rows) and fit.excluded == 0
+    assert agreement(fit.rates, truth, VICUNA_7B, rows) < 0.02
+    assert fit.rates.bw_efficiency == pytest.approx(truth.bw_efficiency, rel=0.05)
+    # a point whose real computation overran its target measures this machine: it is left out
+    spoiled = [*rows[:-1], Measurement("head", 0, 64, 1, 0, 10.0, overruns=3)]
+    assert fit_profile(spoiled, VICUNA_7B, truth.mem_bw_gbps, truth.peak_tflops).excluded == 1

@@ -143,3 +143,21 @@ def test_an_unknown_target_or_a_node_without_a_profile_is_refused_at_its_line(la
     assert refused.returncode == 2
     said = refused.stderr + refused.stdout
     assert "profileless.yaml:11: base.target: " in said and "node orin: compute_profile 'no-such-board'" in said
+
+
+def test_profile_gives_back_the_profile_a_node_is_paced_with_and_fits_the_real_engine(lab, tmp_path):
+    from testbed.compute_profiles import load_profile as load
+
+    paced = run("profile", "orin", "-i", str(lab), "--target", "vicuna-7b", "--mode", "MAXN", "--dilation", "2",
+                "--reps", "2", "--out", str(tmp_path / "paced.yaml"), "--json")  # fmt: skip
+    assert paced.returncode == 0, paced.stdout[-2000:] + paced.stderr[-2000:]
+    result = json.loads(paced.stdout)
+    assert result["paced"] and result["points"] >= 10 and result["agreement_with_paced_profile"] <= 0.05
+    fitted = load(tmp_path / "paced.yaml")  # a valid profile file, every number with its source
+    assert fitted.hardware == "agx-orin"
+    measured = json.loads((tmp_path / "paced.measurements.json").read_text())
+    assert len(measured["measurements"]) == result["points"] + result["excluded_overruns"]
+    # without --target: the real (tiny) engine on orin's CPU slice, fitted with orin's peak numbers
+    real = run("profile", "orin", "-i", str(lab), "--reps", "1", "--out", str(tmp_path / "real.yaml"), "--json")
+    assert real.returncode == 0, real.stdout[-2000:] + real.stderr[-2000:]
+    assert not json.loads(real.stdout)["paced"] and load(tmp_path / "real.yaml").rates().mem_bw_gbps > 0

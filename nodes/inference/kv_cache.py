@@ -63,6 +63,19 @@ class KVCache:
         """Commit a chunk of ``n`` tokens that every layer of the part has appended."""
         self.length += n
 
+    def fill_random(self, length: int, generator: Optional[torch.Generator] = None) -> None:
+        """Hold ``length`` positions of random keys and values in every layer (a context of that
+        length without computing it: for timing steps, ``nodes.workers.profile_engine``)."""
+        self._grow(length + 1)
+        for layer in self.layers:
+            for store in (self._keys, self._values):
+                buffer = store.get(layer)
+                if buffer is None:
+                    buffer = store[layer] = self._buffer()
+                buffer[:, :length] = torch.randn(self.num_kv_heads, length, self.head_dim, generator=generator,
+                                                 device=self.device).to(self.dtype)  # fmt: skip
+        self.length = length
+
     def truncate(self, length: int) -> None:
         """Forget everything from position ``length`` on (rollback); keeps the memory."""
         if length < 0 or length > self.length:

@@ -12,7 +12,8 @@ tokens, sequences, context, real and target seconds, and whether it overran.
 
 Steps that follow each other directly (the device's shallow layers, then the adapter, then the LM
 head) are chained: the next one starts at the previous one's due time, not at the moment the sleep
-returned, so a sleep's lateness (tens of microseconds) does not add up over a request.
+returned, so a sleep's lateness (tens of microseconds) does not add up over a request; and each
+sleep asks to wake that much early (a moving average of how late sleeps returned).
 """
 
 import time
@@ -25,6 +26,7 @@ from nodes.inference.partition import UShapePartition
 
 STEP_COLUMNS = ("ts_s", "op", "layers", "tokens", "sequences", "context_tokens", "real_s", "target_s", "overrun")
 CHAIN_S = 0.002  # a step that starts this soon after the last one's due time continues from it
+LATENESS_CAP_S = 0.001  # a sleep later than this was preempted, not the timer's usual lateness
 
 
 class Pacer:
@@ -35,6 +37,7 @@ class Pacer:
         self.log: Optional[CsvLog] = None
         self.t0 = 0.0
         self._due = 0.0
+        self._lateness_s = 0.0  # moving average of how late sleeps return
         self.steps = 0
         self.overruns = 0
 
@@ -47,6 +50,10 @@ class Pacer:
             self.log.close()
             self.log = None
 
+    def unchain(self) -> None:
+        """The next step starts a new chain (untimed work happened in between: a profiler's setup)."""
+        self._due = 0.0
+
     def target_s(
         self, layers: int, segments: Sequence[Tuple[int, int]], head_tokens: int = 0, attention_layers: int = 0
     ) -> float:
@@ -58,8 +65,11 @@ class Pacer:
         due = begin + target_s
         now = time.monotonic()
         overrun = now > due
-        if not overrun:
-            time.sleep(due - now)
+        wake = due - self._lateness_s  # a sleep returns late by about this much: ask for earlier
+        if now < wake:
+            time.sleep(wake - now)
+            late = time.monotonic() - wake
+            self._lateness_s += 0.2 * (min(late, LATENESS_CAP_S) - self._lateness_s)
         self._due = max(due, now)
         self.steps += 1
         self.overruns += overrun

@@ -13,7 +13,18 @@ import sys
 from rich.markup import escape
 
 from foundation.errors import NodeError, TestbedError
-from testbed.cli import campaign, doctor, emulate, inventory, link, power, provision, telemetry, workers  # noqa: F401
+from testbed.cli import (  # noqa: F401
+    campaign,
+    doctor,
+    emulate,
+    inventory,
+    link,
+    power,
+    profile,
+    provision,
+    telemetry,
+    workers,
+)
 from testbed.cli.app import app, err
 
 __all__ = ["app", "main"]
