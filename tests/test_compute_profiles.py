@@ -184,3 +184,17 @@ def test_fitting_measurements_of_a_known_profile_gives_it_back():
     # a point whose real computation overran its target measures this machine: it is left out
     spoiled = [*rows[:-1], Measurement("head", 0, 64, 1, 0, 10.0, overruns=3)]
     assert fit_profile(spoiled, VICUNA_7B, truth.mem_bw_gbps, truth.peak_tflops).excluded == 1
+
+
+def test_hats_full_lab_has_30_boards_each_with_a_profile_for_every_mode():
+    from testbed.inventory import load_inventory
+    from testbed.target_emulation import node_profile, resolve_node
+
+    lab = load_inventory(REPO / "examples" / "inventories" / "hat-lab.yaml")
+    boards = [n for n in lab.nodes if n.kind == "jetson"]
+    assert len(boards) == 30 and sum(n.model == "agx-xavier" for n in boards) == 20
+    assert {len(lab.select([g])) for g in ("near", "mid", "far")} <= {9, 10, 11} and len(lab.select(["devices"])) == 30
+    for node in lab.nodes:
+        profile = node_profile(lab, node)
+        for mode in node.emulated.power_modes:
+            assert resolve_node(lab, node, {node.name: mode.name}).rates == profile.rates(mode.name)

@@ -1,0 +1,136 @@
+"""HAT's 30-Jetson lab on this machine: bring-up time, one short run of every rank (HAT, Vicuna-7B
+emulated), the ranks' memory and the CPU they leave free, and tear-down time.
+
+    python bench/hat_lab.py                    # 1 request per device, dilation 4
+    python bench/hat_lab.py --requests 2 --dilation 6
+
+Per rank: its resident memory at the end of serving (the largest sample). CPU headroom: the share of
+this machine's CPU time left idle while the ranks served (from /proc/stat, sampled every second).
+Fidelity: each node's share of paced steps that overran (the run's manifest).
+
+Writes bench/results/hat_lab.json. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import machine_cpu_s, write
+from bench.campaign import REPO, testbed
+
+INVENTORY = REPO / "examples" / "inventories" / "hat-lab.yaml"
+
+
+def worker_rss_mb(state_dir: str) -> dict[int, float]:
+    """Resident memory of this lab's worker ranks (python -m nodes.workers under its state directory)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"nodes.workers" not in words or not any(state_dir.encode() in w for w in words):
+                continue
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                out[int(entry.name)] = int(line.split()[1]) / 1024
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=1, help="requests per device")
+    parser.add_argument("--dilation", type=float, default=4.0)
+    parser.add_argument("--method", default="hat")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("needs root: the emulated testbed builds network namespaces")
+    from testbed.emulation.lifecycle import down, up
+    from testbed.emulation.plan import state_dir_of
+    from testbed.inventory import load_inventory
+
+    lab = load_inventory(INVENTORY)
+    work = Path(tempfile.mkdtemp(prefix="bench-hat-lab-"))
+    started = time.monotonic()
+    if not up(lab, say=lambda _: None).ok:
+        raise SystemExit("could not bring the HAT lab up")
+    up_s = time.monotonic() - started
+    state = str(state_dir_of(lab))
+    campaign = work / "hat-lab-short.yaml"
+    campaign.write_text(f"""name: hat-lab-short
+inventory: {INVENTORY}
+base:
+  method: {args.method}
+  model: {REPO / "examples" / "models" / "tiny"}
+  partition: {{device_layers: 2, stages: 4}}
+  devices: [devices]
+  workload: {{arrival: poisson, rate_per_s: 0.1333, requests_per_device: {args.requests}, prompts: specbench,
+             max_new_tokens: 32}}
+  draft: {{eta: 0.6, max_draft_tokens: 8, top_k: 3}}
+  target: {{model: vicuna-7b, dilation: {args.dilation}}}
+  telemetry: {{interval_ms: 1000}}
+  drain_s: 0.5
+run_timeout_s: 1800
+""")
+    samples: list[dict[str, Any]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        last = (time.monotonic(), machine_cpu_s())
+        while not done.wait(1.0):
+            now, cpu = time.monotonic(), machine_cpu_s()
+            rss = worker_rss_mb(state)
+            busy = (cpu - last[1]) / (now - last[0])
+            last = (now, cpu)
+            if rss:
+                samples.append({"ranks": len(rss), "rss_mb": sorted(rss.values()), "busy_cpus": busy})
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        run_started = time.monotonic()
+        status = testbed("run", str(campaign), "--out", str(work / "out"), log=work / "run.log").wait()
+        run_s = time.monotonic() - run_started
+    finally:
+        done.set()
+        thread.join()
+        started = time.monotonic()
+        down(load_inventory(INVENTORY), say=lambda _: None)
+        down_s = time.monotonic() - started
+    manifests = [json.loads(p.read_text()) for p in (work / "out" / "runs").glob("*/manifest.json")]
+    serving = [s for s in samples if s["ranks"] >= 30]
+    cores = os.cpu_count() or 1
+    result = {
+        "command": " ".join(["python", "bench/hat_lab.py", *sys.argv[1:]]),
+        "nodes": len(lab.nodes), "bring_up_s": round(up_s, 2), "tear_down_s": round(down_s, 2),
+        "run_exit_status": status, "run_wall_s": round(run_s, 1),
+        "ranks_seen": max((s["ranks"] for s in samples), default=0),
+        "rank_rss_mb": {"median": round(sorted(r for s in serving for r in s["rss_mb"])[len(
+            [r for s in serving for r in s["rss_mb"]]) // 2], 1) if serving else None,
+            "max": round(max((max(s["rss_mb"]) for s in serving), default=0.0), 1),
+            "total_max": round(max((sum(s["rss_mb"]) for s in serving), default=0.0), 1)},
+        "cpu_headroom_share": round(1 - sum(s["busy_cpus"] for s in serving) / len(serving) / cores, 3)
+        if serving else None,
+        "fidelity": [m.get("fidelity") for m in manifests],
+        "runs": [{"status": m["status"], "reason": m["reason"], "requests": m["requests"]} for m in manifests],
+    }  # fmt: skip
+    path = write("hat_lab", result)
+    print(json.dumps({k: v for k, v in result.items() if k != "fidelity"}, indent=1))
+    print(f"wrote {path}; campaign in {work}")
+
+
+if __name__ == "__main__":
+    main()
