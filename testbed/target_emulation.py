@@ -13,15 +13,19 @@ emulated node's initial mode, else the profile's first mode.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foundation.errors import TestbedError
+from foundation.errors import NodeError, TestbedError
 from nodes.contracts.compute_profile import ModeRates
 from nodes.contracts.target_model import TargetModel, TargetModelError, builtin, from_hf_config
 from testbed.compute_profiles import ComputeProfile, known_profiles, load_profile, profile_path
 from testbed.inventory import Inventory, NodeSpec
+from testbed.node_context import NodeContext, ensure_node_code, resolve_context
+from testbed.transport import open_transport
+from testbed.transport.fanout import FanOutResult, fan_out
 
 
 @dataclass(frozen=True)
@@ -129,3 +133,47 @@ def resolve_node(inventory: Inventory, node: NodeSpec, modes: dict[str, str]) ->
         raise TestbedError(f"{profile.path}: has no mode {mode!r} for node {node.name} (it has "
                            f"{', '.join(profile.modes)}); add the mode to the profile")  # fmt: skip
     return NodeTarget(profile.hardware, str(profile.path), mode, profile.rates(mode))
+
+
+# -- CPU pacing of emulated nodes ------------------------------------------------------------------
+
+PACED_PERIOD_MS = 10.0  # the CFS period of an emulated node whose steps are paced (default 100 ms)
+
+
+def paced_cpus() -> float:
+    """The quota of a paced node: every CPU of this machine, so that the quota never holds the real
+    work back (the profile decides the step's time; nodes share the CPUs by CFS weight)."""
+    import os
+
+    return float(os.cpu_count() or 1)
+
+
+def pacing_command(context: NodeContext, on: bool) -> list[str]:
+    """The node tool's command line that starts (``on``) or ends CPU pacing on an emulated node."""
+    words = ["on", "--cpus", f"{paced_cpus():g}", "--period-ms", f"{PACED_PERIOD_MS:g}"] if on else ["off"]
+    return context.command([context.base_python, "-m", "nodes.emulated.cpu_pacing", *words])
+
+
+def paceable(inventory: Inventory, names: Sequence[str]) -> list[str]:
+    """The emulated ones of ``names`` (a real board's CPU is not this machine's to pace)."""
+    return [n for n in names if inventory.node(n).emulated is not None]
+
+
+def pace_nodes(
+    inventory: Inventory, names: Sequence[str], on: bool, contexts: Mapping[str, NodeContext] | None = None
+) -> FanOutResult[dict[str, Any]]:
+    """Start or end CPU pacing on the emulated ones of ``names``; each node's answer."""
+
+    def pace(name: str) -> dict[str, Any]:
+        node = inventory.node(name)
+        with open_transport(inventory, node) as t:
+            context = (contexts or {}).get(name) or resolve_context(inventory, node, t)
+            ensure_node_code(t, context)
+            result = t.run(pacing_command(context, on), timeout_s=60.0)
+        try:
+            return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+        except (IndexError, json.JSONDecodeError):
+            raise NodeError(name, f"cpu pacing failed (exit status {result.exit_code}): "
+                                  f"{(result.stderr or result.stdout).strip()[-300:]}") from None  # fmt: skip
+
+    return fan_out(paceable(inventory, names), pace, description="pacing CPUs" if on else "ending CPU pacing")

@@ -159,3 +159,21 @@ def test_jetson_clocks_lists_cores_in_the_real_scripts_glob_order(tmp_path, monk
     )  # fmt: skip
     cores = [line.split(":")[0] for line in result.stdout.splitlines() if line.startswith("cpu")]
     assert cores[:4] == ["cpu0", "cpu1", "cpu10", "cpu11"] and len(cores) == 12
+
+
+def test_cpu_pacing_gives_a_short_period_and_off_puts_the_modes_quota_back(tmp_path):
+    (tmp_path / "cg").mkdir()
+    root = fake_v2_root(tmp_path / "cg")
+    group = CpuCgroup("tb-orin", str(root))
+    group.create()
+    node = node_config(tmp_path)
+    node.cgroup = lambda: group  # the node's group, under the fake cgroup root
+    node.set_power_mode(node.mode_by_id(1))
+    assert (root / "tb-orin" / "cpu.max").read_text() == "15000 100000"  # MODE_15W: 0.15 CPU per 100 ms
+    node.set_cpu_pacing(2.0, 10000)
+    assert (root / "tb-orin" / "cpu.max").read_text() == "20000 10000" and node.cpu_pacing() == (2.0, 10000)
+    node.set_power_mode(node.mode_by_id(0))  # a mode change while paced keeps the pacing quota
+    assert (root / "tb-orin" / "cpu.max").read_text() == "20000 10000" and node.power_mode().name == "MAXN"
+    node.set_cpu_pacing(None)
+    assert (root / "tb-orin" / "cpu.max").read_text() == "50000 100000" and node.cpu_pacing() is None
+    node.set_cpu_pacing(None)  # off twice (a restore after a crash) is fine

@@ -65,6 +65,19 @@ run_timeout_s: 120
     return path
 
 
+def _pacing(inventory: Path, node: str) -> dict:
+    """What the node's CPU pacing tool says of it (over the node's real SSH)."""
+    from testbed.emulation.resolved import load_lab
+    from testbed.node_context import resolve_context
+    from testbed.transport import open_transport
+
+    lab = load_lab(inventory)
+    with open_transport(lab, lab.node(node)) as t:
+        context = resolve_context(lab, lab.node(node), t)
+        answer = t.run(context.command([context.base_python, "-m", "nodes.emulated.cpu_pacing", "show"])).check()
+    return json.loads(answer.stdout.strip().splitlines()[-1])
+
+
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "testbed", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=600, check=False)  # fmt: skip
@@ -84,6 +97,11 @@ def test_a_target_campaign_paces_every_step_pads_the_wire_and_dilation_divides_b
     assert (nodes["server"]["profile"], nodes["server"]["mode"]) == ("rtx-a6000", "default")
     assert any("step times are modeled" in line for line in manifest["modeled"])
     assert set(manifest["fidelity"]) == {"orin", "server"}
+    # the run paced its emulated nodes' CPUs (10 ms periods) and ended it: the power mode's quota is back
+    events = [json.loads(line) for line in (out / "runs" / first / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "cpu_paced" and sorted(e["nodes"]) == ["orin", "server"] for e in events)
+    assert manifest["restore"]["cpu_pacing_ended"] == ["orin", "server"]
+    assert _pacing(lab, "orin") == {"paced": False, "cpus": None, "period_ms": None}
     assert all(f["steps"] > 0 and 0 <= f["violation_share"] <= 1 for f in manifest["fidelity"].values())
 
     # every step's target is the profile's prediction for the target model's share of layers

@@ -74,14 +74,21 @@ class CpuCgroup:
             if not os.path.isdir(d):
                 os.mkdir(d)
 
-    def set_quota_cpus(self, cpus: float) -> None:
-        """Limit the group to ``cpus`` CPUs' worth of time (0.25: a quarter of one CPU)."""
-        quota_us = max(1000, round(cpus * PERIOD_US))
+    def set_quota_cpus(self, cpus: float, period_us: int = PERIOD_US) -> None:
+        """Limit the group to ``cpus`` CPUs' worth of time (0.25: a quarter of one CPU) in every period
+        of ``period_us`` (a shorter period throttles in shorter bursts)."""
+        quota_us = max(1000, round(cpus * period_us))
         if self.version == 2:
-            _write(os.path.join(self.quota_directory, "cpu.max"), "%d %d" % (quota_us, PERIOD_US))
+            _write(os.path.join(self.quota_directory, "cpu.max"), "%d %d" % (quota_us, period_us))
         else:
-            _write(os.path.join(self.quota_directory, "cpu.cfs_period_us"), str(PERIOD_US))
+            _write(os.path.join(self.quota_directory, "cpu.cfs_quota_us"), "-1")  # any period is then valid
+            _write(os.path.join(self.quota_directory, "cpu.cfs_period_us"), str(period_us))
             _write(os.path.join(self.quota_directory, "cpu.cfs_quota_us"), str(quota_us))
+
+    def period_us(self) -> int:
+        if self.version == 2:
+            return int(_read(os.path.join(self.quota_directory, "cpu.max")).split()[1])
+        return int(_read(os.path.join(self.quota_directory, "cpu.cfs_period_us")))
 
     def quota_cpus(self) -> Optional[float]:
         """The quota in CPUs, or None when unlimited."""

@@ -6,11 +6,12 @@ the CPU utilisation of the node (its CPU time per second of wall time, over its 
 clipped to [0, 1]).
 """
 
+import contextlib
 import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from nodes.contracts.durable import write_atomic
 from nodes.emulated.cgroup import CpuCgroup, ProcessTreeCpu
@@ -87,11 +88,47 @@ class EmulatedNode:
         return None
 
     def set_power_mode(self, mode: PowerMode) -> None:
-        """Switch to ``mode``: its CPU quota (netns mode) and the recorded mode id."""
-        group = self.cgroup()
-        if group is not None:
-            group.set_quota_cpus(mode.cpus)
+        """Switch to ``mode``: its CPU quota (netns mode; the pacing quota while paced) and the recorded
+        mode id."""
         write_atomic(self.power_mode_file, "%d\n" % mode.id, mode=0o644)
+        self._apply_quota()
+
+    # -- CPU pacing (target emulation) --------------------------------------------------------
+
+    @property
+    def pacing_file(self) -> str:
+        return os.path.join(os.path.dirname(self.power_mode_file), "cpu_pacing")
+
+    def cpu_pacing(self) -> Optional[Tuple[float, int]]:
+        """(CPUs, period in us) while the node runs paced steps of a target emulation, else None."""
+        try:
+            with open(self.pacing_file) as f:
+                cpus, period = f.read().split()
+            return float(cpus), int(period)
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def set_cpu_pacing(self, cpus: Optional[float], period_us: int = 10000) -> None:
+        """Give the node ``cpus`` CPUs in short periods while its steps are paced to a compute profile
+        (their time is the profile's: the quota must only never hold the real work back); None: back
+        to the power mode's quota and period."""
+        if cpus is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.pacing_file)
+        else:
+            write_atomic(self.pacing_file, "%g %d\n" % (cpus, period_us), mode=0o644)
+        self._apply_quota()
+
+    def _apply_quota(self) -> None:
+        group = self.cgroup()
+        if group is None:
+            return
+        paced = self.cpu_pacing()
+        if paced is not None:
+            group.set_quota_cpus(paced[0], paced[1])
+            return
+        mode = self.power_mode()
+        group.set_quota_cpus(mode.cpus if mode is not None else 1.0)
 
     # -- CPU time ---------------------------------------------------------------------------
 

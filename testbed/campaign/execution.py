@@ -116,6 +116,7 @@ class _RunState:
     kept: Kept = Kept()
     prepared: PreparedRun | None = None  # staged, with its pool up
     fidelity: dict[str, Any] = field(default_factory=dict)  # per node: paced steps that overran their target
+    paced_nodes: tuple[str, ...] = ()  # emulated nodes whose CPU quota is paced for this run
     flag: str | None = None  # said of a run that is done but not faithful (over the violation limit)
     _failing: threading.Lock = field(default_factory=threading.Lock)  # phases side by side may fail at once
 
@@ -271,6 +272,8 @@ def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, even
         return run
 
     calls = [collecting(lambda: _set_power(campaign, state, events))]
+    if settings.target is not None:
+        calls.append(collecting(lambda: _pace_cpus(campaign, state, events)))
     if settings.link.shaped:
         calls.append(collecting(lambda: _shape(campaign, settings, state, events)))
     _side_by_side(calls)
@@ -278,6 +281,20 @@ def _configure(campaign: Campaign, settings: RunSettings, state: _RunState, even
         events.write("phase_error", phase="configure", node=getattr(extra, "node", None), error=str(extra))
     if errors:
         raise errors[0]
+
+
+def _pace_cpus(campaign: Campaign, state: _RunState, events: EventLog) -> None:
+    """Emulated nodes of a target run: a quota that never holds the real work back, in 10 ms periods
+    (the profile decides the steps' times; power modes' 100 ms periods make them bimodal)."""
+    from testbed.target_emulation import pace_nodes, paceable
+
+    plan = _plan(state)
+    names = paceable(campaign.inventory, plan.nodes)
+    state.paced_nodes = tuple(names)  # before the change: restore ends pacing also after a failure
+    result = pace_nodes(campaign.inventory, names, True, plan.contexts)
+    _require(result, "pacing CPUs")
+    if names:
+        events.write("cpu_paced", nodes=names)
 
 
 def _set_power(campaign: Campaign, state: _RunState, events: EventLog) -> None:
@@ -460,6 +477,13 @@ def _restore(lab: Inventory, state: _RunState, keep: tuple[frozenset[str], froze
         problems += [f"{o.node}: trace player: {o.error}" for o in stopped.failed]
     problems += release_nodes(lab, Kept(frozenset(power - kept.power), frozenset(shaped - kept.links),
                                         kept.contexts), state.restore)  # fmt: skip
+    if state.paced_nodes:  # every run paces its own nodes: never kept
+        from testbed.target_emulation import pace_nodes
+
+        ended = pace_nodes(lab, state.paced_nodes, False, kept.contexts)
+        state.restore["cpu_pacing_ended"] = sorted(o.node for o in ended.outcomes if o.ok)
+        problems += [f"{o.node}: cpu pacing: {o.error}" for o in ended.failed]
+        state.paced_nodes = ()
     state.kept = kept
     if kept:
         state.restore["kept_for_next_run"] = {"power": sorted(kept.power), "links": sorted(kept.links)}

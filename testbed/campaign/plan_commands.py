@@ -20,6 +20,7 @@ from testbed.links.apply import commands_for, plan_devices, plans_by_node, probe
 from testbed.node_context import HOME_SCRIPT, NodeContext, unresolved_context
 from testbed.power import driver_command, set_action
 from testbed.split_run import launch_argv, launch_env, mpiexec_search_script, rank_listing_script, run_dir_on
+from testbed.target_emulation import paceable, pacing_command
 from testbed.telemetry import sampler_command, sampler_paths, sampler_start_command
 from testbed.transport.base import (
     background_start_script,
@@ -127,6 +128,12 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
         lines.add(step.node, "configure", "set the power mode where it differs",
                   command_line(driver_command(lab, lab.node(step.node), ctx[step.node],
                                               set_action(step.mode, if_differs=True))))  # fmt: skip
+    # configure: emulated nodes of a target run get a CPU quota that never holds their paced steps back
+    paced = paceable(lab, plan.nodes) if plan.split.extra.get("target") else []
+    for name in paced:
+        lines.node_code(name, "configure", ctx[name])
+        lines.add(name, "configure", "pace the CPU: 10 ms CFS periods, a quota of every CPU",
+                  command_line(pacing_command(ctx[name], True)))  # fmt: skip
     # configure: links
     _link_lines(lines, plan, states)
     # telemetry
@@ -192,6 +199,9 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
     # need them, and are released after the last of them (or when a run fails, or the campaign ends)
     _trace_stop_lines(lines, plan)
     _link_restore_lines(lines, plan)
+    for name in paced:
+        lines.add(name, "restore", "end the CPU pacing (the power mode's quota again)",
+                  command_line(pacing_command(ctx[name], False)))  # fmt: skip
     for step in plan.power:
         node = lab.node(step.node)
         lines.node_code(step.node, "restore", ctx[step.node])

@@ -148,7 +148,8 @@ def _end_processes(campaign: Campaign, directory: Path, say: Callable[[str], Non
 
 
 def restore_nodes(campaign: Campaign, names: list[str], say: Callable[[str], None]) -> None:
-    """Undo shaping and power modes on ``names`` from their journals (nothing where none is kept)."""
+    """Undo shaping and power modes on ``names`` from their journals (nothing where none is kept), and
+    end the CPU pacing of emulated nodes."""
     from testbed.links.apply import clear_nodes
     from testbed.power import restore_power
 
@@ -164,6 +165,11 @@ def restore_nodes(campaign: Campaign, names: list[str], say: Callable[[str], Non
     for o in restored.outcomes:
         if o.value is not None:
             say(f"{o.node}: power mode restored to {o.value.mode_name}")
+    if any(lab.node(n).emulated is not None for n in names):  # a target run's CPU pacing, if one was left
+        from testbed.target_emulation import pace_nodes
+
+        for o in pace_nodes(lab, names, False).failed:
+            say(f"{o.node}: could not end CPU pacing: {o.error}")
 
 
 def gather_node_facts(campaign: Campaign) -> dict[str, Any]:
