@@ -43,7 +43,15 @@ class Measurement:
     sequences: int
     context_tokens: int
     seconds: float
-    overruns: int | None = None
+    overruns: int | None = None  # paced: repetitions that overran (they measured this machine)
+    clean_reps: int | None = None  # paced: repetitions that did not (the median is theirs)
+
+    @property
+    def usable(self) -> bool:
+        """Whether the point measured what it meant to: unpaced, or paced with a clean repetition."""
+        if self.seconds <= 0:
+            return False
+        return not self.overruns if self.clean_reps is None else self.clean_reps > 0
 
     def predicted_s(self, rates: ModeRates, model: TargetModel) -> float:
         segments = [(self.tokens, self.context_tokens)] * self.sequences
@@ -58,7 +66,7 @@ class Fit:
     rms_log_error: float
     max_relative_error: float
     points: int
-    excluded: int  # paced points whose real computation overran (they measure this machine)
+    excluded: int  # paced points whose every repetition overran (they measure this machine)
 
 
 def measure(
@@ -80,7 +88,7 @@ def measure(
     if result.exit_code != 0 or not rows or not rows[-1].get("done"):
         raise NodeError(node.name, f"the profiler failed (exit status {result.exit_code}): "
                                    f"{(result.stderr or result.stdout).strip()[-600:]}")  # fmt: skip
-    return [Measurement(**{k: r[k] for k in Measurement.__dataclass_fields__}) for r in rows[:-1]], rows[-1]
+    return [Measurement(**{k: r[k] for k in Measurement.__dataclass_fields__ if k in r}) for r in rows[:-1]], rows[-1]
 
 
 def _nelder_mead(loss: Callable[[np.ndarray], float], start: np.ndarray, steps: int = 1500) -> np.ndarray:
@@ -116,8 +124,9 @@ def _nelder_mead(loss: Callable[[np.ndarray], float], start: np.ndarray, steps: 
 def fit_profile(
     measurements: Sequence[Measurement], model: TargetModel, peak_bw_gbps: float, peak_tflops: float
 ) -> Fit:
-    """The roofline that best explains ``measurements`` of ``model``'s steps (overrun points left out)."""
-    usable = [m for m in measurements if not m.overruns and m.seconds > 0]
+    """The roofline that best explains ``measurements`` of ``model``'s steps (points left out whose
+    every repetition overran)."""
+    usable = [m for m in measurements if m.usable]
     if len(usable) < 4:
         raise TestbedError(f"{len(usable)} usable measurements: too few to fit a profile (widen the grid)")
     measured = np.log([m.seconds for m in usable])

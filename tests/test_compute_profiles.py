@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import pandas as pd
 import pytest
 import torch
 
@@ -151,6 +152,27 @@ def test_a_paced_step_takes_its_target_time_and_an_overrun_is_counted(tmp_path):
     assert [int(r[-1]) for r in rows[1:]] == [0, 0, 0, 0, 0, 1] and pacer.overruns == 1
 
 
+def test_a_step_whose_sleep_wakes_late_overran_too(tmp_path, monkeypatch):
+    """A rank throttled or preempted while it waits out a step ends it late although its computation
+    kept up: the step lasted longer than modeled, so it is an overrun with its lateness logged."""
+    import types
+
+    import nodes.workers.pacing as pacing
+
+    pacer = Pacer(rates("agx-orin", "MAXN"), VICUNA_7B)
+    pacer.start(str(tmp_path / "steps.csv"), {"role": "test"}, time.monotonic())
+    pacer.pace("device_layers", time.monotonic(), 0.01, 2, [(1, 50)])  # on time
+    throttled = types.SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: time.sleep(s + 0.015))
+    monkeypatch.setattr(pacing, "time", throttled)
+    pacer.unchain()
+    pacer.pace("device_layers", time.monotonic(), 0.01, 2, [(1, 50)])  # wakes 15 ms late: 150% of the step
+    pacer.close()
+    frame = pd.read_csv(tmp_path / "steps.csv", comment="#")
+    assert frame["overrun"].tolist() == [0, 1] and pacer.overruns == 1
+    assert frame["late_s"].iloc[0] <= pacing.late_tolerance_s(0.01) and frame["late_s"].iloc[1] >= 0.014
+    assert (frame["real_s"] < 0.01).all()  # the computation itself was quick
+
+
 def test_padded_frames_weigh_the_targets_bytes_and_decode_unchanged():
     hidden = torch.randn(3, 256, dtype=torch.float32)  # the tiny model: 1 KiB a token
     segment = wire.Segment(7, 2, wire.PREFILL, 0, 3, hidden)
@@ -163,7 +185,6 @@ def test_padded_frames_weigh_the_targets_bytes_and_decode_unchanged():
     assert torch.equal(frame.segments[0].payload, hidden) and int(frame.segments[1].payload[0, 0]) == 42
     with pytest.raises(wire.WireError):
         wire.decode(padded[:-1])
-
 
 
 def test_fitting_measurements_of_a_known_profile_gives_it_back():

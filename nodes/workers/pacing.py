@@ -8,7 +8,10 @@ share of its layers). A step whose real computation took longer than that is a f
 the emulation could not keep up, and the step is as slow as this machine made it.
 
 Each step is a row of ``steps.csv`` in the rank's directory: its operation, layers (of the target),
-tokens, sequences, context, real and target seconds, and whether it overran.
+tokens, sequences, context, real and target seconds, how late it ended (``late_s``) and whether it
+overran: its real computation took longer than its target, or its sleep returned later than
+:func:`late_tolerance_s` past the due time (the rank was preempted or throttled while it waited, so
+the step lasted longer than modeled just the same).
 
 Steps that follow each other directly (the device's shallow layers, then the adapter, then the LM
 head) are chained: the next one starts at the previous one's due time, not at the moment the sleep
@@ -16,17 +19,38 @@ returned, so a sleep's lateness (tens of microseconds) does not add up over a re
 sleep asks to wake that much early (a moving average of how late sleeps returned).
 """
 
+import threading
 import time
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from nodes.contracts.compute_profile import ModeRates, step_seconds
 from nodes.contracts.records import CsvLog
 from nodes.contracts.target_model import TargetModel
 from nodes.inference.partition import UShapePartition
 
-STEP_COLUMNS = ("ts_s", "op", "layers", "tokens", "sequences", "context_tokens", "real_s", "target_s", "overrun")
+STEP_COLUMNS = ("ts_s", "op", "layers", "tokens", "sequences", "context_tokens", "real_s", "target_s", "late_s",
+                "overrun")
 CHAIN_S = 0.002  # a step that starts this soon after the last one's due time continues from it
-LATENESS_CAP_S = 0.001  # a sleep later than this was preempted, not the timer's usual lateness
+LATE_FLOOR_S = 0.0005  # a step may always end this late (a wake-up's scheduling noise)
+LATE_SHARE = 0.05  # a step that ends later than this share of its target past its due time overran
+LATENESS_SAMPLES = 32  # sleeps whose lateness the next wake-up's advance is the median of
+
+
+def late_tolerance_s(target_s: float) -> float:
+    """How late past its due time a step may end and still count as on time: 5% of the step, and at
+    least :data:`LATE_FLOOR_S`."""
+    return max(LATE_FLOOR_S, LATE_SHARE * target_s)
+
+
+def _tighten_timer_slack() -> None:
+    """Ask Linux to wake this thread's sleeps within 1 us rather than its default 50 us slack
+    (``prctl(PR_SET_TIMERSLACK)``); elsewhere, or if refused, nothing changes."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, in ns
+    except (OSError, AttributeError):
+        pass
 
 
 class Pacer:
@@ -37,7 +61,9 @@ class Pacer:
         self.log: Optional[CsvLog] = None
         self.t0 = 0.0
         self._due = 0.0
-        self._lateness_s = 0.0  # moving average of how late sleeps return
+        self._lateness_s = 0.0  # median of how late the last sleeps returned
+        self._late_samples: List[float] = []
+        self._slack_thread = 0  # the thread whose timer slack was tightened (it is per thread)
         self.steps = 0
         self.overruns = 0
 
@@ -61,15 +87,21 @@ class Pacer:
 
     def pace(self, op: str, started: float, target_s: float, layers: int, segments: Sequence[Tuple[int, int]]) -> None:
         """After a step's real computation (begun at ``started``): sleep until it is due, log it."""
+        if self._slack_thread != threading.get_ident():
+            _tighten_timer_slack()
+            self._slack_thread = threading.get_ident()
         begin = self._due if 0.0 <= started - self._due < CHAIN_S else started
         due = begin + target_s
-        now = time.monotonic()
+        now = ended = time.monotonic()
         overrun = now > due
         wake = due - self._lateness_s  # a sleep returns late by about this much: ask for earlier
         if now < wake:
             time.sleep(wake - now)
-            late = time.monotonic() - wake
-            self._lateness_s += 0.2 * (min(late, LATENESS_CAP_S) - self._lateness_s)
+            ended = time.monotonic()
+            self._late_samples = (self._late_samples + [ended - wake])[-LATENESS_SAMPLES:]
+            self._lateness_s = sorted(self._late_samples)[len(self._late_samples) // 2]
+        late_s = max(0.0, ended - due)
+        overrun = overrun or late_s > late_tolerance_s(target_s)
         self._due = max(due, now)
         self.steps += 1
         self.overruns += overrun
@@ -78,7 +110,7 @@ class Pacer:
                 "ts_s": round(begin - self.t0, 6), "op": op, "layers": layers,
                 "tokens": sum(n for n, _ in segments), "sequences": len(segments),
                 "context_tokens": sum(c for _, c in segments), "real_s": round(now - started, 6),
-                "target_s": round(target_s, 6), "overrun": int(overrun),
+                "target_s": round(target_s, 6), "late_s": round(late_s, 6), "overrun": int(overrun),
             })  # fmt: skip
 
 
@@ -95,16 +127,20 @@ class PacedPart:
         return getattr(self._part, name)
 
     def run_layers(self, hidden: Any, segments: Sequence[Any]) -> Any:
+        started = time.monotonic()  # before any of the pacing's own work, which the step's time covers
         shape = [(s.tokens, s.cache.length) for s in segments]
-        target = self._pacer.target_s(self._layers, shape)
-        return _paced(self._pacer, self._role + "_layers", self._layers, shape, target,
-                      lambda: self._part.run_layers(hidden, segments))  # fmt: skip
+        out = _computed(lambda: self._part.run_layers(hidden, segments))
+        target_s = self._pacer.target_s(self._layers, shape)
+        self._pacer.pace(self._role + "_layers", started, target_s, self._layers, shape)
+        return out
 
     def logits(self, hidden: Any) -> Any:
+        started = time.monotonic()
         rows = int(hidden.shape[0]) if hidden.dim() > 1 else 1
         shape = [(rows, 0)]
-        target = self._pacer.target_s(0, shape, head_tokens=rows)
-        return _paced(self._pacer, self._role + "_head", 0, shape, target, lambda: self._part.logits(hidden))
+        out = _computed(lambda: self._part.logits(hidden))
+        self._pacer.pace(self._role + "_head", started, self._pacer.target_s(0, shape, head_tokens=rows), 0, shape)
+        return out
 
 
 class PacedAdapter:
@@ -117,18 +153,17 @@ class PacedAdapter:
         return getattr(self._adapter, name)
 
     def run(self, hidden: Any, segments: Sequence[Any]) -> Any:
+        started = time.monotonic()
         shape = [(s.tokens, s.cache.length) for s in segments]
-        target = self._pacer.target_s(0, shape, attention_layers=1)
-        return _paced(self._pacer, "draft_adapter", 0, shape, target, lambda: self._adapter.run(hidden, segments))
+        out = _computed(lambda: self._adapter.run(hidden, segments))
+        self._pacer.pace("draft_adapter", started, self._pacer.target_s(0, shape, attention_layers=1), 0, shape)
+        return out
 
 
-def _paced(pacer: Pacer, op: str, layers: int, shape: Sequence[Tuple[int, int]], target_s: float,
-           compute: Callable[[], Any]) -> Any:  # fmt: skip
-    """Run ``compute`` for real (a GPU's queue drained), then pace it to ``target_s``."""
-    started = time.monotonic()
+def _computed(compute: Callable[[], Any]) -> Any:
+    """Run ``compute`` for real, a GPU's queue drained (so that the real time is the computation's)."""
     out = compute()
     _synchronize(out)
-    pacer.pace(op, started, target_s, layers, shape)
     return out
 
 

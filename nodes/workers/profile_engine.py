@@ -12,7 +12,9 @@ and LM head) runs:
 Each point is run once to warm up, then ``--reps`` times; the median is reported. With ``--target``
 and ``--rates`` (a target model's shape and a compute profile's mode, as a run config carries them)
 every step is paced as a run paces it, so what is measured is the emulation (``testbed profile``'s
-self-check); a point whose real computation overran its target says so.
+self-check); repetitions that overran (the real computation took longer than its target, or the
+rank woke late from its wait) measure this machine, so the median is of the others, and the point
+says how many overran (``overruns``) and how many are left (``clean_reps``).
 
 Prints one JSON object per line, then ``{"done": true, ...}``.
 """
@@ -22,7 +24,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -39,19 +41,22 @@ def _ints(text: str) -> List[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-def _measure(prepare: Callable[[], Any], step: Callable[[Any], Any], reps: int, sync: Callable[[], None]) -> float:
+def _measure(prepare: Callable[[], Any], step: Callable[[Any], Any], reps: int, sync: Callable[[], None],
+             violated: Callable[[], int]) -> Tuple[float, int]:  # fmt: skip
     """Median seconds of ``step(prepare())`` over ``reps`` runs after one to warm up (``prepare``
-    untimed: fresh caches every run)."""
-    times = []
+    untimed: fresh caches every run), and how many runs ``violated`` (a paced step that overran: it
+    measured this machine, not the profile; left out of the median unless every run overran)."""
+    clean, late = [], []
     for rep in range(reps + 1):
         inputs = prepare()
         sync()
+        before = violated()
         started = time.monotonic()
         step(inputs)
         sync()
         if rep:
-            times.append(time.monotonic() - started)
-    return statistics.median(times)
+            (late if violated() > before else clean).append(time.monotonic() - started)
+    return statistics.median(clean or late), len(late)
 
 
 class _Profiler:
@@ -75,7 +80,6 @@ class _Profiler:
 
     def point(self, op: str, layers: int, tokens: int, sequences: int, context: int, prepare: Callable[[], Any],
               step: Callable[[Any], Any]) -> None:  # fmt: skip
-        before = self.pacer.overruns if self.pacer is not None else 0
         if self.pacer is not None:  # each timed step on its own, not chained to the one before its setup
             pacer = self.pacer
             prepared = prepare
@@ -85,10 +89,12 @@ class _Profiler:
                 pacer.unchain()
                 return inputs
 
-        seconds = _measure(prepare, step, self.args.reps, self.sync)
-        overruns = (self.pacer.overruns - before) if self.pacer is not None else None
+        pacer = self.pacer
+        seconds, overruns = _measure(prepare, step, self.args.reps, self.sync,
+                                     lambda: pacer.overruns if pacer is not None else 0)  # fmt: skip
         self.emit({"op": op, "layers": layers, "tokens": tokens, "sequences": sequences, "context_tokens": context,
-                   "seconds": seconds, "overruns": overruns})  # fmt: skip
+                   "seconds": seconds, "overruns": overruns if pacer is not None else None,
+                   "clean_reps": self.args.reps - overruns if pacer is not None else None})  # fmt: skip
         self.points += 1
 
     def part(self, layers: int, with_head: bool) -> None:

@@ -81,7 +81,8 @@ def profile(
     rates = fit.rates
     result = {
         "node": node, "model": shape.name, "paced": paced is not None, "points": fit.points,
-        "excluded_overruns": fit.excluded, "rms_log_error": round(fit.rms_log_error, 4),
+        "excluded_points": fit.excluded,
+        "overrun_repetitions": sum(r.overruns or 0 for r in rows), "rms_log_error": round(fit.rms_log_error, 4),
         "max_relative_error": round(fit.max_relative_error, 4), "rates": rates.to_json(), "engine": said,
     }  # fmt: skip
     if paced is not None:
@@ -105,7 +106,8 @@ def profile(
     if as_json:
         out.print_json(data=result)
     else:
-        table = Table(title=f"{node}: fitted compute profile ({fit.points} points, {fit.excluded} overruns left out)")
+        table = Table(title=f"{node}: fitted compute profile ({fit.points} points, {fit.excluded} left out: "
+                      f"every repetition overran)")
         for column in ("field", "value"):
             table.add_column(column)
         for key, value in rates.to_json().items():
