@@ -11,6 +11,7 @@ of mean TTFT and TBT against U-shape, next to the paper's.
 
     python bench/target_emulation.py                     # ushape, pc, sd, hat; dilation 1 and 3
     python bench/target_emulation.py --dilation 4 --methods ushape,hat --repetitions 2
+    python bench/target_emulation.py --device-slots 1      # a device's requests wait for the one before
 
 Writes bench/results/target_emulation.json. Needs root; brings the repository's inventory.yaml up if
 it is not (and down again after).
@@ -39,7 +40,9 @@ PAPER_TABLE5_SPECBENCH = {  # HAT Table 5, SpecBench, Vicuna-7B: change against 
 }  # fmt: skip
 
 
-def campaign_file(directory: Path, methods: list[str], dilations: list[float], repetitions: int) -> Path:
+def campaign_file(
+    directory: Path, methods: list[str], dilations: list[float], repetitions: int, device_slots: int = 1
+) -> Path:
     path = directory / "target-emulation.yaml"
     path.write_text(f"""name: target-emulation
 inventory: {INVENTORY}
@@ -55,6 +58,7 @@ base:
   power: {{orin: MAXN, xavier: MAXN}}
   target: {{model: vicuna-7b, dilation: 1}}
   telemetry: {{interval_ms: 200}}
+  device_slots: {device_slots}
 matrix:
   method: {json.dumps(methods)}
   target.dilation: {json.dumps(dilations)}
@@ -87,9 +91,11 @@ def figures(out: Path) -> dict[str, Any]:
         per_run.append({"run_id": run_id, "method": row["method"], "dilation": row["target.dilation"],
                         "state": row["state"], "reason": row["reason"], "violation_share": shares,
                         "worst_violation_share": max(shares.values()) if shares else None})  # fmt: skip
+    requests["device_wait_s"] = requests["start_s"] - requests["arrival_s"]  # waiting for a free device slot
     by = requests.groupby(["dilation", "method"]).agg(ttft_ms=("ttft_s", "mean"), tbt_ms=("tbt_s", "mean"),
+                                                       device_wait_ms=("device_wait_s", "mean"),
                                                        requests=("ttft_s", "size"))  # fmt: skip
-    by[["ttft_ms", "tbt_ms"]] *= 1e3
+    by[["ttft_ms", "tbt_ms", "device_wait_ms"]] *= 1e3
     table5 = {}
     for dilation, part in by.groupby(level=0):
         base = part.loc[(dilation, "ushape")] if (dilation, "ushape") in part.index else None
@@ -129,6 +135,8 @@ def main() -> None:
     parser.add_argument("--methods", default="ushape,pc,sd,hat")
     parser.add_argument("--dilation", type=float, default=3.0, help="the dilation compared with 1")
     parser.add_argument("--repetitions", type=int, default=1)
+    parser.add_argument("--device-slots", type=int, default=4, help="requests a device serves at once (HAT's "
+                        "lab: every arrival at once; 1 makes a device's requests wait for the one before)")  # fmt: skip
     parser.add_argument("--work", type=Path)
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -144,7 +152,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     print(f"campaign in {work}", file=sys.stderr)
     try:
-        campaign = campaign_file(work, args.methods.split(","), [1.0, args.dilation], args.repetitions)
+        campaign = campaign_file(work, args.methods.split(","), [1.0, args.dilation], args.repetitions,
+                                 args.device_slots)  # fmt: skip
         started = time.monotonic()
         status_code = testbed("run", str(campaign), "--out", str(work / "out"), log=work / "run.log").wait()
         wall = time.monotonic() - started

@@ -121,6 +121,7 @@ class SplitRunSpec:
     timeout_s: float = 600.0
     threads_per_rank: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    device_slots: int = 1  # device ranks per device node: a free one takes the next request
 
 
 @dataclass(frozen=True)
@@ -174,15 +175,17 @@ def check_spec(inventory: Inventory, spec: SplitRunSpec) -> tuple[NodeSpec, list
 def _rank_specs(
     spec: SplitRunSpec, server: NodeSpec, devices: Sequence[NodeSpec], schedules: dict[str, str]
 ) -> tuple[RankSpec, ...]:
-    """The run's ranks in MPI order: the server's P stages, then one rank per device; each with its
-    node's compute profile when the run emulates a target (``extra["target"]``)."""
+    """The run's ranks in MPI order: the server's P stages, then each device's slots (a rank each, all
+    reading the device's schedule: a free slot claims the next request, see ``nodes.workers.device``);
+    each with its node's compute profile when the run emulates a target (``extra["target"]``)."""
     device = _torch_device(server)
     profiles = {name: rates_from_json(entry["rates"])
                 for name, entry in ((spec.extra.get("target") or {}).get("nodes") or {}).items()}  # fmt: skip
     ranks = [RankSpec("stage", server.name, i, device, spec.threads_per_rank, profile=profiles.get(server.name))
              for i in range(spec.stages)]  # fmt: skip
+    slots = [node for node in devices for _ in range(spec.device_slots)]
     ranks += [RankSpec("device", node.name, i, "cpu", spec.threads_per_rank, schedules[node.name],
-                       profiles.get(node.name)) for i, node in enumerate(devices)]  # fmt: skip
+                       profiles.get(node.name)) for i, node in enumerate(slots)]  # fmt: skip
     return tuple(ranks)
 
 
@@ -254,8 +257,7 @@ def stage_run(inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, N
             t.run(["rm", "-rf", run_dir], timeout_s=60.0).check()
             info = {"run_dir": run_dir}
             if name in spec.devices:
-                index = spec.devices.index(name)
-                rows = device_schedule(spec, index)
+                rows = device_schedule(spec, spec.devices.index(name))
                 path = f"{run_dir}/schedule-{name}.jsonl"
                 t.store(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
                 info["schedule"] = path
@@ -328,7 +330,7 @@ def launch_plan(
     *,
     data_plane: bool = True,
 ) -> MpiLaunchPlan:
-    """The ``mpiexec`` launch of ``spec``: P stage ranks on the server, one rank per device, each with
+    """The ``mpiexec`` launch of ``spec``: P stage ranks on the server, a rank per device slot, each with
     its node's workers' Python, the node code bundle and the data-plane environment. ``mpiexec`` None:
     not looked up yet (shown as ``mpiexec``). ``data_plane=False`` (a plan made before an emulated
     testbed is up) leaves out the data-plane environment and takes node names for missing addresses."""
@@ -337,7 +339,7 @@ def launch_plan(
     else:
         server, devices = inventory.node(spec.server), [inventory.node(d) for d in spec.devices]
     groups = []
-    for node, count in [(server, spec.stages), *[(d, 1) for d in devices]]:
+    for node, count in [(server, spec.stages), *[(d, spec.device_slots) for d in devices]]:
         context = contexts[node.name]
         env = dict(context.code_env())
         if data_plane:

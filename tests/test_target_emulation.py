@@ -183,3 +183,41 @@ def test_profile_gives_back_the_profile_a_node_is_paced_with_and_fits_the_real_e
     real = run("profile", "orin", "-i", str(lab), "--reps", "1", "--out", str(tmp_path / "real.yaml"), "--json")
     assert real.returncode == 0, real.stdout[-2000:] + real.stderr[-2000:]
     assert not json.loads(real.stdout)["paced"] and load(tmp_path / "real.yaml").rates().mem_bw_gbps > 0
+
+
+def test_device_slots_serve_a_devices_requests_at_once_with_the_same_tokens(lab, tmp_path):
+    """HAT's lab serves every arrival at once: with ``device_slots: 3`` a device's three requests, one
+    every 0.25 s, each start when they arrive (a free slot claims each) while with one slot they queue behind the
+    request before; the tokens are the same request by request."""
+    path = tmp_path / "slots.yaml"
+    path.write_text(f"""name: slots
+inventory: {lab}
+base:
+  method: ushape
+  model: {TINY}
+  partition: {{device_layers: 2, stages: 1}}
+  devices: [orin]
+  workload: {{arrival: constant, rate_per_s: 4.0, requests_per_device: 3, max_new_tokens: 16, prompts: specbench}}
+  target: {{model: vicuna-7b}}
+  drain_s: 0.2
+matrix:
+  device_slots: [1, 3]
+order: listed
+seed: 4
+run_timeout_s: 120
+""")
+    out = tmp_path / "out"
+    done = run("run", str(path), "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = load(out)
+    serial, slotted = (data.runs.loc[data.runs["device_slots"] == n, "run_id"].item() for n in (1, 3))
+    requests = data.requests.assign(wait_s=lambda r: r["start_s"] - r["arrival_s"])
+    one = requests[requests["run_id"] == serial].set_index("request_id")
+    three = requests[requests["run_id"] == slotted].set_index("request_id")
+    assert one["completed"].all() and three["completed"].all() and len(one) == len(three) == 3
+    assert (three["wait_s"] < 0.1).all()  # every request started when it arrived
+    assert one["wait_s"].max() > 0.2  # a request 0.25 s behind one that takes longer waited for it
+    assert [list(t) for t in one["token_ids"]] == [list(t) for t in three["token_ids"]]
+    ranks = sorted(p.name for p in (out / "runs" / slotted / "workers" / "ranks").iterdir() if p.name.startswith("dev"))
+    assert ranks == ["device-0-orin", "device-1-orin", "device-2-orin"]
+    assert json.loads((out / "runs" / slotted / "manifest.json").read_text())["settings"]["device_slots"] == 3

@@ -6,6 +6,12 @@ to server stage 0, receive the deep hidden state (or the next token id) from the
 the LM head, and repeat for every generated token. ``ushape`` and ``usarathi`` send the prompt
 whole; ``usarathi`` differs on the server, which chunks it.
 
+A run with ``device_slots`` > 1 gives a device node that many device ranks (slots), each reading
+the device's whole schedule: a slot that is free when a request arrives claims it (an exclusive
+create of ``claims-<node>/<request id>`` beside the run's ``out/``; the first of several free slots
+wins), and a slot that frees up takes the oldest request no slot has claimed. A request waits only
+when every slot is busy, as at a server with that many workers.
+
 HAT's methods (``methods/hat.py``) change the device's side:
 
 - ``pc`` (prompt chunking, Sec. 3.3): the prompt goes up in chunks sized by Eq. 3
@@ -25,6 +31,7 @@ headers, so ``network_s`` = round trip - server residence is measured without sh
 One concept, a device rank, over ~410 lines.
 """
 
+import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -119,16 +126,31 @@ class DeviceWorker:
         return time.monotonic() - self.t0
 
     def run(self) -> None:
+        claims = self._claims_dir()
         for request in self.schedule:
+            claim = None if claims is None else os.path.join(claims, str(request.request_id))
+            if claim is not None and os.path.exists(claim):
+                continue  # another slot serves it
             wait = request.arrival_s - self.now()
             if wait > 0:
                 time.sleep(wait)
+            if claim is not None and not _claimed(claim):
+                continue
             self._serve(request)
         mpi_link.send(self.comm, wire.encode(wire.STOP, 0, []), 0, mpi_link.TAG_UP)
         self.requests.close()
         self.tokens.close()
         if self.pacer is not None:
             self.pacer.close()
+
+    def _claims_dir(self) -> Optional[str]:
+        """Where this device's slots claim requests; None when the device has one slot."""
+        node = self.spec.node
+        if sum(1 for s in self.config.ranks if s.role == "device" and s.node == node) < 2:
+            return None
+        directory = os.path.join(os.path.dirname(self.config.out_dir), "claims-" + node)
+        os.makedirs(directory, exist_ok=True)
+        return directory
 
     # -- the device's share of the model -----------------------------------------------------------
     def _prompt_ids(self, request: ScheduledRequest) -> List[int]:
@@ -422,6 +444,15 @@ class _MpiVerifier(Verifier):
         )
         self.trip = self.worker._receive(self.request_id, self.trip, not waited_unseen, self.arrived_s)
         return self.trip["reply"].payload
+
+
+def _claimed(path: str) -> bool:
+    """Claim a request for this slot (an exclusive create): False when another slot has it."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _rounded(value: Optional[float], digits: int = 4) -> Optional[float]:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from foundation.errors import InputProblem
 from foundation.seeds import derive_seed
 from foundation.user_files import FieldPath, YamlSource, field_name
-from testbed.campaign.spec import CampaignSpec, PlannedRun, RunSettings, worker_shape
+from testbed.campaign.spec import POOL_SHAPE, CampaignSpec, PlannedRun, RunSettings, worker_shape
 from testbed.inventory import pydantic_problem
 
 if TYPE_CHECKING:
@@ -29,6 +29,8 @@ def run_id_of(settings: RunSettings, repetition: int, seed: int) -> str:
     dumped = settings.model_dump(mode="json")
     if dumped.get("target") is None:  # runs without a target keep the ids they had before it existed
         dumped.pop("target", None)
+    if dumped.get("device_slots") == 1:  # and runs with one slot a device, before slots existed
+        dumped.pop("device_slots", None)
     body = json.dumps({"settings": dumped, "repetition": repetition, "seed": seed}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 
@@ -49,9 +51,9 @@ def expand(spec: CampaignSpec, points: Sequence[MatrixPoint]) -> tuple[PlannedRu
         random.Random(derive_seed(spec.seed, "order")).shuffle(runs)
         first: dict[tuple[Any, ...], int] = {}
         for index, (_o, settings, _r, _s) in enumerate(runs):
-            first.setdefault(worker_shape(settings)[:3], index)  # the pool's shape: server, devices, stages
+            first.setdefault(worker_shape(settings)[:POOL_SHAPE], index)  # the pool's shape
             first.setdefault(worker_shape(settings), index)  # within it, the parts its ranks hold
-        runs.sort(key=lambda r: (first[worker_shape(r[1])[:3]], first[worker_shape(r[1])]))
+        runs.sort(key=lambda r: (first[worker_shape(r[1])[:POOL_SHAPE]], first[worker_shape(r[1])]))
     planned = []
     seen: set[str] = set()
     for overrides, settings, repetition, seed in runs:

@@ -370,6 +370,7 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
         chunk_tokens=settings.chunk_tokens, dtype=settings.dtype,
         schedules=tuple((d, tuple(schedules[d])) for d in devices), run_id=node_run_id(run, attempt),
         timeout_s=campaign.spec.run_timeout_s, threads_per_rank=settings.threads_per_rank, extra=extra,
+        device_slots=settings.device_slots,
     )  # fmt: skip
 
 

@@ -133,6 +133,10 @@ class RunSettings(_Strict):
     threads_per_rank: StrictInt = Field(1, ge=1, le=256)
     drain_s: float = Field(1.0, ge=0, le=600)  # telemetry kept running after the last token
     target: TargetSettings | None = None  # None: this machine's speed and the real model's bytes
+    # requests one device serves at once, each slot a device rank of its own (a request goes to a free
+    # slot, else waits for the first to free up): 1 is one user's device, whose requests wait for the
+    # one before; HAT's lab serves arrivals at once (a serial device would queue them at its rates)
+    device_slots: StrictInt = Field(1, ge=1, le=64)
 
     @field_validator("method")
     @classmethod
@@ -215,13 +219,16 @@ def run_nodes(inventory: Inventory, settings: RunSettings) -> tuple[NodeSpec, ..
     return inventory.select(names)
 
 
+POOL_SHAPE = 4  # worker_shape's entries that decide which ranks a pool has
+
+
 def worker_shape(settings: RunSettings) -> tuple[Any, ...]:
-    """What one warm worker pool serves (server, devices, pipeline stages), then what decides the model
-    parts its ranks hold (method family, model, partition, dtype): runs alike in all of it reuse
-    everything a pool has loaded."""
+    """What one warm worker pool serves (server, devices, pipeline stages, device slots: its first
+    :data:`POOL_SHAPE` entries), then what decides the model parts its ranks hold (method family,
+    model, partition, dtype): runs alike in all of it reuse everything a pool has loaded."""
     from nodes.workers.methods import method_named
 
-    return (settings.server, settings.devices, settings.partition.stages,
+    return (settings.server, settings.devices, settings.partition.stages, settings.device_slots,
             method_named(settings.method).token_ids_only, settings.model, settings.partition.device_layers,
             settings.dtype)  # fmt: skip
 
