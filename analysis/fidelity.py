@@ -1,6 +1,7 @@
-"""How faithful an emulated run was to its target hardware: the share of paced steps whose real
-computation overran the time the compute profile gave them (``steps.parquet``, one row per step of
-every rank; ``overrun`` is 1 when the rank could not keep up and the step took longer than modeled).
+"""How faithful an emulated run was to its target hardware: the share of paced steps that took
+longer than the compute profile gave them (``steps.parquet``, one row per step of every rank;
+``overrun`` is 1 when the real computation overran, or when the rank woke from its wait more than
+5% of the step late, ``late_s`` saying by how much: either way the step lasted longer than modeled).
 
 A run above :data:`VIOLATION_LIMIT` is flagged: its latencies are this machine's, not the target's,
 in those steps. The remedy is dilation (``target.dilation``: every modeled duration, trace and link
