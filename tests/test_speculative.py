@@ -48,7 +48,13 @@ from nodes.inference.speculative import (
 )
 from nodes.inference.tokenizer import Tokenizer
 from nodes.workers import run_config, wire
-from nodes.workers.hat_sizing import LinkEstimator, MovingAverage, chunk_tokens_eq3, parallel_steps_eq6
+from nodes.workers.hat_sizing import (
+    MIN_MEASURED_BYTES,
+    LinkEstimator,
+    MovingAverage,
+    chunk_tokens_eq3,
+    parallel_steps_eq6,
+)
 from nodes.workers.run_config import DraftSettings, RunConfigError
 from nodes.workers.state_monitor import ServerState, StateMonitor
 
@@ -908,22 +914,33 @@ def test_link_estimator_measures_the_rate_of_messages_of_one_size_by_their_ratio
     link.observe(1_000_000, 2.0)  # 2 us a byte: 0.8 * 1 + 0.2 * 2 = 1.2 us (sizes alike: no line to fit)
     assert link.s_per_byte == pytest.approx(1.2e-6) and link.rate_mbit() == pytest.approx(8 / 1.2)
     close = LinkEstimator()
-    close.observe(1000, 0.011)  # 11 us a byte
-    close.observe(1100, 0.0111)  # 10.09 us a byte; 1000 and 1100 bytes are too alike to fit a line
-    assert close.s_per_byte == pytest.approx(0.8 * 0.011 / 1000 + 0.2 * 0.0111 / 1100)
+    close.observe(100_000, 1.1)  # 11 us a byte
+    close.observe(110_000, 1.11)  # 10.09 us a byte; 100 and 110 kB are too alike to fit a line
+    assert close.s_per_byte == pytest.approx(0.8 * 1.1 / 100_000 + 0.2 * 1.11 / 110_000)
+
+
+def test_link_estimator_ignores_messages_too_small_to_show_the_rate():
+    """A link lets a few ms of its rate through at once (a shaper's burst): decode rounds of a few
+    kB cross in about no time whatever their size, and a slope through them is no rate at all."""
+    link = LinkEstimator()
+    for nbytes in (8_000, 16_000, 24_000, 40_000, MIN_MEASURED_BYTES - 1):
+        link.observe(nbytes, 0.002)  # within the burst: flat in bytes
+    assert link.s_per_byte is None  # nothing learnt: HAT's chunks fall back to their setting
+    link.observe(2_000_000, 1.0)  # a prompt's upload: 2 MB in 1 s = 16 Mbit/s
+    assert link.rate_mbit() == pytest.approx(16.0)
 
 
 def test_link_estimator_separates_the_rate_from_the_latency():
     link = LinkEstimator()
-    for nbytes in (1_000, 100_000, 2_000, 50_000, 1_000):  # 10 ms of latency + 1 us a byte, exactly
-        link.observe(nbytes, 0.010 + 1e-6 * nbytes)
-    # the ratio alone would be dominated by the latency (10 us a byte for the last, 1000-byte message)
+    for nbytes in (100_000, 10_000_000, 200_000, 5_000_000, 100_000):  # 1 s of latency + 1 us a byte
+        link.observe(nbytes, 1.0 + 1e-6 * nbytes)
+    # the ratio alone would be dominated by the latency (11 us a byte for the last, 100 kB message)
     assert link.s_per_byte == pytest.approx(1e-6, rel=1e-6)
     assert link.rate_mbit() == pytest.approx(8.0, rel=1e-6)
     faster_when_bigger = LinkEstimator()  # a negative slope is noise: the ratio stands
-    faster_when_bigger.observe(1_000, 0.02)
-    faster_when_bigger.observe(100_000, 0.01)
-    assert faster_when_bigger.s_per_byte == pytest.approx(0.8 * 0.02 / 1_000 + 0.2 * 0.01 / 100_000)
+    faster_when_bigger.observe(100_000, 2.0)
+    faster_when_bigger.observe(10_000_000, 1.0)
+    assert faster_when_bigger.s_per_byte == pytest.approx(0.8 * 2.0 / 100_000 + 0.2 * 1.0 / 10_000_000)
 
 
 # --------------------------------------------------------------------------------------------

@@ -219,6 +219,7 @@ class DeviceWorker:
         chunks: List[int] = []
         head_s = 0.0
         first_send: Optional[float] = None
+        prompt_bytes = 0
         outbox = mpi_link.Outbox()
         done = 0
         while done < len(ids):
@@ -235,6 +236,7 @@ class DeviceWorker:
             segment = wire.Segment(request.request_id, self.rank, wire.PREFILL, done, size, payload,
                                    wire.LAST_CHUNK if last else 0)  # fmt: skip
             frame = self._frame(segment)
+            prompt_bytes += len(frame)
             sent_at = self.now()
             first_send = sent_at if first_send is None else first_send
             if last:
@@ -248,8 +250,12 @@ class DeviceWorker:
         if isinstance(cache, SequenceState):  # the adapter takes in the prompt while the server works
             with torch.inference_mode():
                 self.speculative.absorb(cache)
-        trip = self._receive(request.request_id, trip, measure=len(chunks) == 1)
+        trip = self._receive(request.request_id, trip, measure=False)
         trip["first_send_s"] = first_send
+        # the link, from the whole prompt: every chunk's bytes and the reply's, over the time from the
+        # first send to the reply less the server's work on the last chunk (chunks upload back to back)
+        assert first_send is not None
+        self.link.observe(prompt_bytes + trip["down_bytes"], trip["received_s"] - first_send - trip["residence_s"])
         return trip, {"chunks_tokens": chunks, "device_head_s": head_s}
 
     # -- one request -------------------------------------------------------------------------------

@@ -21,6 +21,10 @@ from typing import Optional
 from .state_monitor import ALPHA, ServerState
 
 MIN_CHUNK_TOKENS = 16  # below this a chunk's fixed costs (headers, an iteration) outweigh the overlap
+# a round trip that moved fewer bytes than this says little of the rate: a link lets a few ms of its rate
+# through at once (a shaper's burst, WiFi's frame aggregation), so such messages cross in about no time
+# and their slope against bytes made a 19 Mbit/s link look like 8 Gbit/s to HAT's decode rounds
+MIN_MEASURED_BYTES = 64 * 1024
 
 
 class MovingAverage:
@@ -37,10 +41,10 @@ class MovingAverage:
 class LinkEstimator:
     """Seconds per byte of the device's link, from round trips (``observe``).
 
-    A message's network time is latency + bytes x seconds-per-byte; small messages (decode steps)
-    measure mostly the latency. So the rate is the slope of an exponentially weighted least-squares
-    fit of time against bytes (weights decay by ``alpha`` per observation, as Eq. 1-2 do), and
-    bytes over time of the messages seen while their sizes do not yet spread enough to fit a line.
+    A message's network time is latency + bytes x seconds-per-byte. So the rate is the slope of an
+    exponentially weighted least-squares fit of time against bytes (weights decay by ``alpha`` per
+    observation, as Eq. 1-2 do), and bytes over time of the messages seen while their sizes do not
+    yet spread enough to fit a line. Messages under :data:`MIN_MEASURED_BYTES` are not observed.
     """
 
     def __init__(self, alpha: float = ALPHA) -> None:
@@ -49,7 +53,7 @@ class LinkEstimator:
         self._ratio = MovingAverage(alpha)
 
     def observe(self, nbytes: int, network_s: float) -> None:
-        if nbytes <= 0 or network_s <= 0:
+        if nbytes < MIN_MEASURED_BYTES or network_s <= 0:
             return
         a = self.alpha
         self._w, self._x, self._y = a * self._w + 1, a * self._x + nbytes, a * self._y + network_s
