@@ -8,11 +8,20 @@ tokens per round, accepted share of drafted tokens, and rounds per output token.
 one draft step (m layers + adapter + head + softmax) and one plain decode step of the device's share
 (m layers + head), whose ratio is what speculative decoding has to earn back.
 
+``--adapter DIR`` measures another adapter (one trained longer, say) on the same prompts, beside the
+checkpoint's own: ``by_eta`` is the checkpoint's, ``other_adapter`` the other's with its held-out
+top-1 agreement.
+
+    python bench/draft.py
+    python bench/draft.py --adapter /tmp/draft-long --prompts 16
+
 Writes bench/results/draft.json.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -59,22 +68,51 @@ def step_times_s(device: ModelPart, adapter: DraftAdapter, repeats: int = 200) -
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--adapter", help="another adapter directory to measure beside the checkpoint's own")
+    parser.add_argument("--prompts", type=int, default=PROMPTS, help="SpecBench-length prompts (seed 5)")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     config = LlamaConfig.load(str(MODEL))
     whole = load_whole(str(MODEL), dtype="float32")
     device = load_part(str(MODEL), range(M), embedding=True, head=True, dtype="float32")
     middle = load_part(str(MODEL), range(M, config.num_hidden_layers), dtype="float32")
     adapter = load_adapter(adapter_dir(str(MODEL)), config, M, torch.float32)
-    prompts = [p.prompt_ids for p in draw_prompts("specbench", count=PROMPTS, seed=5, model_dir=MODEL,
+    prompts = [p.prompt_ids for p in draw_prompts("specbench", count=args.prompts, seed=5, model_dir=MODEL,
                                                   max_new_tokens=MAX_NEW_TOKENS)]  # fmt: skip
     references = [greedy_generate(whole, ids, MAX_NEW_TOKENS, config.eos_token_id) for ids in prompts]
+    by_eta = against_eta(device, middle, adapter, prompts, references, config.eos_token_id)
+    other = None
+    if args.adapter:
+        trained = json.loads((Path(args.adapter) / "adapter_config.json").read_text()).get("training", {})
+        print(f"other adapter {args.adapter}:", flush=True)
+        other = {"directory": args.adapter, "steps_run": trained.get("steps_run"),
+                 "held_out_top1_agreement": trained.get("held_out_top1_agreement"),
+                 "by_eta": against_eta(device, middle, load_adapter(args.adapter, config, M, torch.float32), prompts,
+                                       references, config.eos_token_id)}  # fmt: skip
+    times = step_times_s(device, adapter)
+    steps = {name: summary(values) for name, values in times.items()}
+    ratio = steps["draft_step_s"]["median"] / steps["plain_step_s"]["median"]
+    print(f"one thread: draft step {steps['draft_step_s']['median'] * 1e3:.2f} ms, plain device step "
+          f"{steps['plain_step_s']['median'] * 1e3:.2f} ms (ratio {ratio:.2f})")  # fmt: skip
+    path = write("draft", {"command": " ".join(["python", "bench/draft.py", *sys.argv[1:]]), "model": str(MODEL),
+                           "device_layers": M, "prompts": args.prompts, "prompt_set": "specbench",
+                           "max_new_tokens": MAX_NEW_TOKENS, "by_eta": by_eta, "other_adapter": other,
+                           "steps": steps, "draft_over_plain_step": round(ratio, 3)})  # fmt: skip
+    print(f"wrote {path}")
+
+
+def against_eta(device: ModelPart, middle: ModelPart, adapter: DraftAdapter, prompts: list, references: list,
+                eos_id: int) -> dict[str, dict]:  # fmt: skip
+    """Per eta: acceptance length, draft tokens per round, accepted share, rounds per token (outputs
+    checked equal to greedy generation)."""
     by_eta = {}
     for eta in ETAS:
         speculative = SpeculativeDevice(device, adapter, eta)
         rounds, tokens = [], 0
         for ids, reference in zip(prompts, references, strict=True):
             verifier = LocalVerifier(middle, len(ids) + MAX_NEW_TOKENS + 16)
-            out, logs = speculative_generate(speculative, verifier, ids, MAX_NEW_TOKENS, config.eos_token_id)
+            out, logs = speculative_generate(speculative, verifier, ids, MAX_NEW_TOKENS, eos_id)
             if out != reference:
                 raise SystemExit(f"eta {eta}: speculative output differs from greedy generation")
             rounds += logs
@@ -87,15 +125,7 @@ def main() -> None:
             "rounds_per_decode_token": round(len(rounds) / tokens, 3),
         }
         print(f"eta {eta}: {by_eta[str(eta)]}", flush=True)
-    times = step_times_s(device, adapter)
-    steps = {name: summary(values) for name, values in times.items()}
-    ratio = steps["draft_step_s"]["median"] / steps["plain_step_s"]["median"]
-    print(f"one thread: draft step {steps['draft_step_s']['median'] * 1e3:.2f} ms, plain device step "
-          f"{steps['plain_step_s']['median'] * 1e3:.2f} ms (ratio {ratio:.2f})")  # fmt: skip
-    path = write("draft", {"model": str(MODEL), "device_layers": M, "prompts": PROMPTS, "prompt_set": "specbench",
-                           "max_new_tokens": MAX_NEW_TOKENS, "by_eta": by_eta, "steps": steps,
-                           "draft_over_plain_step": round(ratio, 3)})  # fmt: skip
-    print(f"wrote {path}")
+    return by_eta
 
 
 if __name__ == "__main__":
