@@ -187,8 +187,8 @@ def test_profile_gives_back_the_profile_a_node_is_paced_with_and_fits_the_real_e
 
 def test_device_slots_serve_a_devices_requests_at_once_with_the_same_tokens(lab, tmp_path):
     """HAT's lab serves every arrival at once: with ``device_slots: 3`` a device's three requests, one
-    every 0.25 s, each start when they arrive (a free slot claims each) while with one slot they queue behind the
-    request before; the tokens are the same request by request."""
+    every 0.25 s, each start when they arrive (a free slot claims each), while with one slot they
+    queue behind the request before; the tokens are the same request by request."""
     path = tmp_path / "slots.yaml"
     path.write_text(f"""name: slots
 inventory: {lab}
