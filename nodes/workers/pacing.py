@@ -16,7 +16,9 @@ the step lasted longer than modeled just the same).
 Steps that follow each other directly (the device's shallow layers, then the adapter, then the LM
 head) are chained: the next one starts at the previous one's due time, not at the moment the sleep
 returned, so a sleep's lateness (tens of microseconds) does not add up over a request; and each
-sleep asks to wake that much early (a moving average of how late sleeps returned).
+sleep asks to wake that much early (the median of how late the last sleeps returned, so that one
+preempted sleep does not make the next steps end early). The rank's timer slack is set to 1 us on
+Linux, so the kernel does not round its wake-ups by its default 50 us.
 """
 
 import threading
