@@ -176,6 +176,22 @@ def test_random_order_makes_runs_of_one_worker_shape_adjacent(tmp_path: Path) ->
     assert sum(1 for a, b in itertools.pairwise(listed_blocks) if a != b) > 3
 
 
+def test_device_slots_make_runs_of_their_own_served_by_pools_of_their_own(tmp_path: Path) -> None:
+    from testbed.campaign.plan import split_spec
+    from testbed.worker_pool import pool_name
+
+    text = BASE + "matrix:\n  device_slots: [1, 3]\n  partition.stages: [1, 2]\nrepetitions: 2\nseed: 5\n"
+    slotted = load_campaign(write(tmp_path, text, "slots.yaml"))
+    assert len({r.run_id for r in slotted.runs}) == 8  # 2 slot counts x 2 stage counts x 2 repetitions
+    # random order keeps the runs of one pool (slots, stages) together, and each shape has its own pool
+    shapes = [(r.settings.device_slots, r.settings.partition.stages) for r in slotted.runs]
+    assert sum(1 for a, b in itertools.pairwise(shapes) if a != b) == 3
+    pools = {pool_name(split_spec(slotted, r, 1)) for r in slotted.runs}
+    assert len(pools) == 4
+    three = next(r for r in slotted.runs if r.settings.device_slots == 3)
+    assert split_spec(slotted, three, 1).device_slots == 3
+
+
 def test_one_seed_per_repetition_shared_by_every_matrix_point(tmp_path: Path) -> None:
     campaign = load_campaign(write(tmp_path, BASE + MATRIX_2X2 + "repetitions: 3\nseed: 5\n"))
     seeds: dict[int, set[int]] = {}
