@@ -58,7 +58,10 @@ POOL_RECORD = RUN_RECORD  # rank 0's record of a run it served, in the run's dir
 def pool_name(spec: SplitRunSpec) -> str:
     """The pool directory's name for ``spec``'s shape: server, devices in order, pipeline stages (and
     the device slots when more than one)."""
-    shape = json.dumps([spec.server, list(spec.devices), spec.stages, *([spec.device_slots] * (spec.device_slots > 1))])
+    parts: list[Any] = [spec.server, list(spec.devices), spec.stages]
+    if spec.device_slots > 1:  # pools of one slot keep the names they had before slots
+        parts.append(spec.device_slots)
+    shape = json.dumps(parts)
     return "pool-" + hashlib.sha256(shape.encode()).hexdigest()[:12]
 
 

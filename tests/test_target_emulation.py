@@ -42,22 +42,25 @@ def lab(tmp_path_factory: pytest.TempPathFactory):
         yield path
 
 
-def campaign(directory: Path, inventory: Path, target: str, name: str = "target") -> Path:
+def campaign(directory: Path, inventory: Path, target: str, name: str = "target", *, stages: int = 2,
+             rate_per_s: float = 1.0, tokens: int = 12, matrix: str = "target.dilation: [1, 2]") -> Path:  # fmt: skip
+    """orin and the server, ``wifi-up`` links, orin at MODE_50W, 3 SpecBench requests, run in the
+    listed order over ``matrix`` (one line), ``tokens`` new tokens each."""
     path = directory / f"{name}.yaml"
     path.write_text(f"""name: {name}
 inventory: {inventory}
 base:
   method: ushape
   model: {TINY}
-  partition: {{device_layers: 2, stages: 2}}
+  partition: {{device_layers: 2, stages: {stages}}}
   devices: [orin]
-  workload: {{arrival: constant, rate_per_s: 1.0, requests_per_device: 3, max_new_tokens: 12, prompts: specbench}}
+  workload: {{arrival: constant, rate_per_s: {rate_per_s}, requests_per_device: 3, max_new_tokens: {tokens}, prompts: specbench}}
   link: {{profile: wifi-up}}
   power: {{orin: MODE_50W}}
   target: {target}
   drain_s: 0.2
 matrix:
-  target.dilation: [1, 2]
+  {matrix}
 order: listed
 seed: 3
 run_timeout_s: 120
@@ -189,23 +192,8 @@ def test_device_slots_serve_a_devices_requests_at_once_with_the_same_tokens(lab,
     """HAT's lab serves every arrival at once: with ``device_slots: 3`` a device's three requests, one
     every 0.25 s, each start when they arrive (a free slot claims each), while with one slot they
     queue behind the request before; the tokens are the same request by request."""
-    path = tmp_path / "slots.yaml"
-    path.write_text(f"""name: slots
-inventory: {lab}
-base:
-  method: ushape
-  model: {TINY}
-  partition: {{device_layers: 2, stages: 1}}
-  devices: [orin]
-  workload: {{arrival: constant, rate_per_s: 4.0, requests_per_device: 3, max_new_tokens: 16, prompts: specbench}}
-  target: {{model: vicuna-7b}}
-  drain_s: 0.2
-matrix:
-  device_slots: [1, 3]
-order: listed
-seed: 4
-run_timeout_s: 120
-""")
+    path = campaign(tmp_path, lab, "{model: vicuna-7b}", "slots", stages=1, rate_per_s=4.0, tokens=16,
+                    matrix="device_slots: [1, 3]")  # fmt: skip
     out = tmp_path / "out"
     done = run("run", str(path), "--out", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

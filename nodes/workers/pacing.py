@@ -129,20 +129,15 @@ class PacedPart:
         return getattr(self._part, name)
 
     def run_layers(self, hidden: Any, segments: Sequence[Any]) -> Any:
-        started = time.monotonic()  # before any of the pacing's own work, which the step's time covers
-        shape = [(s.tokens, s.cache.length) for s in segments]
-        out = _computed(lambda: self._part.run_layers(hidden, segments))
-        target_s = self._pacer.target_s(self._layers, shape)
-        self._pacer.pace(self._role + "_layers", started, target_s, self._layers, shape)
-        return out
+        return _paced(self._pacer, self._role + "_layers", self._layers, lambda: _cache_shape(segments),
+                      lambda shape: self._pacer.target_s(self._layers, shape),
+                      lambda: self._part.run_layers(hidden, segments))  # fmt: skip
 
     def logits(self, hidden: Any) -> Any:
-        started = time.monotonic()
         rows = int(hidden.shape[0]) if hidden.dim() > 1 else 1
-        shape = [(rows, 0)]
-        out = _computed(lambda: self._part.logits(hidden))
-        self._pacer.pace(self._role + "_head", started, self._pacer.target_s(0, shape, head_tokens=rows), 0, shape)
-        return out
+        return _paced(self._pacer, self._role + "_head", 0, lambda: [(rows, 0)],
+                      lambda shape: self._pacer.target_s(0, shape, head_tokens=rows),
+                      lambda: self._part.logits(hidden))  # fmt: skip
 
 
 class PacedAdapter:
@@ -155,17 +150,25 @@ class PacedAdapter:
         return getattr(self._adapter, name)
 
     def run(self, hidden: Any, segments: Sequence[Any]) -> Any:
-        started = time.monotonic()
-        shape = [(s.tokens, s.cache.length) for s in segments]
-        out = _computed(lambda: self._adapter.run(hidden, segments))
-        self._pacer.pace("draft_adapter", started, self._pacer.target_s(0, shape, attention_layers=1), 0, shape)
-        return out
+        return _paced(self._pacer, "draft_adapter", 0, lambda: _cache_shape(segments),
+                      lambda shape: self._pacer.target_s(0, shape, attention_layers=1),
+                      lambda: self._adapter.run(hidden, segments))  # fmt: skip
 
 
-def _computed(compute: Callable[[], Any]) -> Any:
-    """Run ``compute`` for real, a GPU's queue drained (so that the real time is the computation's)."""
+def _cache_shape(segments: Sequence[Any]) -> List[Tuple[int, int]]:
+    """(new tokens, context tokens) of each sequence of a step, before the step advances its cache."""
+    return [(s.tokens, s.cache.length) for s in segments]
+
+
+def _paced(pacer: Pacer, op: str, layers: int, shape_of: Callable[[], List[Tuple[int, int]]],
+           target_of: Callable[[List[Tuple[int, int]]], float], compute: Callable[[], Any]) -> Any:  # fmt: skip
+    """Run ``compute`` for real (a GPU's queue drained), then pace it to its target. The clock starts
+    before the pacing's own work (the step's shape and target), which the step's time covers."""
+    started = time.monotonic()
+    shape = shape_of()
     out = compute()
     _synchronize(out)
+    pacer.pace(op, started, target_of(shape), layers, shape)
     return out
 
 

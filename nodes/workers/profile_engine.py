@@ -80,8 +80,8 @@ class _Profiler:
 
     def point(self, op: str, layers: int, tokens: int, sequences: int, context: int, prepare: Callable[[], Any],
               step: Callable[[Any], Any]) -> None:  # fmt: skip
-        if self.pacer is not None:  # each timed step on its own, not chained to the one before its setup
-            pacer = self.pacer
+        pacer = self.pacer
+        if pacer is not None:  # each timed step on its own, not chained to the one before its setup
             prepared = prepare
 
             def prepare() -> Any:
@@ -89,7 +89,6 @@ class _Profiler:
                 pacer.unchain()
                 return inputs
 
-        pacer = self.pacer
         seconds, overruns = _measure(prepare, step, self.args.reps, self.sync,
                                      lambda: pacer.overruns if pacer is not None else 0)  # fmt: skip
         self.emit({"op": op, "layers": layers, "tokens": tokens, "sequences": sequences, "context_tokens": context,
