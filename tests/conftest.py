@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from testbed.emulation.host import process_start_ticks
 from testbed.emulation.sshd_server import SshdServer, SshKeys, loopback_inventory_yaml
 
 REPO = Path(__file__).resolve().parent.parent
+# Every emulated lab a test brings up is listed here (a file per lab: the test session's pid and
+# start time in the name, the inventory inside) until it is taken down. A session killed before its
+# teardown (SIGKILL, a machine restart of the sandbox) leaves its entries; the next session takes
+# those labs down from their own journals, so its fixtures find their names free.
+LAB_REGISTRY = Path(tempfile.gettempdir()) / "hil-testbed-test-labs"
 
 
 @pytest.fixture
@@ -76,19 +85,49 @@ def emulated_inventory(directory: Path, prefix: str, subnet_octet: int, nodes_ya
     return path
 
 
+def _take_down(path: Path) -> subprocess.CompletedProcess[str]:
+    """Undo ``path``'s links and power modes from the nodes' journals, then take its testbed down
+    (each step is a no-op when nothing changed)."""
+    run_cli("link", "clear", "-i", str(path))
+    run_cli("power", "restore", "-i", str(path))
+    return run_cli("emulate", "down", "-i", str(path))
+
+
+def _session_alive(entry: Path) -> bool:
+    pid, ticks = entry.name.split("-")[:2]
+    return str(process_start_ticks(int(pid))) == ticks
+
+
+@pytest.fixture(scope="session", autouse=True)
+def labs_of_killed_sessions_taken_down() -> None:
+    """Labs that a killed earlier test session left up, taken down before this session's tests."""
+    if os.geteuid() != 0 or not LAB_REGISTRY.is_dir():
+        return
+    for entry in sorted(LAB_REGISTRY.iterdir()):
+        if _session_alive(entry):
+            continue  # a test session running beside this one
+        path = Path(entry.read_text())
+        if path.exists():
+            down = _take_down(path)
+            assert down.returncode == 0, f"a lab left by a killed test session: {down.stdout}{down.stderr}"
+        entry.unlink()
+
+
 @contextmanager
 def emulated_lab(path: Path) -> Iterator[Path]:
-    """``path``'s emulated testbed, up for the block; afterwards its links and power modes are undone
-    from the nodes' journals and the testbed is taken down (each step is a no-op when nothing changed)."""
+    """``path``'s emulated testbed, up for the block, then taken down (links and power undone first).
+    Listed in LAB_REGISTRY while it may exist, so a later session can take it down if this one dies."""
+    LAB_REGISTRY.mkdir(exist_ok=True)
+    entry = LAB_REGISTRY / f"{os.getpid()}-{process_start_ticks(os.getpid())}-{uuid.uuid4().hex[:8]}"
+    entry.write_text(str(path))
     up = run_cli("emulate", "up", "-i", str(path))
-    assert up.returncode == 0, up.stdout + up.stderr
     try:
+        assert up.returncode == 0, up.stdout + up.stderr
         yield path
     finally:
-        run_cli("link", "clear", "-i", str(path))
-        run_cli("power", "restore", "-i", str(path))
-        down = run_cli("emulate", "down", "-i", str(path))
+        down = _take_down(path)
         assert down.returncode == 0, down.stdout + down.stderr
+        entry.unlink()
 
 
 def veth_bytes(proc_net_dev: str) -> dict[str, int]:
