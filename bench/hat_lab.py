@@ -6,7 +6,9 @@ emulated), the ranks' memory and the CPU they leave free, and tear-down time.
 
 Per rank: its resident memory at the end of serving (the largest sample). CPU headroom: the share of
 this machine's CPU time left idle while the ranks served (from /proc/stat, sampled every second).
-Fidelity: each node's share of paced steps that overran (the run's manifest).
+CPU by kind: the cores busy on average in device ranks, server ranks, other processes of the nodes
+(telemetry samplers, shells) and the host's own (controller, sshd, mpirun). Fidelity: each node's
+share of paced steps that overran (the run's manifest).
 
 Writes bench/results/hat_lab.json. Needs root.
 """
@@ -29,6 +31,34 @@ from bench._common import machine_cpu_s, write
 from bench.campaign import REPO, testbed
 
 INVENTORY = REPO / "examples" / "inventories" / "hat-lab.yaml"
+
+
+def process_kind(words: list[bytes], state_dir: str) -> str:
+    """What a process is to this lab: a server or device rank, another process of a node (telemetry
+    sampler, shell), or the host's (controller, sshd, mpirun, anything else)."""
+    nodes = f"{state_dir}/nodes/".encode()
+    node = next((w[len(nodes):].split(b"/", 1)[0] for w in words if w.startswith(nodes)), None)
+    if node is None:
+        return "host"
+    if b"nodes.workers" in words:
+        return "server ranks" if node == b"server" else "device ranks"
+    return "node tools"
+
+
+def process_cpu_ticks(state_dir: str) -> dict[int, tuple[str, int]]:
+    """Every live process's kind and CPU ticks so far (user + system, /proc/PID/stat)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(entry.name)] = (process_kind(words, state_dir), int(fields[11]) + int(fields[12]))
+    return out
 
 
 def worker_rss_mb(state_dir: str) -> dict[int, float]:
@@ -87,16 +117,22 @@ run_timeout_s: 1800
 """)
     samples: list[dict[str, Any]] = []
     done = threading.Event()
+    tick_s = 1 / os.sysconf("SC_CLK_TCK")
 
     def sample() -> None:
-        last = (time.monotonic(), machine_cpu_s())
+        last = (time.monotonic(), machine_cpu_s(), process_cpu_ticks(state))
         while not done.wait(1.0):
-            now, cpu = time.monotonic(), machine_cpu_s()
+            now, cpu, ticks = time.monotonic(), machine_cpu_s(), process_cpu_ticks(state)
             rss = worker_rss_mb(state)
             busy = (cpu - last[1]) / (now - last[0])
-            last = (now, cpu)
+            by_kind: dict[str, float] = {}
+            for pid, (kind, used) in ticks.items():  # a process that began since the last sample counts whole
+                before = last[2][pid][1] if pid in last[2] else 0
+                by_kind[kind] = by_kind.get(kind, 0.0) + (used - before) * tick_s / (now - last[0])
+            last = (now, cpu, ticks)
             if rss:
-                samples.append({"ranks": len(rss), "rss_mb": sorted(rss.values()), "busy_cpus": busy})
+                samples.append({"ranks": len(rss), "rss_mb": sorted(rss.values()), "busy_cpus": busy,
+                                "busy_cpus_by_kind": by_kind})  # fmt: skip
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -124,6 +160,9 @@ run_timeout_s: 1800
             "total_max": round(max((sum(s["rss_mb"]) for s in serving), default=0.0), 1)},
         "cpu_headroom_share": round(1 - sum(s["busy_cpus"] for s in serving) / len(serving) / cores, 3)
         if serving else None,
+        "busy_cpus_by_kind": {kind: round(sum(s["busy_cpus_by_kind"].get(kind, 0.0) for s in serving)
+                                          / len(serving), 3)
+                              for kind in ("device ranks", "server ranks", "node tools", "host")} if serving else None,
         "fidelity": [m.get("fidelity") for m in manifests],
         "runs": [{"status": m["status"], "reason": m["reason"], "requests": m["requests"]} for m in manifests],
     }  # fmt: skip
