@@ -2,10 +2,18 @@
 
 Sizes vary per message, so a receiver probes first, then receives into a buffer of the probed
 size. Tags separate the three directions so that a rank can wait on the one it needs.
+
+No call here blocks inside MPI. MPICH's blocking calls (Probe, Recv, Send, Wait, Barrier) spin on a
+core until they complete, and a rank waits a lot: a device for the server's reply, for its upload to
+cross a shaped link, or at the end barrier for the last device of the run; a stage for the previous
+one. Spinning ranks would take the CPU from the ranks doing the work (on the emulated 30-board lab,
+devices done with their requests spun at the end barrier and took most of the 2 cores) and inflate
+the energy measured on a board that should be idle. So every wait polls a non-blocking call and
+sleeps in between (:func:`_poll_until`).
 """
 
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Tuple
 
 from mpi4py import MPI
 
@@ -14,11 +22,46 @@ from . import wire
 TAG_UP = 11  # device -> stage 0
 TAG_PIPE = 12  # stage k -> stage k + 1
 TAG_DOWN = 13  # last stage -> device
-POLL_INTERVAL_S = 0.0005  # added latency per wait: at most this
+POLL_INTERVAL_S = 0.0005  # the most a wait adds to what it waits for, in the target's time
+POLL_BACKOFF_SHARE = 1 / 16  # a wait that has lasted t polls at most t x this apart...
+_max_poll_interval_s = POLL_INTERVAL_S  # ...and at most this apart (POLL_INTERVAL_S x dilation)
+
+
+def set_time_dilation(dilation: float) -> None:
+    """Let a wait poll up to ``POLL_INTERVAL_S`` x ``dilation`` apart. A dilated run stretches
+    everything modeled by ``dilation``, so the latency a wait adds stays within ``POLL_INTERVAL_S`` of
+    the target's time while the polls (tens of microseconds of CPU each) become ``dilation`` times
+    rarer: on a lab of tens of ranks sharing a few cores that CPU is what the paced steps need."""
+    global _max_poll_interval_s
+    _max_poll_interval_s = POLL_INTERVAL_S * max(1.0, float(dilation))
+
+
+def _poll_until(done: Callable[[], bool]) -> None:
+    """Call ``done`` until it returns True, sleeping in between: ``POLL_INTERVAL_S`` at first, then
+    up to ``POLL_BACKOFF_SHARE`` of the time waited so far, capped by :func:`set_time_dilation`."""
+    if done():
+        return
+    started = time.monotonic()
+    while True:
+        waited_s = time.monotonic() - started
+        time.sleep(min(_max_poll_interval_s, max(POLL_INTERVAL_S, waited_s * POLL_BACKOFF_SHARE)))
+        if done():
+            return
+
+
+def wait(request: "MPI.Request") -> None:
+    """Wait for a non-blocking operation without spinning."""
+    _poll_until(request.Test)
+
+
+def barrier(comm: "MPI.Comm") -> None:
+    """Meet every rank of ``comm`` without spinning (``Ibarrier``, polled)."""
+    wait(comm.Ibarrier())
 
 
 def send(comm: "MPI.Comm", frame: bytearray, dest: int, tag: int) -> None:
-    comm.Send([frame, MPI.BYTE], dest=dest, tag=tag)
+    """Send and wait until ``frame`` may be reused (over a shaped link: until most of it has crossed)."""
+    wait(isend(comm, frame, dest, tag))
 
 
 def isend(comm: "MPI.Comm", frame: bytearray, dest: int, tag: int) -> "MPI.Request":
@@ -26,36 +69,27 @@ def isend(comm: "MPI.Comm", frame: bytearray, dest: int, tag: int) -> "MPI.Reque
     return comm.Isend([frame, MPI.BYTE], dest=dest, tag=tag)
 
 
-def recv(
-    comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG, poll_interval_s: float = POLL_INTERVAL_S
-) -> Tuple[wire.Frame, int, int]:
-    """Wait for a frame; returns (frame, source rank, bytes).
-
-    MPICH's blocking Probe spins on a core. A rank waiting for its peer (a device waiting for the
-    server, a stage waiting for the previous one) would then burn the CPU quota it shares with the
-    rank doing the work, and inflate the energy measured on a board that should be idle. So waiting
-    polls with Iprobe and sleeps ``poll_interval_s`` in between (0 spins as MPI would).
-    """
+def recv(comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> Tuple[wire.Frame, int, int]:
+    """Wait for a frame; returns (frame, source rank, bytes)."""
     status = MPI.Status()
-    if poll_interval_s > 0:
-        while not comm.Iprobe(source=source, tag=tag, status=status):
-            time.sleep(poll_interval_s)
-    else:
-        comm.Probe(source=source, tag=tag, status=status)
+    matched: List["MPI.Message"] = []
+
+    def probed() -> bool:
+        message = comm.Improbe(source=source, tag=tag, status=status)
+        if message is not None:
+            matched.append(message)
+        return message is not None
+
+    _poll_until(probed)
+    return _receive(matched[0], status)
+
+
+def _receive(message: "MPI.Message", status: "MPI.Status") -> Tuple[wire.Frame, int, int]:
+    """Receive a matched message into a buffer of its size (a large one streams in while we sleep)."""
     size = status.Get_count(MPI.BYTE)
     buffer = bytearray(size)
-    comm.Recv([buffer, MPI.BYTE], source=status.Get_source(), tag=status.Get_tag())
+    wait(message.Irecv([buffer, MPI.BYTE]))
     return wire.decode(buffer), status.Get_source(), size
-
-
-def poll(
-    comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG
-) -> Optional[Tuple[wire.Frame, int, int]]:
-    """A frame if one is waiting, else None (never blocks)."""
-    status = MPI.Status()
-    if not comm.Iprobe(source=source, tag=tag, status=status):
-        return None
-    return recv(comm, status.Get_source(), status.Get_tag())
 
 
 class Outbox:
@@ -70,5 +104,47 @@ class Outbox:
 
     def wait_all(self) -> None:
         for request, _ in self._pending:
-            request.Wait()
+            wait(request)
         self._pending = []
+
+
+class Inbox:
+    """Frames with one tag from any sender, received side by side: a large frame streaming in over
+    one sender's link does not hold back the frames of the others (stage 0 receives every device's
+    upload at once, as a server with a connection per device would)."""
+
+    def __init__(self, comm: "MPI.Comm", tag: int) -> None:
+        self._comm = comm
+        self._tag = tag
+        self._incoming: List[Tuple["MPI.Request", bytearray, int]] = []  # in the order they were matched
+
+    def _match_new(self) -> None:
+        status = MPI.Status()
+        while True:
+            message = self._comm.Improbe(source=MPI.ANY_SOURCE, tag=self._tag, status=status)
+            if message is None:
+                return
+            buffer = bytearray(status.Get_count(MPI.BYTE))
+            self._incoming.append((message.Irecv([buffer, MPI.BYTE]), buffer, status.Get_source()))
+
+    def take(self) -> List[Tuple[wire.Frame, int, int]]:
+        """The frames that have arrived whole, as (frame, source rank, bytes); never waits. A sender's
+        frames come out in the order it sent them."""
+        self._match_new()
+        done: List[Tuple[wire.Frame, int, int]] = []
+        left: List[Tuple["MPI.Request", bytearray, int]] = []
+        held_back = set()  # senders with an earlier frame still arriving
+        for request, buffer, source in self._incoming:
+            if source not in held_back and request.Test():
+                done.append((wire.decode(buffer), source, len(buffer)))
+            else:
+                held_back.add(source)
+                left.append((request, buffer, source))
+        self._incoming = left
+        return done
+
+    def wait(self) -> List[Tuple[wire.Frame, int, int]]:
+        """At least one whole frame (sleeping between polls), and any others that have arrived."""
+        got: List[Tuple[wire.Frame, int, int]] = []
+        _poll_until(lambda: bool(got.extend(self.take()) or got))
+        return got

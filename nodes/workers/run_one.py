@@ -10,6 +10,7 @@ from typing import Any, Dict
 
 from nodes.contracts.tool_errors import NODE_FAILED
 
+from . import mpi_link
 from .run_config import RunConfig
 
 
@@ -30,6 +31,7 @@ def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, An
     spec = config.ranks[rank]
     torch.manual_seed(config.seed)
     torch.set_num_threads(spec.threads or 1)
+    mpi_link.set_time_dilation(config.target.dilation if config.target is not None else 1.0)
     os.makedirs(config.rank_dir(rank), exist_ok=True)
     started = time.monotonic()
     if spec.role == "stage":
@@ -42,7 +44,7 @@ def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, An
         worker = DeviceWorker(config, comm, rank, parts)
     parts.settle()
     setup_s = time.monotonic() - started
-    comm.Barrier()
+    mpi_link.barrier(comm)
     watchdog = None
     if config.deadline_s is not None:
         watchdog = threading.Timer(config.deadline_s, _overrun, (config, rank))
@@ -53,7 +55,7 @@ def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, An
         worker.serve()
     else:
         worker.run()
-    comm.Barrier()
+    mpi_link.barrier(comm)
     if watchdog is not None:
         watchdog.cancel()
     return dict(

@@ -153,19 +153,15 @@ class ServerStage:
         stopped = set()
         pending: List[_Pending] = []
         releases: List[wire.Segment] = []
+        inbox = mpi_link.Inbox(self.comm, mpi_link.TAG_UP)
         idle_since = time.monotonic()
         while True:
             block = not pending and not releases
             if block and stopped == devices:
                 break
-            got = (
-                mpi_link.recv(self.comm, tag=mpi_link.TAG_UP)
-                if block
-                else mpi_link.poll(self.comm, tag=mpi_link.TAG_UP)
-            )
-            while got is not None:
-                frame, source, _ = got
-                now = time.monotonic()
+            frames = inbox.wait() if block else inbox.take()
+            now = time.monotonic()
+            for frame, source, _ in frames:
                 if frame.kind == wire.STOP:
                     stopped.add(source)
                 for segment in frame.segments:
@@ -173,7 +169,6 @@ class ServerStage:
                         releases.append(segment)
                     elif not _join_chunk(pending, segment):
                         pending.append(_Pending(segment, _Progress(now)))
-                got = mpi_link.poll(self.comm, tag=mpi_link.TAG_UP)
             if not pending and not releases:
                 continue
             start = time.monotonic()

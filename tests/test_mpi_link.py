@@ -1,0 +1,132 @@
+"""Waiting on MPI without spinning: real ranks under mpiexec, a receiver and a barrier that wait for
+seconds while their peer sleeps, and the CPU time the waiting rank spent meanwhile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+# Ranks on one host talk over TCP on loopback (libfabric's tcp provider; UCX refuses loopback), so
+# that a large message needs its sender's progress to cross, as over a real data plane.
+LOOPBACK_TCP = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo", "MPIR_CVAR_NOLOCAL": "1"}
+
+RANKS = textwrap.dedent(
+    """
+    import json, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from mpi4py import MPI
+    from nodes.workers import mpi_link, wire
+    import torch
+
+    comm = MPI.COMM_WORLD
+    mpi_link.set_time_dilation(float(sys.argv[2]))
+    payload = torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024)  # 2 MiB
+    if comm.Get_rank() == 0:
+        time.sleep(1.5)
+        segment = wire.Segment(7, 1, wire.PREFILL, 0, 512, payload)
+        mpi_link.send(comm, wire.encode(wire.DATA, 3, [segment]), 1, mpi_link.TAG_UP)
+        time.sleep(1.5)
+        mpi_link.barrier(comm)
+    else:
+        cpu, wall = time.process_time(), time.monotonic()
+        frame, source, size = mpi_link.recv(comm, tag=mpi_link.TAG_UP)
+        received = time.process_time() - cpu, time.monotonic() - wall
+        cpu, wall = time.process_time(), time.monotonic()
+        mpi_link.barrier(comm)
+        met = time.process_time() - cpu, time.monotonic() - wall
+        same = bool(torch.equal(frame.segments[0].payload, payload))
+        print(json.dumps({"recv": received, "barrier": met, "source": source, "bytes": size, "same": same}))
+    """
+)
+
+
+def _run_ranks(tmp_path: Path, dilation: float) -> dict:
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    done = subprocess.run(
+        [str(MPIEXEC), "-n", "2", sys.executable, str(script), str(REPO), str(dilation)],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, **LOOPBACK_TCP),
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_rank_waiting_for_a_frame_or_at_the_barrier_sleeps_rather_than_spins(tmp_path):
+    waited = _run_ranks(tmp_path, dilation=1.0)
+    assert waited["source"] == 0 and waited["same"] and waited["bytes"] > 2 * 1024 * 1024
+    for what in ("recv", "barrier"):
+        cpu_s, wall_s = waited[what]
+        assert wall_s > 1.0, (what, waited)  # it did wait for the sleeping peer
+        # MPICH's blocking Probe/Recv/Barrier would spend the whole wait on the CPU (share ~1.0).
+        assert cpu_s / wall_s < 0.25, (what, waited)
+
+
+def test_a_dilated_run_polls_less_often(tmp_path):
+    plain = _run_ranks(tmp_path, dilation=1.0)
+    dilated = _run_ranks(tmp_path, dilation=8.0)
+    assert dilated["same"]
+    plain_cpu = plain["recv"][0] + plain["barrier"][0]
+    dilated_cpu = dilated["recv"][0] + dilated["barrier"][0]
+    # 0.5 ms polls against up to 4 ms ones over the same 3 s of waiting.
+    assert dilated_cpu < 0.6 * plain_cpu, (plain, dilated)
+
+
+INBOX = textwrap.dedent(
+    """
+    import json, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from mpi4py import MPI
+    from nodes.workers import mpi_link, wire
+    import torch
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+
+    def frame(tokens, request_id):
+        payload = torch.full((tokens, 1024), float(request_id), dtype=torch.float32)
+        return wire.encode(wire.DATA, 0, [wire.Segment(request_id, rank, wire.PREFILL, 0, tokens, payload)])
+
+    if rank == 1:  # a 32 MiB upload that stalls: this rank makes no MPI progress for 2 s
+        big = frame(8192, 100)
+        request = mpi_link.isend(comm, big, 0, mpi_link.TAG_UP)
+        time.sleep(2.0)
+        mpi_link.wait(request)
+    elif rank == 2:  # two small frames, sent while the upload is stalled
+        time.sleep(0.5)
+        mpi_link.send(comm, frame(2, 200), 0, mpi_link.TAG_UP)
+        mpi_link.send(comm, frame(2, 201), 0, mpi_link.TAG_UP)
+    else:
+        time.sleep(0.2)  # the upload is matched first
+        inbox = mpi_link.Inbox(comm, mpi_link.TAG_UP)
+        start, seen = time.monotonic(), []
+        while len(seen) < 3:
+            for got, source, size in inbox.wait():
+                segment = got.segments[0]
+                intact = bool((segment.payload == float(segment.request_id)).all())
+                seen.append([source, segment.request_id, round(time.monotonic() - start, 3), intact])
+        print(json.dumps(seen))
+    mpi_link.barrier(comm)
+    """
+)
+
+
+def test_an_inbox_receives_small_frames_while_a_large_one_is_still_arriving(tmp_path):
+    script = tmp_path / "inbox.py"
+    script.write_text(INBOX)
+    done = subprocess.run(
+        [str(MPIEXEC), "-n", "3", sys.executable, str(script), str(REPO)],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, **LOOPBACK_TCP),
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(intact for *_, intact in seen), seen
+    assert [request_id for _, request_id, _, _ in seen] == [200, 201, 100], seen  # a sender's frames keep their order
+    small_s, big_s = seen[1][2], seen[2][2]
+    # A receiver that took frames one at a time would have waited out the stalled upload first.
+    assert small_s < 1.2 < big_s, seen
