@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from nodes.emulated.cgroup import CpuCgroup
+from testbed.emulation import host
 from testbed.emulation.journal import Journal
 from testbed.emulation.resolved import load_lab
 from testbed.transport import open_transport
@@ -338,6 +339,8 @@ THIRTY_NODES = "nodes:\n" + "".join(
 @pytest.mark.slow
 def test_thirty_nodes_come_up_in_under_a_minute_and_check_green(tmp_path):
     path = emulated_inventory(tmp_path, "ts", 238, THIRTY_NODES)
+    tables = (host.NEIGHBOUR_TABLE_SOFT, host.NEIGHBOUR_TABLE_HARD)
+    before = {key: host.read_sysctl(key) for key in tables}
     started = time.monotonic()
     up = run_cli("emulate", "up", "-i", str(path))
     up_s = time.monotonic() - started
@@ -347,9 +350,14 @@ def test_thirty_nodes_come_up_in_under_a_minute_and_check_green(tmp_path):
         assert check.returncode == 0, check.stdout[-2000:] + check.stderr
         assert len(json.loads(check.stdout)) == 30
         assert up_s < 60, f"30 nodes took {up_s:.1f} s"
+        # One ARP table serves every namespace: a full mesh of 30 nodes on two networks needs room
+        # beyond the kernel's default 512/1024 entries, or connects fail with "No route to host".
+        assert host.read_sysctl(host.NEIGHBOUR_TABLE_SOFT) >= host.neighbour_entries_needed(30) > 512
+        assert host.read_sysctl(host.NEIGHBOUR_TABLE_HARD) >= 2 * host.neighbour_entries_needed(30)
     finally:
         run_cli("emulate", "down", "-i", str(path))
     assert ours_left("ts") == []
+    assert {key: host.read_sysctl(key) for key in tables} == before  # put back as it was
 
 
 def test_a_failing_up_removes_what_it_made(tmp_path, monkeypatch):

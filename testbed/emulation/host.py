@@ -21,8 +21,13 @@ from testbed.emulation.journal import Journal, JournalEntry
 HOST = "emulation host"  # what a failure of this machine's own commands is reported against (exit status 1)
 STOP_GRACE_S = 3.0
 GONE_WAIT_S = 10.0
-# down removes processes first, then what they live in, then the links between nodes.
-UNDO_PHASES = ("process", "cgroup", "veth", "netns", "bridge")
+# down removes processes first, then what they live in, then the links between nodes, then puts back
+# the host settings it raised.
+UNDO_PHASES = ("process", "cgroup", "veth", "netns", "bridge", "sysctl")
+# The kernel's IPv4 neighbour (ARP) table is one table for every network namespace, limited by these
+# two host-wide settings (soft and hard); past the hard one, connect() fails with "No route to host".
+NEIGHBOUR_TABLE_SOFT = "net.ipv4.neigh.default.gc_thresh2"
+NEIGHBOUR_TABLE_HARD = "net.ipv4.neigh.default.gc_thresh3"
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -30,6 +35,21 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and proc.returncode != 0:
         raise NodeError(HOST, f"`ip {' '.join(args)}` failed: {proc.stderr.strip() or proc.returncode}")
     return proc
+
+
+def _sysctl_path(key: str) -> Path:
+    return Path("/proc/sys") / key.replace(".", "/")
+
+
+def read_sysctl(key: str) -> int:
+    return int(_sysctl_path(key).read_text().split()[0])
+
+
+def neighbour_entries_needed(nodes: int) -> int:
+    """ARP entries a lab of ``nodes`` namespaces can hold at once: on each of its two networks
+    (management and data) every namespace may know every other one and the host, as an MPI launch
+    over all nodes makes it (every rank connects to every other)."""
+    return 2 * nodes * (nodes + 1)
 
 
 def link_exists(name: str) -> bool:
@@ -121,6 +141,22 @@ class HostChanges:
             group.set_quota_cpus(cpus)
         return group
 
+    def sysctl_at_least(self, key: str, value: int) -> None:
+        """Raise the host setting ``key`` to ``value`` if it is lower; ``down`` puts the old value
+        back unless someone has changed it since (another lab that raised it further keeps it)."""
+        before = read_sysctl(key)
+        if before >= value:
+            return
+        self.journal.record("sysctl", key, before=before, set=value)
+        _sysctl_path(key).write_text(f"{value}\n")
+
+    def neighbour_table_room(self, nodes: int) -> None:
+        """Make room in the host-wide ARP table for a lab of ``nodes`` namespaces (a 31-node lab
+        overflowed the default 1024 entries while its ranks connected, and MPI_Init failed)."""
+        needed = neighbour_entries_needed(nodes)
+        self.sysctl_at_least(NEIGHBOUR_TABLE_SOFT, needed)
+        self.sysctl_at_least(NEIGHBOUR_TABLE_HARD, 2 * needed)
+
     def process(self, pid: int, label: str) -> None:
         """Record a process that was just started (a pid is only known after the start)."""
         self.journal.record("process", label, pid=pid, start_ticks=process_start_ticks(pid))
@@ -132,7 +168,7 @@ def undo(entries: list[JournalEntry], prefix: str) -> list[str]:
     _undo_processes([e for e in entries if e.kind == "process"])
     for phase in UNDO_PHASES[1:]:
         for entry in reversed([e for e in entries if e.kind == phase]):
-            if phase != "process" and not entry.name.startswith(prefix):
+            if phase not in ("process", "sysctl") and not entry.name.startswith(prefix):
                 problems.append(f"skipped {entry.kind} {entry.name!r}: not under the prefix {prefix!r}")
                 continue
             try:
@@ -185,7 +221,13 @@ def _undo_netns(entry: JournalEntry) -> None:
         ip("netns", "del", entry.name)
 
 
+def _undo_sysctl(entry: JournalEntry) -> None:
+    if read_sysctl(entry.name) == entry.details.get("set"):
+        _sysctl_path(entry.name).write_text(f"{entry.details['before']}\n")
+
+
 _UNDO = {
+    "sysctl": _undo_sysctl,
     "cgroup": _undo_cgroup,
     "veth": _undo_link,
     "netns": _undo_netns,
