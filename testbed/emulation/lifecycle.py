@@ -222,7 +222,6 @@ def _build_netns(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say)
 def _build_local(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say) -> dict[str, NodeAccess]:
     say("local mode: nodes are sshd processes on 127.0.0.1 (no isolation, no link shaping, no CPU quotas)")
     changes = host.HostChanges(journal, plan.prefix)
-    changes.neighbour_table_room(len(plan.nodes))
     write_node_tools(plan.state_dir, keys)
     servers, access = [], {}
     for node in plan.nodes:
