@@ -29,7 +29,7 @@ from typing import Any
 from foundation.errors import NodeError, TestbedError
 from nodes.contracts.compute_profile import rates_from_json
 from nodes.contracts.draft import default_adapter_dir
-from nodes.contracts.rank_dirs import parse_rank_dir
+from nodes.contracts.rank_dirs import ABORT_REASON_GLOB, parse_rank_dir
 from nodes.contracts.schedules import request_id
 from nodes.contracts.target_model import from_json as target_from_json
 from nodes.workers.methods import method_named
@@ -312,8 +312,7 @@ def run_split(
     (out_dir / "mpiexec.log").write_text(f"$ {plan.apply_commands()[0]}\n# {status}\n{log}")
     rank_dirs = collect_ranks(inventory, staged, out_dir / "ranks")
     if exit_code != 0:
-        culprit = failed_node(log, groups) or server.name
-        raise NodeError(culprit, f"mpiexec {status}: {hydra_summary(log)} (see {out_dir}/mpiexec.log)")
+        raise launch_failure(inventory, staged, f"mpiexec {status}", log, groups, out_dir)
     return SplitRunResult(out_dir, plan, seconds, tuple(rank_dirs))
 
 
@@ -444,6 +443,44 @@ def failed_node(log: str, groups: Sequence[RankGroup]) -> str | None:
         if words and words[0] in by_host:
             return by_host[words[0]]
     return None
+
+
+def abort_reasons(inventory: Inventory, staged: StagedRun) -> list[tuple[str, str]]:
+    """(node, text) of every ``abort-rank-*.txt`` the run's ranks left in their run directories: why
+    a rank ended the launch with MPI_Abort, kept even when mpiexec lost the rank's last output."""
+
+    def read(name: str) -> list[tuple[str, str]]:
+        directory = shlex.quote(staged.info[name]["run_dir"])
+        script = f"cd {directory} 2>/dev/null && for f in {ABORT_REASON_GLOB}; do [ -f \"$f\" ] && cat \"$f\"; done"
+        with open_transport(inventory, inventory.node(name)) as t:
+            text = t.run_script(script, timeout_s=30.0).stdout.strip()
+        return [(name, text)] if text else []
+
+    first_per_dir: dict[str, str] = {}  # nodes that share a disk share a run directory: read it once
+    for node in staged.nodes:
+        first_per_dir.setdefault(staged.info[node.name]["run_dir"], node.name)
+    found: list[tuple[str, str]] = []
+    for outcome in fan_out(list(first_per_dir.values()), read).outcomes:
+        if outcome.ok:
+            found += outcome.value
+    return found
+
+
+def launch_failure(
+    inventory: Inventory, staged: StagedRun, what: str, log: str, groups: Sequence[RankGroup], out_dir: Path
+) -> NodeError:
+    """The error for a launch (or warm pool) that ended badly: the node and reason a rank gave when it
+    aborted, else what hydra's output says; the reasons are appended to ``out_dir/mpiexec.log``."""
+    reasons = abort_reasons(inventory, staged)
+    if reasons:
+        with open(out_dir / "mpiexec.log", "a", encoding="utf-8") as handle:
+            handle.writelines(f"# {node} aborted the launch:\n{text}\n" for node, text in reasons)
+        node, text = reasons[0]
+        lines = text.splitlines()
+        said = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # a traceback's last line says what
+        return NodeError(node, f"{what}: {said[:500]} (see {out_dir}/mpiexec.log)")
+    culprit = failed_node(log, groups) or staged.server.name
+    return NodeError(culprit, f"{what}: {hydra_summary(log)} (see {out_dir}/mpiexec.log)")
 
 
 def hydra_summary(log: str) -> str:

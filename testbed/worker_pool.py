@@ -42,10 +42,9 @@ from testbed.split_run import (
     SplitRunSpec,
     StagedRun,
     collect_ranks,
-    failed_node,
-    hydra_summary,
     launch_argv,
     launch_env,
+    launch_failure,
     stage_run,
 )
 from testbed.transport import open_transport
@@ -275,8 +274,7 @@ class PoolKeeper:
         )
         rank_dirs = collect_ranks(self.inventory, staged, out_dir / "ranks")
         if answer != "done":
-            culprit = failed_node(log, pool.launch.groups) or pool.server
-            raise NodeError(culprit, f"the worker pool {status}: {hydra_summary(log)} (see {out_dir}/mpiexec.log)")
+            raise launch_failure(self.inventory, staged, f"the worker pool {status}", log, pool.launch.groups, out_dir)
         pool.served += 1
         result = SplitRunResult(out_dir, pool.launch, seconds, tuple(rank_dirs))
         if not self.warm:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 from pathlib import Path
 
 import pytest
 
+from foundation.errors import NodeError
 from testbed.emulation.resolved import load_lab
 from testbed.split_run import SplitRunSpec, run_split
 from testbed.transport import open_transport
@@ -156,3 +158,21 @@ def test_ttft_grows_with_the_upload_time_as_the_link_narrows(lab, tmp_path):
     assert table[None]["network_median_s"] < table["mid"]["network_median_s"] < table["narrow"]["network_median_s"]
     assert table["narrow"]["network_median_s"] >= 0.6 * narrow_s
     assert table["narrow"]["ttft_median_s"] - table[None]["ttft_median_s"] >= 0.6 * narrow_s
+
+
+def test_a_rank_that_fails_ends_the_run_with_its_node_and_reason(lab, tmp_path):
+    broken = tmp_path / "broken-model"  # loads on no rank: every rank aborts, each saying why
+    shutil.copytree(TINY, broken)
+    (broken / "model.safetensors").write_bytes(b"\0" * 64)
+    inv = load_lab(lab)
+    spec = SplitRunSpec(
+        method="ushape", model=str(broken), server="server", devices=("orin",), stages=1, device_layers=2,
+        chunk_tokens=16, schedule=schedule(PROMPTS[:1], 4), run_id="broken", timeout_s=120,
+    )  # fmt: skip
+    with pytest.raises(NodeError) as raised:
+        run_split(inv, spec, tmp_path / "out")
+    # the rank's own words, read from the abort file it left on its node, not hydra's generic summary
+    assert raised.value.node in ("server", "orin")
+    assert "failed:" in raised.value.message and "safetensors" in raised.value.message.lower(), raised.value
+    log = (tmp_path / "out" / "mpiexec.log").read_text()  # the first abort may end the other rank first
+    assert f"# {raised.value.node} aborted the launch:\nrank " in log

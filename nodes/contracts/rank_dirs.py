@@ -1,11 +1,20 @@
 """The layout of a run's output on a node: one directory per MPI rank under the run's ``out/``, named
 ``<role>-<index>-<node>`` (``stage-0-server``, ``device-1-orin``), holding the rank's records
 (``requests.jsonl``, ``tokens.csv``, ``iterations.csv``). Built and read here only.
+
+A rank that ends the launch with MPI_Abort first writes why to ``abort-rank-<rank>.txt`` in the run's
+directory on its node (beside ``run.json``): mpiexec may end before it forwards the rank's last output.
 """
 
 from typing import NamedTuple, Optional
 
 ROLES = ("stage", "device")
+ABORT_REASON_GLOB = "abort-rank-*.txt"
+
+
+def abort_reason_file(rank: int) -> str:
+    """The name, in the run's directory, of the file where ``rank`` says why it ended the launch."""
+    return "abort-rank-%d.txt" % rank
 
 
 class RankDir(NamedTuple):

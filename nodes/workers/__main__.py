@@ -7,6 +7,7 @@ meet at a start barrier; each takes its clock origin there.
 """
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -49,10 +50,11 @@ def main(argv=None) -> int:
     try:
         run_one(config, comm, rank, PartCache())
     except Exception:  # one rank's failure must end the run, not hang the others
+        from . import mpi_link
+
         spec = config.ranks[rank]
-        sys.stderr.write("rank %d (%s %s) failed:\n%s" % (rank, spec.role, spec.node, traceback.format_exc()))
-        sys.stderr.flush()
-        comm.Abort(NODE_FAILED)
+        message = "rank %d (%s %s) failed:\n%s" % (rank, spec.role, spec.node, traceback.format_exc())
+        mpi_link.abort(comm, NODE_FAILED, message, os.path.dirname(os.path.abspath(args.run_config)))
     return OK
 
 

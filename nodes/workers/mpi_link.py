@@ -12,10 +12,15 @@ the energy measured on a board that should be idle. So every wait polls a non-bl
 sleeps in between (:func:`_poll_until`).
 """
 
+import os
+import sys
 import time
 from typing import Callable, List, Tuple
 
 from mpi4py import MPI
+
+from nodes.contracts.durable import write_atomic
+from nodes.contracts.rank_dirs import abort_reason_file
 
 from . import wire
 
@@ -25,6 +30,7 @@ TAG_DOWN = 13  # last stage -> device
 POLL_INTERVAL_S = 0.0005  # the most a wait adds to what it waits for, in the target's time
 POLL_BACKOFF_SHARE = 1 / 16  # a wait that has lasted t polls at most t x this apart...
 _max_poll_interval_s = POLL_INTERVAL_S  # ...and at most this apart (POLL_INTERVAL_S x dilation)
+ABORT_GRACE_S = 0.5  # how long a rank lets mpiexec forward its last words before MPI_Abort
 
 
 def set_time_dilation(dilation: float) -> None:
@@ -57,6 +63,23 @@ def wait(request: "MPI.Request") -> None:
 def barrier(comm: "MPI.Comm") -> None:
     """Meet every rank of ``comm`` without spinning (``Ibarrier``, polled)."""
     wait(comm.Ibarrier())
+
+
+def abort(comm: "MPI.Comm", code: int, message: str, run_dir: str) -> None:
+    """End every rank of ``comm`` with exit status ``code``, saying why first: in ``run_dir`` (the
+    controller reads it there, :func:`nodes.contracts.rank_dirs.abort_reason_file`) and on stderr.
+    Hydra's mpiexec can end on the abort before it has forwarded what the rank wrote just before, so
+    the file is what counts, and the rank waits ``ABORT_GRACE_S`` to give stderr its chance too."""
+    rank = comm.Get_rank()
+    text = message if message.endswith("\n") else message + "\n"
+    try:
+        write_atomic(os.path.join(run_dir, abort_reason_file(rank)), text)
+    except OSError as exc:  # the reason still goes to stderr
+        text += "rank %d: could not store this in %s: %s\n" % (rank, run_dir, exc)
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(code)
 
 
 def send(comm: "MPI.Comm", frame: bytearray, dest: int, tag: int) -> None:

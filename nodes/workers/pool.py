@@ -70,6 +70,7 @@ def _share_order(comm: Any, order: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 def serve_pool(comm: Any, pool_dir: str, runs_dir: str, idle_timeout_s: float) -> int:
     """Serve orders until a stop (or the idle timeout); the exit status of this rank."""
+    from . import mpi_link
     from .part_cache import PartCache
     from .run_config import RunConfigError, load
     from .run_one import run_one
@@ -91,20 +92,16 @@ def serve_pool(comm: Any, pool_dir: str, runs_dir: str, idle_timeout_s: float) -
         try:
             config = load(os.path.join(run_dir, "run.json"))
         except RunConfigError as exc:
-            sys.stderr.write("rank %d: %s\n" % (rank, exc))
-            sys.stderr.flush()
-            comm.Abort(BAD_INPUT)
+            mpi_link.abort(comm, BAD_INPUT, "rank %d: %s" % (rank, exc), run_dir)
             return BAD_INPUT
         if comm.Get_size() != len(config.ranks):
-            sys.stderr.write("run %s lists %d ranks, the pool has %d\n" % (run_id, len(config.ranks), comm.Get_size()))
-            sys.stderr.flush()
-            comm.Abort(BAD_INPUT)
+            message = "run %s lists %d ranks, the pool has %d" % (run_id, len(config.ranks), comm.Get_size())
+            mpi_link.abort(comm, BAD_INPUT, message, run_dir)
             return BAD_INPUT
         this_shape = [(r.role, r.node) for r in config.ranks]
         if shape is not None and this_shape != shape:
-            sys.stderr.write("rank %d: run %s has ranks %s, the pool serves %s\n" % (rank, run_id, this_shape, shape))
-            sys.stderr.flush()
-            comm.Abort(BAD_INPUT)
+            message = "rank %d: run %s has ranks %s, the pool serves %s" % (rank, run_id, this_shape, shape)
+            mpi_link.abort(comm, BAD_INPUT, message, run_dir)
             return BAD_INPUT
         shape = this_shape
         try:
@@ -113,11 +110,9 @@ def serve_pool(comm: Any, pool_dir: str, runs_dir: str, idle_timeout_s: float) -
             import traceback
 
             spec = config.ranks[rank]
-            sys.stderr.write(
-                "rank %d (%s %s) failed in run %s:\n%s" % (rank, spec.role, spec.node, run_id, traceback.format_exc())
-            )
-            sys.stderr.flush()
-            comm.Abort(NODE_FAILED)
+            message = "rank %d (%s %s) failed in run %s:\n%s" % (rank, spec.role, spec.node, run_id,
+                                                                 traceback.format_exc())  # fmt: skip
+            mpi_link.abort(comm, NODE_FAILED, message, run_dir)
             return NODE_FAILED
         gathered = comm.gather(info, root=0)
         if rank == 0:
