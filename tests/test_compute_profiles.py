@@ -173,6 +173,42 @@ def test_a_step_whose_sleep_wakes_late_overran_too(tmp_path, monkeypatch):
     assert (frame["real_s"] < 0.01).all()  # the computation itself was quick
 
 
+def test_the_pacing_thread_asks_linux_for_prompt_wake_ups(tmp_path):
+    """A paced thread's sleeps end within 1 us of their due time (timer slack), and on Linux 6.12 or
+    later it gets a 0.1 ms scheduler slice, so that a rank whose sleep ends preempts one computing.
+    Both are per thread and inherited, so a fresh process sets the defaults first."""
+    import platform
+    import subprocess
+    import sys
+
+    import nodes.workers.pacing as pacing
+
+    script = (
+        "import ctypes, json, struct, time\n"
+        "from nodes.contracts.target_model import BUILTIN\n"
+        "from nodes.workers.pacing import Pacer\n"
+        "from testbed.compute_profiles import load_profile, PROFILES_DIR\n"
+        "def state():\n"
+        "    sched = open('/proc/thread-self/sched').read().splitlines()\n"
+        "    slices = [int(l.split(':')[1]) for l in sched if l.startswith('se.slice')]\n"
+        "    return {'slack_ns': ctypes.CDLL(None).prctl(30, 0, 0, 0, 0), 'slice_ns': slices[0] if slices else None}\n"
+        "libc = ctypes.CDLL(None)\n"
+        "libc.prctl(29, 50000, 0, 0, 0)\n"  # inherited from whoever started us: back to the defaults
+        f"libc.syscall({pacing.SCHED_SETATTR.get(platform.machine(), -1)}, 0, struct.pack('IIQiIQQQII', 56, *[0] * 9), 0)\n"
+        "before = state()\n"
+        "pacer = Pacer(load_profile(PROFILES_DIR / 'agx-orin.yaml').rates('MAXN'), BUILTIN['vicuna-7b'])\n"
+        "pacer.pace('device_layers', time.monotonic(), 0.002, 2, [(1, 50)])\n"
+        "print(json.dumps({'before': before, 'after': state()}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["before"]["slack_ns"] == 50_000 and seen["after"]["slack_ns"] == 1000
+    release = tuple(int(part) for part in platform.release().split(".")[:2])
+    if release >= (6, 12) and platform.machine() in pacing.SCHED_SETATTR:
+        assert seen["before"]["slice_ns"] > pacing.SCHED_SLICE_NS == seen["after"]["slice_ns"]
+
+
 def test_padded_frames_weigh_the_targets_bytes_and_decode_unchanged():
     hidden = torch.randn(3, 256, dtype=torch.float32)  # the tiny model: 1 KiB a token
     segment = wire.Segment(7, 2, wire.PREFILL, 0, 3, hidden)
