@@ -16,14 +16,21 @@ VIOLATION_LIMIT = 0.05  # share of a node's steps that may overrun before its ru
 
 
 def violation_shares(steps: pd.DataFrame) -> pd.DataFrame:
-    """Per run and node: steps, overruns, their share, real and target seconds, and whether it is flagged."""
-    columns = ["run_id", "node", "steps", "overruns", "violation_share", "real_s", "target_s", "flagged"]
+    """Per run and node: steps, overruns, their share, real and target seconds, and whether it is
+    flagged; the overruns split by cause: ``computed_over`` (the real computation took longer than
+    the target: this machine lacked CPU) and ``woke_late`` (the computation kept up, the wake-up did
+    not: the rank waited for a core)."""
+    columns = ["run_id", "node", "steps", "overruns", "violation_share", "computed_over", "woke_late", "real_s",
+               "target_s", "flagged"]  # fmt: skip
     if steps.empty:
         return pd.DataFrame(columns=columns)
     keys = [k for k in ("run_id", "node") if k in steps.columns]
+    computed_over = steps["real_s"] > steps["target_s"]
+    steps = steps.assign(computed_over=computed_over, woke_late=(steps["overrun"] == 1) & ~computed_over)
     grouped = steps.groupby(keys, sort=True).agg(
-        steps=("overrun", "size"), overruns=("overrun", "sum"), real_s=("real_s", "sum"), target_s=("target_s", "sum")
-    )
+        steps=("overrun", "size"), overruns=("overrun", "sum"), computed_over=("computed_over", "sum"),
+        woke_late=("woke_late", "sum"), real_s=("real_s", "sum"), target_s=("target_s", "sum"),
+    )  # fmt: skip
     grouped["violation_share"] = grouped["overruns"] / grouped["steps"]
     grouped["flagged"] = grouped["violation_share"] > VIOLATION_LIMIT
     return grouped.reset_index()[[c for c in columns if c in keys or c not in ("run_id", "node")]]

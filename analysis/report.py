@@ -146,9 +146,10 @@ def fidelity_section(report: Report, steps: pd.DataFrame, done: pd.DataFrame) ->
     limit = f"{fidelity.VIOLATION_LIMIT:.0%}"
     report.lines += ["## Fidelity of the target emulation", ""]
     report.table("fidelity", shares,
-                 "Paced steps per run and node: how many overran their target time (the real computation took "
-                 f"longer than the compute profile predicts for the target), and their share; over {limit} flags "
-                 "the run.", digits=4)  # fmt: skip
+                 "Paced steps per run and node: how many overran their target time, and their share; over "
+                 f"{limit} flags the run. `computed_over`: the real computation took longer than the compute "
+                 "profile predicts for the target (this machine lacked CPU); `woke_late`: it kept up, but the rank "
+                 "woke from its wait late (it waited for a core).", digits=4)  # fmt: skip
     flagged = sorted(set(shares.loc[shares["flagged"], "run_id"]))
     if flagged:
         report.lines += [f"**Flagged runs:** {', '.join(flagged)}: more than {limit} of a node's steps overran; "

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
+from analysis.fidelity import violation_shares
 from foundation.errors import InputError
 from nodes.contracts.compute_profile import step_cost, step_seconds
 from nodes.contracts.target_model import BUILTIN, builtin, from_hf_config
@@ -150,6 +151,8 @@ def test_a_paced_step_takes_its_target_time_and_an_overrun_is_counted(tmp_path):
     rows = [line.split(",") for line in (tmp_path / "steps.csv").read_text().splitlines() if not line.startswith("#")]
     assert rows[0][:3] == ["ts_s", "op", "layers"]
     assert [int(r[-1]) for r in rows[1:]] == [0, 0, 0, 0, 0, 1] and pacer.overruns == 1
+    shares = violation_shares(pd.read_csv(tmp_path / "steps.csv", comment="#").assign(node="orin"))
+    assert shares[["steps", "overruns", "computed_over", "woke_late"]].iloc[0].tolist() == [6, 1, 1, 0]
 
 
 def test_a_step_whose_sleep_wakes_late_overran_too(tmp_path, monkeypatch):
@@ -171,6 +174,8 @@ def test_a_step_whose_sleep_wakes_late_overran_too(tmp_path, monkeypatch):
     assert frame["overrun"].tolist() == [0, 1] and pacer.overruns == 1
     assert frame["late_s"].iloc[0] <= pacing.late_tolerance_s(0.01) and frame["late_s"].iloc[1] >= 0.014
     assert (frame["real_s"] < 0.01).all()  # the computation itself was quick
+    shares = violation_shares(frame.assign(node="orin"))  # so the report puts it down to the wake-up
+    assert shares[["overruns", "computed_over", "woke_late"]].iloc[0].tolist() == [1, 0, 1]
 
 
 def test_the_pacing_thread_asks_linux_for_prompt_wake_ups(tmp_path):

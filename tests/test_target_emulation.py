@@ -106,6 +106,7 @@ def test_a_target_campaign_paces_every_step_pads_the_wire_and_dilation_divides_b
     assert manifest["restore"]["cpu_pacing_ended"] == ["orin", "server"]
     assert _pacing(lab, "orin") == {"paced": False, "cpus": None, "period_ms": None}
     assert all(f["steps"] > 0 and 0 <= f["violation_share"] <= 1 for f in manifest["fidelity"].values())
+    assert all(f["computed_over"] + f["woke_late"] == f["overruns"] for f in manifest["fidelity"].values())
 
     # every step's target is the profile's prediction for the target model's share of layers
     steps = pd.read_parquet(out / "runs" / first / "steps.parquet")

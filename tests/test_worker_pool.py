@@ -173,6 +173,8 @@ def test_a_run_past_its_deadline_ends_the_pool(tmp_path):
             pool.kill()
     assert pool.returncode != 0 and time.monotonic() - started < 25.0
     assert "run slow still going 2 s after its start: ended" in output
+    said = [path.read_text() for path in (tmp_path / "runs" / "slow").glob("abort-rank-*.txt")]
+    assert said and all("run slow still going 2 s after its start: ended" in text for text in said)
     assert not (tmp_path / "runs" / "slow" / "pool-run.json").exists()
 
 

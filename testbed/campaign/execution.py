@@ -426,8 +426,8 @@ def _collect(campaign: Campaign, run: PlannedRun, directory: Path, state: _RunSt
 
 
 def _fidelity(directory: Path, state: _RunState) -> None:
-    """Per node, the share of paced steps whose real computation overran the target's time; a node
-    above the limit flags the run (its reason says so in the ledger)."""
+    """Per node, the share of paced steps that overran the target's time (by computing too long or
+    by waking late); a node above the limit flags the run (its reason says so in the ledger)."""
     if not (directory / "steps.parquet").is_file():
         return
     import pandas as pd
@@ -436,8 +436,9 @@ def _fidelity(directory: Path, state: _RunState) -> None:
 
     shares = violation_shares(pd.read_parquet(directory / "steps.parquet"))
     state.fidelity = {
-        row.node: {"steps": int(row.steps), "overruns": int(row.overruns),
-                   "violation_share": round(float(row.violation_share), 4), "flagged": bool(row.flagged)}
+        row.node: {"steps": int(row.steps), "overruns": int(row.overruns), "computed_over": int(row.computed_over),
+                   "woke_late": int(row.woke_late), "violation_share": round(float(row.violation_share), 4),
+                   "flagged": bool(row.flagged)}
         for row in shares.itertuples()
     }  # fmt: skip
     flagged = {n: f["violation_share"] for n, f in state.fidelity.items() if f["flagged"]}
