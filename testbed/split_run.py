@@ -445,25 +445,47 @@ def failed_node(log: str, groups: Sequence[RankGroup]) -> str | None:
     return None
 
 
-def abort_reasons(inventory: Inventory, staged: StagedRun) -> list[tuple[str, str]]:
-    """(node, text) of every ``abort-rank-*.txt`` the run's ranks left in their run directories: why
-    a rank ended the launch with MPI_Abort, kept even when mpiexec lost the rank's last output."""
+_REASON_MARK = "@@abort-reason"
 
-    def read(name: str) -> list[tuple[str, str]]:
-        directory = shlex.quote(staged.info[name]["run_dir"])
-        script = f"cd {directory} 2>/dev/null && for f in {ABORT_REASON_GLOB}; do [ -f \"$f\" ] && cat \"$f\"; done"
-        with open_transport(inventory, inventory.node(name)) as t:
-            text = t.run_script(script, timeout_s=30.0).stdout.strip()
-        return [(name, text)] if text else []
 
-    first_per_dir: dict[str, str] = {}  # nodes that share a disk share a run directory: read it once
-    for node in staged.nodes:
-        first_per_dir.setdefault(staged.info[node.name]["run_dir"], node.name)
-    found: list[tuple[str, str]] = []
-    for outcome in fan_out(list(first_per_dir.values()), read).outcomes:
-        if outcome.ok:
-            found += outcome.value
+def reason_files_script(run_dir: str) -> str:
+    """A shell script printing each reason file in ``run_dir`` after a line with its mark, time and name."""
+    return (
+        f"cd {shlex.quote(run_dir)} 2>/dev/null || exit 0; for f in {ABORT_REASON_GLOB}; do [ -f \"$f\" ] || continue; "
+        f"echo; echo \"{_REASON_MARK} $(date -r \"$f\" +%s.%N 2>/dev/null || echo 0) $f\"; cat \"$f\"; done"
+    )
+
+
+def split_reason_files(text: str) -> list[tuple[float, int, str]]:
+    """(written at, rank, text) of each reason file in what :func:`abort_reasons`' script printed."""
+    found: list[tuple[float, int, str]] = []
+    for block in text.split("\n" + _REASON_MARK + " ")[1:]:
+        header, _, body = block.partition("\n")
+        written, _, name = header.partition(" ")
+        rank = name.removeprefix("abort-rank-").removesuffix(".txt")
+        if rank.isdigit() and body.strip():
+            found.append((float(written) if written.replace(".", "", 1).isdigit() else 0.0, int(rank), body.strip()))
     return found
+
+
+def abort_reasons(inventory: Inventory, staged: StagedRun, groups: Sequence[RankGroup]) -> list[tuple[str, str]]:
+    """(node, text) of every ``abort-rank-<r>.txt`` the run's ranks left in their run directories, the
+    oldest first: why a rank ended the launch with MPI_Abort, kept even when mpiexec lost the rank's
+    last output. Every node is read (boards that log in as one user share a run directory's path,
+    not its disk), and each file is put down to the node that runs its rank."""
+    node_of_rank = [g.node for g in groups for _ in range(g.ranks)]
+
+    def read(name: str) -> list[tuple[float, int, str]]:
+        with open_transport(inventory, inventory.node(name)) as t:
+            text = t.run_script(reason_files_script(staged.info[name]["run_dir"]), timeout_s=30.0).stdout
+        return split_reason_files(text)
+
+    by_rank: dict[int, tuple[float, str]] = {}
+    for outcome in fan_out([node.name for node in staged.nodes], read).outcomes:
+        for written, rank, text in outcome.value if outcome.ok else []:
+            by_rank.setdefault(rank, (written, text))
+    ordered = sorted(by_rank.items(), key=lambda item: (item[1][0], item[0]))
+    return [(node_of_rank[r] if r < len(node_of_rank) else staged.server.name, text) for r, (_, text) in ordered]
 
 
 def launch_failure(
@@ -471,7 +493,7 @@ def launch_failure(
 ) -> NodeError:
     """The error for a launch (or warm pool) that ended badly: the node and reason a rank gave when it
     aborted, else what hydra's output says; the reasons are appended to ``out_dir/mpiexec.log``."""
-    reasons = abort_reasons(inventory, staged)
+    reasons = abort_reasons(inventory, staged, groups)
     if reasons:
         with open(out_dir / "mpiexec.log", "a", encoding="utf-8") as handle:
             handle.writelines(f"# {node} aborted the launch:\n{text}\n" for node, text in reasons)

@@ -176,3 +176,27 @@ def test_a_rank_that_fails_ends_the_run_with_its_node_and_reason(lab, tmp_path):
     assert "failed:" in raised.value.message and "safetensors" in raised.value.message.lower(), raised.value
     log = (tmp_path / "out" / "mpiexec.log").read_text()  # the first abort may end the other rank first
     assert f"# {raised.value.node} aborted the launch:\nrank " in log
+
+
+def test_reason_files_are_read_one_by_one_with_their_rank_oldest_first(tmp_path):
+    """Each rank's reason stays whole (a traceback is not joined to another rank's last line), and
+    the rank that aborted first comes first, whatever the names sort as."""
+    import subprocess
+    import time
+
+    from nodes.contracts.rank_dirs import abort_reason_file
+    from testbed.split_run import reason_files_script, split_reason_files
+
+    (tmp_path / abort_reason_file(10)).write_text("rank 10 saw the abort\n")
+    (tmp_path / abort_reason_file(2)).write_text("Traceback (most recent call last):\n  ...\nValueError: bad part\n")
+    past = time.time() - 5
+    os.utime(tmp_path / abort_reason_file(2), (past, past))  # rank 2 wrote first
+    printed = subprocess.run(["sh", "-c", reason_files_script(str(tmp_path))], capture_output=True, text=True).stdout
+    found = sorted(split_reason_files(printed))
+    assert [(rank, text.splitlines()[-1]) for _, rank, text in found] == [
+        (2, "ValueError: bad part"),
+        (10, "rank 10 saw the abort"),
+    ]
+    assert found[0][0] < found[1][0] - 4
+    assert split_reason_files(subprocess.run(["sh", "-c", reason_files_script(str(tmp_path / "gone"))],
+                                             capture_output=True, text=True).stdout) == []  # fmt: skip

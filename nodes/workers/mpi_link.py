@@ -73,13 +73,15 @@ def abort(comm: "MPI.Comm", code: int, message: str, run_dir: str) -> None:
     rank = comm.Get_rank()
     text = message if message.endswith("\n") else message + "\n"
     try:
-        write_atomic(os.path.join(run_dir, abort_reason_file(rank)), text)
-    except OSError as exc:  # the reason still goes to stderr
-        text += "rank %d: could not store this in %s: %s\n" % (rank, run_dir, exc)
-    sys.stderr.write(text)
-    sys.stderr.flush()
-    time.sleep(ABORT_GRACE_S)
-    comm.Abort(code)
+        try:
+            write_atomic(os.path.join(run_dir, abort_reason_file(rank)), text)
+        except (OSError, ValueError) as exc:  # the reason still goes to stderr
+            text += "rank %d: could not store this in %s: %s\n" % (rank, run_dir, exc)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)
+    finally:  # whatever saying why did, the launch ends
+        comm.Abort(code)
 
 
 def send(comm: "MPI.Comm", frame: bytearray, dest: int, tag: int) -> None:
