@@ -25,7 +25,7 @@ def violation_shares(steps: pd.DataFrame) -> pd.DataFrame:
     if steps.empty:
         return pd.DataFrame(columns=columns)
     keys = [k for k in ("run_id", "node") if k in steps.columns]
-    computed_over = steps["real_s"] > steps["target_s"]
+    computed_over = (steps["overrun"] == 1) & (steps["real_s"] > steps["target_s"])
     steps = steps.assign(computed_over=computed_over, woke_late=(steps["overrun"] == 1) & ~computed_over)
     grouped = steps.groupby(keys, sort=True).agg(
         steps=("overrun", "size"), overruns=("overrun", "sum"), computed_over=("computed_over", "sum"),

@@ -65,20 +65,24 @@ def barrier(comm: "MPI.Comm") -> None:
     wait(comm.Ibarrier())
 
 
-def abort(comm: "MPI.Comm", code: int, message: str, run_dir: str) -> None:
-    """End every rank of ``comm`` with exit status ``code``, saying why first: in ``run_dir`` (the
-    controller reads it there, :func:`nodes.contracts.rank_dirs.abort_reason_file`) and on stderr.
-    Hydra's mpiexec can end on the abort before it has forwarded what the rank wrote just before, so
-    the file is what counts, and the rank waits ``ABORT_GRACE_S`` to give stderr its chance too."""
-    rank = comm.Get_rank()
+def say_why(rank: int, message: str, run_dir: str) -> None:
+    """Say why ``rank`` is ending the launch: in ``run_dir``, where the controller reads it
+    (:func:`nodes.contracts.rank_dirs.abort_reason_file`), and on stderr."""
     text = message if message.endswith("\n") else message + "\n"
     try:
-        try:
-            write_atomic(os.path.join(run_dir, abort_reason_file(rank)), text)
-        except (OSError, ValueError) as exc:  # the reason still goes to stderr
-            text += "rank %d: could not store this in %s: %s\n" % (rank, run_dir, exc)
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        write_atomic(os.path.join(run_dir, abort_reason_file(rank)), text)
+    except (OSError, ValueError) as exc:  # the reason still goes to stderr
+        text += "rank %d: could not store this in %s: %s\n" % (rank, run_dir, exc)
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def abort(comm: "MPI.Comm", code: int, message: str, run_dir: str) -> None:
+    """End every rank of ``comm`` with exit status ``code``, saying why first (:func:`say_why`).
+    Hydra's mpiexec can end on the abort before it has forwarded what the rank wrote just before, so
+    the file is what counts, and the rank waits ``ABORT_GRACE_S`` to give stderr its chance too."""
+    try:
+        say_why(comm.Get_rank(), message, run_dir)
         time.sleep(ABORT_GRACE_S)
     finally:  # whatever saying why did, the launch ends
         comm.Abort(code)

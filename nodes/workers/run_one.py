@@ -2,15 +2,11 @@
 (a server stage or a device) from the run config, meet the other ranks at the start barrier, take
 the clock origin there, serve or replay, and meet them again at the end."""
 
-import contextlib
 import os
-import sys
 import threading
 import time
 from typing import Any, Dict
 
-from nodes.contracts.durable import write_atomic
-from nodes.contracts.rank_dirs import abort_reason_file
 from nodes.contracts.tool_errors import NODE_FAILED
 
 from . import mpi_link
@@ -20,11 +16,8 @@ from .run_config import RunConfig
 def _overrun(config: RunConfig, rank: int) -> None:
     """The run outlived its deadline: end this process (mpiexec then ends every rank of the launch),
     saying why on stderr and where the controller looks for an aborting rank's reason."""
-    message = "rank %d: run %s still going %.0f s after its start: ended\n" % (rank, config.run_id, config.deadline_s)
-    with contextlib.suppress(OSError):  # stderr still says it
-        write_atomic(os.path.join(os.path.dirname(config.out_dir), abort_reason_file(rank)), message)
-    sys.stderr.write(message)
-    sys.stderr.flush()
+    message = "rank %d: run %s still going %.0f s after its start: ended" % (rank, config.run_id, config.deadline_s)
+    mpi_link.say_why(rank, message, os.path.dirname(config.out_dir))
     os._exit(NODE_FAILED)
 
 
