@@ -416,3 +416,15 @@ def test_device_workers_read_the_schedule_file(tmp_path):
     ]
     assert [r.request_id for r in requests] == list(range(1_000_000, 1_000_005))
     assert all(r["arrival_s"] == round(r["arrival_s"], 6) for r in rows)
+
+
+@pytest.mark.parametrize(("name", "mean", "groups"), [("reading", 4.8, 5), ("speaking", 3.3, 4)])
+def test_expected_speeds_are_drawn_from_the_andes_tables_at_the_presets_mean(name: str, mean: float, groups: int) -> None:
+    from workloads.qoe import draw_expected_tds
+
+    drawn = draw_expected_tds(name, np.random.default_rng(3), 40_000)
+    assert drawn.mean() == pytest.approx(mean, rel=0.01)
+    assert len(np.unique(drawn)) == groups  # speaking: English and Korean share 150 words/min
+    # the commonest group is the most drawn: 25-44 year olds (51.9%) read at 200 words/min; English 79.3%
+    _, counts = np.unique(drawn, return_counts=True)
+    assert counts.max() / len(drawn) == pytest.approx(0.519 if name == "reading" else 0.793 + 0.069, abs=0.01)

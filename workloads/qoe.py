@@ -13,12 +13,18 @@ and uses the speaking speed.
 | reading | 1.0 | 4.8 |
 | speaking | 1.0 | 3.3 |
 | custom | given | given |
+
+Drawn per request (Andes §6.1 samples each request's TDS from the table's groups; the brief's
+reading), a request's TDS_exp is its group's words per minute with the group's share of users as its
+probability, scaled so that the mean is the preset's: ``draw_expected_tds``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from foundation.errors import TestbedError
 
@@ -33,6 +39,22 @@ READING = QoeExpectation(1.0, 4.8)
 SPEAKING = QoeExpectation(1.0, 3.3)
 PRESETS: dict[str, QoeExpectation] = {"reading": READING, "speaking": SPEAKING}
 QOE_NAMES = (*PRESETS, "custom")
+# (words per minute, share of users): Andes Table 1 (reading, by age) and Table 2 (speaking, by language)
+SPEED_GROUPS: dict[str, tuple[tuple[float, float], ...]] = {
+    "reading": ((236, 0.280), (200, 0.519), (192, 0.112), (185, 0.056), (175, 0.033)),
+    "speaking": ((150, 0.793), (158, 0.070), (150, 0.069), (195, 0.036), (218, 0.032)),
+}
+
+
+def draw_expected_tds(name: str, rng: np.random.Generator, count: int) -> np.ndarray:
+    """``count`` TDS_exp (tokens/s) drawn from the preset's table: a group by its share of users, its
+    speed scaled so that the table's mean is the preset's mean (4.8 reading, 3.3 speaking)."""
+    if name not in SPEED_GROUPS:
+        raise TestbedError(f"qoe: no speed table for {name!r}; one of {', '.join(SPEED_GROUPS)}")
+    wpm, share = (np.array(column, dtype="float64") for column in zip(*SPEED_GROUPS[name], strict=True))
+    share = share / share.sum()
+    tokens_per_s = wpm * PRESETS[name].expected_tds_tok_s / float(wpm @ share)
+    return rng.choice(tokens_per_s, size=count, p=share)
 
 
 def qoe_problems(
