@@ -71,6 +71,7 @@ class Decision:
     preempted: int  # running rows left out (their KV swapped out or dropped)
     solved: bool  # Andes solved Eq. 4 this iteration (triggered)
     batch: int  # the B it solved for (0 when not solved)
+    forced: int = 0  # of the preempted, those the memory forced (the running outgrew M), not chosen
 
 
 def _queue_by(snapshot: Snapshot, rank: np.ndarray, settings: SchedulerSettings) -> Decision:
@@ -94,7 +95,7 @@ def _queue_by(snapshot: Snapshot, rank: np.ndarray, settings: SchedulerSettings)
                 break
             run[row] = True
             total, count = total + int(need[row]), count + 1
-    return Decision(run, preempted, False, 0)
+    return Decision(run, preempted, False, 0, preempted)
 
 
 def fcfs(snapshot: Snapshot, settings: SchedulerSettings) -> Decision:
@@ -109,7 +110,7 @@ def round_robin(snapshot: Snapshot, settings: SchedulerSettings) -> Decision:
         rank[over] = snapshot.now_s + np.arange(int(over.sum())) * 1e-9
         running = running & ~over
     decision = _queue_by(replace(snapshot, running=running), rank, settings)
-    return Decision(decision.run, int(np.sum(snapshot.running & ~decision.run)), False, 0)
+    return Decision(decision.run, int(np.sum(snapshot.running & ~decision.run)), False, 0, decision.forced)
 
 
 def batch_bounds(snapshot: Snapshot) -> Tuple[int, int]:
@@ -164,19 +165,21 @@ def _andes(snapshot: Snapshot, settings: SchedulerSettings, exact: bool) -> Deci
     _, batch, run, gain = best
     if batch == 0:
         return fcfs(snapshot, settings)
-    run = _within_cap(snapshot, settings, run.copy(), gain / snapshot.need_tokens)
-    return Decision(run, int(np.sum(snapshot.running & ~run)), True, batch)
+    run, forced = _within_cap(snapshot, settings, run.copy(), gain / snapshot.need_tokens)
+    return Decision(run, int(np.sum(snapshot.running & ~run)), True, batch, forced)
 
 
-def _within_cap(snapshot: Snapshot, settings: SchedulerSettings, run: np.ndarray, priority: np.ndarray) -> np.ndarray:
+def _within_cap(snapshot: Snapshot, settings: SchedulerSettings, run: np.ndarray,
+                priority: np.ndarray) -> Tuple[np.ndarray, int]:  # fmt: skip
     """Optimisation 4: preempt at most as many as keep (preemptions + k) / admitted <= P; the
     highest-priority of the rest stay, and admissions give way (lowest priority first) until the
-    batch fits the memory again."""
+    batch fits the memory again. Returns the batch and how many preemptions the memory forced past
+    the cap (the kept requests alone outgrew M)."""
     leaving = np.flatnonzero(snapshot.running & ~run)
     admitted = snapshot.admitted_total + int(np.sum(run & ~snapshot.ever_run))
     allowed = max(0, int(np.floor(settings.preemption_cap * admitted + 1e-9)) - snapshot.preemptions_total)
     if len(leaving) <= allowed:
-        return run
+        return run, 0
     stay = leaving[np.argsort(-priority[leaving], kind="stable")][: len(leaving) - allowed]
     run[stay] = True
     joining = np.flatnonzero(run & ~snapshot.running)
@@ -185,8 +188,9 @@ def _within_cap(snapshot: Snapshot, settings: SchedulerSettings, run: np.ndarray
             break
         run[row] = False
     if int(snapshot.need_tokens[run].sum()) > snapshot.capacity_tokens:  # the memory forces the rest
-        return _queue_by(replace(snapshot, running=run), -priority, settings).run
-    return run
+        forced = _queue_by(replace(snapshot, running=run), -priority, settings)
+        return forced.run, forced.forced
+    return run, 0
 
 
 def andes(snapshot: Snapshot, settings: SchedulerSettings) -> Decision:
