@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from foundation.errors import InputError
-from nodes.workers.methods import Method, method_named, names, register, unregister
+from nodes.workers.methods import Method, MethodCheck, method_named, names, register, unregister
 from nodes.workers.run_config import RunConfigError, parse
 from testbed.campaign.load import load_campaign
 
@@ -41,14 +41,31 @@ def run_config(method: str) -> dict:
 
 
 def test_the_built_in_methods_compose_hats_strategies():
-    assert names() == ("centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat")
+    assert names() == ("centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat", "serving")
     features = {name: {f for f in ("sd", "pc", "pd") if method_named(name).uses(f)} for name in names()}
     assert features == {"centralized": set(), "ushape": set(), "usarathi": set(), "sd": {"sd"}, "pc": {"pc"},
-                        "sd_pc": {"sd", "pc"}, "sd_pd": {"sd", "pd"}, "hat": {"sd", "pc", "pd"}}  # fmt: skip
-    assert [n for n in names() if method_named(n).token_ids_only] == ["centralized"]
+                        "sd_pc": {"sd", "pc"}, "sd_pd": {"sd", "pd"}, "hat": {"sd", "pc", "pd"},
+                        "serving": set()}  # fmt: skip
+    assert [n for n in names() if method_named(n).token_ids_only] == ["centralized", "serving"]
+    assert [n for n in names() if method_named(n).streams] == ["serving"]
     assert [n for n in names() if method_named(n).prefill == "server_chunks"] == ["usarathi"]
     assert {n for n in names() if method_named(n).server_state_in_replies} == {"sd", "pc", "sd_pc", "sd_pd", "hat"}
     assert method_named("centralized").server_layers(8, 2) == 8 and method_named("ushape").server_layers(8, 2) == 6
+
+
+def test_a_streaming_method_runs_one_engine_rank_and_its_settings_are_checked():
+    check = MethodCheck("tiny", str(TINY), 8, 0, 2)
+    assert [p[0] for p in method_named("serving").problems(check)] == ["partition.stages"]
+    assert not list(method_named("serving").problems(check._replace(stages=1)))
+    parsed = parse(dict(run_config("serving"), serving={"scheduler": "andes", "capacity_tokens": 4096}))
+    assert (parsed.serving.scheduler, parsed.serving.capacity_tokens, parsed.serving.rr_interval) == ("andes", 4096, 50)
+    assert parse(parsed.to_json()) == parsed
+    with pytest.raises(RunConfigError, match="serving.scheduler is 'lifo'; choose one of fcfs, rr, andes, andes-dp"):
+        parse(dict(run_config("serving"), serving={"scheduler": "lifo"}))
+    with pytest.raises(RunConfigError, match="serving.capacity_tokens must be a whole number"):
+        parse(dict(run_config("serving"), serving={"capacity_tokens": -5}))
+    with pytest.raises(RunConfigError, match="serving.watermak is not a field"):
+        parse(dict(run_config("serving"), serving={"watermak": 0.9}))
 
 
 def test_an_unknown_method_names_the_registered_ones(tmp_path):

@@ -73,13 +73,18 @@ class EngineState(object):
             raise ValueError("unknown scheduler %r; one of %s" % (scheduler, ", ".join(SCHEDULERS)))
         self.decide_with, self.settings = SCHEDULERS[scheduler], settings
         self.capacity_tokens, self.swap_tokens, self.max_batch = capacity_tokens, swap_tokens, max_batch
-        self.latency_table = np.array([np.nan] + [latency_s(b) for b in range(1, max_batch + 1)])
+        self.latency_of = latency_s
+        self.refresh_latency()
         self.prefill_s, self.swap_s = prefill_s, swap_s
         self.fixed_lookahead_s = lookahead_s
         self.live: List[ServedRequest] = []
         self.finished: List[ServedRequest] = []
         self.preemptions_total = self.admitted_total = 0
         self.forced_total = 0  # of the preemptions, those the memory forced rather than a scheduler chose
+
+    def refresh_latency(self) -> None:
+        """Tabulate latency(B) again (an engine without a profile learns it as it runs)."""
+        self.latency_table = np.array([np.nan] + [self.latency_of(b) for b in range(1, self.max_batch + 1)])
 
     # -- what the engine holds -----------------------------------------------------------------
     def add(self, request: ServedRequest) -> None:

@@ -15,7 +15,7 @@ sleeps in between (:func:`_poll_until`).
 import os
 import sys
 import time
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from mpi4py import MPI
 
@@ -42,15 +42,21 @@ def set_time_dilation(dilation: float) -> None:
     _max_poll_interval_s = POLL_INTERVAL_S * max(1.0, float(dilation))
 
 
-def _poll_until(done: Callable[[], bool]) -> None:
-    """Call ``done`` until it returns True, sleeping in between: ``POLL_INTERVAL_S`` at first, then
-    up to ``POLL_BACKOFF_SHARE`` of the time waited so far, capped by :func:`set_time_dilation`."""
+def _poll_until(done: Callable[[], bool], deadline: Optional[float] = None) -> None:
+    """Call ``done`` until it returns True (or the monotonic clock reaches ``deadline``), sleeping in
+    between: ``POLL_INTERVAL_S`` at first, then up to ``POLL_BACKOFF_SHARE`` of the time waited so far,
+    capped by :func:`set_time_dilation`; a sleep never passes the deadline."""
     if done():
         return
     started = time.monotonic()
     while True:
-        waited_s = time.monotonic() - started
-        time.sleep(min(_max_poll_interval_s, max(POLL_INTERVAL_S, waited_s * POLL_BACKOFF_SHARE)))
+        now = time.monotonic()
+        nap = min(_max_poll_interval_s, max(POLL_INTERVAL_S, (now - started) * POLL_BACKOFF_SHARE))
+        if deadline is not None:
+            if now >= deadline:
+                return
+            nap = min(nap, deadline - now)
+        time.sleep(nap)
         if done():
             return
 
@@ -172,8 +178,9 @@ class Inbox:
         self._incoming = left
         return done
 
-    def wait(self) -> List[Tuple[wire.Frame, int, int]]:
-        """At least one whole frame (sleeping between polls), and any others that have arrived."""
+    def wait(self, deadline: Optional[float] = None) -> List[Tuple[wire.Frame, int, int]]:
+        """At least one whole frame (sleeping between polls), and any others that have arrived; or
+        nothing, once the monotonic clock reaches ``deadline``."""
         got: List[Tuple[wire.Frame, int, int]] = []
-        _poll_until(lambda: bool(got.extend(self.take()) or got))
+        _poll_until(lambda: bool(got.extend(self.take()) or got), deadline)
         return got

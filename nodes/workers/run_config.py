@@ -59,6 +59,26 @@ class DraftSettings(NamedTuple):
     max_parallel_steps: int = 8  # cap on lambda_i of Eq. 6
 
 
+class ServingSettings(NamedTuple):
+    """The serving engine of a streaming method (``methods/serving.py``): its scheduler and budgets.
+    The controller derives the KV and swap budgets from the server's profile and the target model;
+    None is unbounded (the tiny model's own KV, as far as this machine's memory goes)."""
+
+    scheduler: str = "fcfs"  # fcfs | rr | andes | andes-dp (nodes.serving.schedulers)
+    capacity_tokens: Optional[int] = None  # M: KV tokens in GPU memory
+    swap_tokens: Optional[int] = None  # KV tokens host memory holds for swapped requests
+    host_link_gbps: Optional[float] = None  # GPU <-> host copies (swap), GB/s; None: swaps cost nothing
+    max_batch: int = 256  # requests one iteration carries at most (vLLM's max_num_seqs)
+    tensor_parallel: int = 1  # GPUs the engine stands for: the profile's per-GPU rates times this
+    rr_interval: int = 50
+    watermark: float = 0.9
+    preemption_cap: float = 1.0
+    lookahead_s: Optional[float] = None  # Andes' delta t; None: the mean completion time so far
+    batch_grid: int = 32
+    dp_block_tokens: int = 16
+    latency_context_tokens: int = 512  # the context latency(B) is tabulated at (Andes App. B: B decides)
+
+
 # The one definition of the drafting knobs' ranges: campaign files are checked against them
 # (testbed/campaign/spec.py builds its model from DraftSettings and these), run configs too.
 DRAFT_LIMITS = {"eta": (0.0, 1.0), "max_draft_tokens": (0, 64), "top_k": (0, 64), "max_parallel_steps": (0, 64)}
@@ -80,6 +100,7 @@ class RunConfig(NamedTuple):
     # must not outlive its run's timeout); None: no limit
     deadline_s: Optional[float] = None
     target: Optional[TargetSettings] = None
+    serving: ServingSettings = ServingSettings()
 
     @property
     def method_spec(self) -> Method:
@@ -132,6 +153,7 @@ class RunConfig(NamedTuple):
             "target": None if self.target is None else {
                 "model": self.target.model.to_json(), "dilation": self.target.dilation,
                 "pad_payloads": self.target.pad_payloads},
+            "serving": self.serving._asdict(),
         }  # fmt: skip
 
     def rank_dir(self, rank: int) -> str:
@@ -245,7 +267,37 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
         draft=draft,
         deadline_s=None if deadline is None else float(deadline),
         target=_target(raw.get("target"), source),
+        serving=_serving(raw.get("serving"), source),
     )
+
+
+def _serving(raw: Any, source: str) -> ServingSettings:
+    if raw is None:
+        return ServingSettings()
+    if not isinstance(raw, dict):
+        raise RunConfigError("%s: field 'serving' must be a mapping" % source)
+    unknown = sorted(set(raw) - set(ServingSettings._fields))
+    if unknown:
+        raise RunConfigError("%s: serving.%s is not a field; known: %s" % (source, unknown[0],
+                                                                          ", ".join(ServingSettings._fields)))
+    from nodes.serving.schedulers import SCHEDULERS
+
+    settings = ServingSettings(**raw)
+    if settings.scheduler not in SCHEDULERS:
+        raise RunConfigError("%s: serving.scheduler is %r; choose one of %s"
+                             % (source, settings.scheduler, ", ".join(SCHEDULERS)))  # fmt: skip
+    for name in ("capacity_tokens", "swap_tokens", "max_batch", "tensor_parallel", "rr_interval", "batch_grid",
+                 "dp_block_tokens", "latency_context_tokens"):  # fmt: skip
+        value = getattr(settings, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise RunConfigError("%s: serving.%s must be a whole number >= 0, not %r" % (source, name, value))
+    for name in ("host_link_gbps", "watermark", "preemption_cap", "lookahead_s"):
+        value = getattr(settings, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise RunConfigError("%s: serving.%s must be a number >= 0, not %r" % (source, name, value))
+    if settings.max_batch < 1 or settings.tensor_parallel < 1:
+        raise RunConfigError("%s: serving.max_batch and serving.tensor_parallel must be at least 1" % source)
+    return settings
 
 
 def _profile(raw: Any, where: str) -> Optional[ModeRates]:
@@ -280,6 +332,8 @@ class ScheduledRequest(NamedTuple):
     prompt: Optional[str]
     prompt_ids: Optional[List[int]]
     max_new_tokens: int
+    expected_ttft_s: Optional[float] = None  # Andes' QoE expectation of the request (a streaming method's
+    expected_tds_tok_s: Optional[float] = None  # token buffer shows tokens at this speed)
 
 
 def load_schedule(path: str) -> List[ScheduledRequest]:
@@ -297,6 +351,8 @@ def load_schedule(path: str) -> List[ScheduledRequest]:
                     prompt=row.get("prompt"),
                     prompt_ids=row.get("prompt_ids"),
                     max_new_tokens=int(row.get("max_new_tokens", 32)),
+                    expected_ttft_s=_optional_float(row.get("expected_ttft_s")),
+                    expected_tds_tok_s=_optional_float(row.get("expected_tds_tok_s")),
                 )
             except (ValueError, KeyError, TypeError) as error:
                 raise RunConfigError("%s:%d: bad request (%s)" % (path, number, error)) from None
@@ -306,3 +362,7 @@ def load_schedule(path: str) -> List[ScheduledRequest]:
                 raise RunConfigError("%s:%d: field 'max_new_tokens' must be >= 1" % (path, number))
             out.append(request)
     return sorted(out, key=lambda r: (r.arrival_s, r.request_id))
+
+
+def _optional_float(value: Any) -> Optional[float]:
+    return None if value is None else float(value)

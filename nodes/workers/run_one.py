@@ -32,10 +32,19 @@ def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, An
     mpi_link.set_time_dilation(config.target.dilation if config.target is not None else 1.0)
     os.makedirs(config.rank_dir(rank), exist_ok=True)
     started = time.monotonic()
-    if spec.role == "stage":
+    streams = config.method_spec.streams  # a serving engine and its clients, not a split pipeline
+    if spec.role == "stage" and streams:
+        from .serving_engine import ServingEngine
+
+        worker = ServingEngine(config, comm, rank, parts)
+    elif spec.role == "stage":
         from .server_stage import ServerStage
 
         worker = ServerStage(config, comm, rank, parts)
+    elif streams:
+        from .serving_client import ServingClient
+
+        worker = ServingClient(config, comm, rank, parts)
     else:
         from .device import DeviceWorker
 

@@ -21,6 +21,13 @@ deep state comes back, not only the last; its start may lie before what the serv
 which rolls them back to it. A STATE segment, appended by the last stage to its replies for the HAT
 methods, carries the server's state (Sec. 3.2) as float32 ``[1, 2 + 2B]``: mu, the number of
 pipeline stages, then B pairs (batched tokens, g seconds) of one stage's delay table.
+
+Streaming serving (methods with ``streams``: the device is a client, the server generates on its own):
+a REQUEST segment carries what the server must know of a request as float32 ``[1, 3]``
+(max new tokens, TTFT_exp s, TDS_exp tokens/s; 0 for none), beside the PREFILL segment of its prompt's
+token ids in the same frame. The server streams TOKENS segments, int32 ``[n, 1]`` token ids starting at
+output index ``start``, flagged DONE on a request's last; a STATS segment just before that one
+carries the request's float32 ``[1, 3]`` (preemptions, swaps, recomputes).
 """
 
 import struct
@@ -36,7 +43,9 @@ SEGMENT = struct.Struct("<QIBBBBIIIIdddd")
 
 DATA, STOP = 1, 2
 PREFILL, DECODE, RELEASE, VERIFY, STATE = 1, 2, 3, 4, 5
+REQUEST, TOKENS, STATS = 6, 7, 8
 LAST_CHUNK = 1
+DONE = 2  # a TOKENS segment that ends its request
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}

@@ -9,7 +9,9 @@ The engine composes behaviours that a method names, instead of testing method na
 - ``decode``: ``token`` (one token per round trip), ``speculative`` (the device drafts with the adapter,
   the server verifies, HAT Sec. 3.4) or ``speculative_parallel`` (and drafts ahead while it waits, Eq. 6);
 - ``token_ids_only``: the device sends token ids and the server runs the whole model (no split);
-- ``server_state_in_replies``: the server's replies carry its state (mu, g), which the device sizes with.
+- ``server_state_in_replies``: the server's replies carry its state (mu, g), which the device sizes with;
+- ``streams``: the device is a client (prompt ids up, tokens streamed down through its token buffer)
+  and the server is a serving engine that generates on its own under a KV budget and a scheduler.
 
 Standard library only, Python 3.8: the controller imports the registry to validate campaigns.
 """
@@ -47,6 +49,7 @@ class Method(object):
     decode = "token"
     token_ids_only = False
     server_state_in_replies = False
+    streams = False
     report_notes: Tuple[str, ...] = ()  # what the report shows for it, in words
 
     def __init__(self, **traits: object) -> None:
@@ -64,7 +67,7 @@ class Method(object):
         """The method as a run's manifest records it (the report reads its notes from there)."""
         return {"name": self.name, "summary": self.summary, "prefill": self.prefill, "decode": self.decode,
                 "token_ids_only": self.token_ids_only, "server_state_in_replies": self.server_state_in_replies,
-                "report_notes": list(self.report_notes)}
+                "streams": self.streams, "report_notes": list(self.report_notes)}
 
     @property
     def drafts(self) -> bool:
@@ -88,6 +91,10 @@ class Method(object):
         """The run's settings that do not work with this method (the partition, and the draft adapter
         of a drafting method)."""
         m, stages = check.device_layers, check.stages
+        if self.streams and stages != 1:
+            yield ("partition.stages", "%s serves the whole model from one engine rank, not %d stages"
+                   % (self.name, stages), "set partition.stages: 1 (serving.tensor_parallel models several GPUs)")
+            return
         server_layers = self.server_layers(check.layers, m)
         if not self.token_ids_only and server_layers < 1:
             yield ("partition.device_layers", "%d device layers leave the server none of %d" % (m, check.layers),
