@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -61,8 +62,11 @@ def process_cpu_ticks(state_dir: str) -> dict[int, tuple[str, int]]:
     return out
 
 
-def worker_rss_mb(state_dir: str) -> dict[int, float]:
-    """Resident memory of this lab's worker ranks (python -m nodes.workers under its state directory)."""
+def worker_memory_mb(state_dir: str) -> dict[int, tuple[float, float]]:
+    """Resident and proportional memory (RSS, PSS) of this lab's worker ranks (python -m nodes.workers
+    under its state directory). RSS counts every shared page (libtorch's text, the model file) whole in
+    each rank; PSS divides a shared page among the ranks that map it, so PSS summed over the ranks is
+    what they take from the machine."""
     out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -71,12 +75,12 @@ def worker_rss_mb(state_dir: str) -> dict[int, float]:
             words = (entry / "cmdline").read_bytes().split(b"\0")
             if b"nodes.workers" not in words or not any(state_dir.encode() in w for w in words):
                 continue
-            status = (entry / "status").read_text()
-        except OSError:
+            if not os.path.basename(words[0]).startswith(b"python"):
+                continue  # mpiexec and its proxy name the worker module too
+            rollup = dict(line.split(":", 1) for line in (entry / "smaps_rollup").read_text().splitlines()[1:])
+        except (OSError, ValueError):
             continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                out[int(entry.name)] = int(line.split()[1]) / 1024
+        out[int(entry.name)] = (int(rollup["Rss"].split()[0]) / 1024, int(rollup["Pss"].split()[0]) / 1024)
     return out
 
 
@@ -85,6 +89,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1, help="requests per device")
     parser.add_argument("--dilation", type=float, default=4.0)
     parser.add_argument("--method", default="hat")
+    parser.add_argument("--slots", type=int, default=1, help="device ranks per board (device_slots)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root: the emulated testbed builds network namespaces")
@@ -112,6 +117,7 @@ base:
   draft: {{eta: 0.6, max_draft_tokens: 8, top_k: 3}}
   target: {{model: vicuna-7b, dilation: {args.dilation}}}
   telemetry: {{interval_ms: 1000}}
+  device_slots: {args.slots}
   drain_s: 0.5
 run_timeout_s: 1800
 """)
@@ -123,15 +129,16 @@ run_timeout_s: 1800
         last = (time.monotonic(), machine_cpu_s(), process_cpu_ticks(state))
         while not done.wait(1.0):
             now, cpu, ticks = time.monotonic(), machine_cpu_s(), process_cpu_ticks(state)
-            rss = worker_rss_mb(state)
+            memory = worker_memory_mb(state)
             busy = (cpu - last[1]) / (now - last[0])
             by_kind: dict[str, float] = {}
             for pid, (kind, used) in ticks.items():  # a process that began since the last sample counts whole
                 before = last[2][pid][1] if pid in last[2] else 0
                 by_kind[kind] = by_kind.get(kind, 0.0) + (used - before) * tick_s / (now - last[0])
             last = (now, cpu, ticks)
-            if rss:
-                samples.append({"ranks": len(rss), "rss_mb": sorted(rss.values()), "busy_cpus": busy,
+            if memory:
+                samples.append({"ranks": len(memory), "rss_mb": sorted(r for r, _ in memory.values()),
+                                "pss_mb": sorted(p for _, p in memory.values()), "busy_cpus": busy,
                                 "busy_cpus_by_kind": by_kind})  # fmt: skip
 
     thread = threading.Thread(target=sample, daemon=True)
@@ -158,6 +165,8 @@ run_timeout_s: 1800
             [r for s in serving for r in s["rss_mb"]]) // 2], 1) if serving else None,
             "max": round(max((max(s["rss_mb"]) for s in serving), default=0.0), 1),
             "total_max": round(max((sum(s["rss_mb"]) for s in serving), default=0.0), 1)},
+        "rank_pss_mb": {"median": statistics.median(p for s in serving for p in s["pss_mb"]) if serving else None,
+                        "total_max": round(max((sum(s["pss_mb"]) for s in serving), default=0.0), 1)},
         "cpu_headroom_share": round(1 - sum(s["busy_cpus"] for s in serving) / len(serving) / cores, 3)
         if serving else None,
         "busy_cpus_by_kind": {kind: round(sum(s["busy_cpus_by_kind"].get(kind, 0.0) for s in serving)
