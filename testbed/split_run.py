@@ -34,7 +34,7 @@ from nodes.contracts.schedules import request_id
 from nodes.contracts.target_model import from_json as target_from_json
 from nodes.workers.methods import method_named
 from nodes.workers.methods import names as method_names
-from nodes.workers.run_config import DraftSettings, RankSpec, RunConfig, TargetSettings
+from nodes.workers.run_config import DraftSettings, RankSpec, RunConfig, ServingSettings, TargetSettings
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
 from testbed.provision import compare_records, load_record
@@ -200,6 +200,7 @@ def run_config_for(spec: SplitRunSpec, model_dir: str, run_dir: str, ranks: tupl
         draft=DraftSettings(**draft), deadline_s=spec.timeout_s,
         target=None if target is None else TargetSettings(
             target_from_json(target["model"]), float(target["dilation"]), bool(target["pad_payloads"])),
+        serving=ServingSettings(**spec.extra.get("serving", {})),
     )  # fmt: skip
 
 

@@ -60,11 +60,11 @@ def test_a_streaming_method_runs_one_engine_rank_and_its_settings_are_checked():
     parsed = parse(dict(run_config("serving"), serving={"scheduler": "andes", "capacity_tokens": 4096}))
     assert (parsed.serving.scheduler, parsed.serving.capacity_tokens, parsed.serving.rr_interval) == ("andes", 4096, 50)
     assert parse(parsed.to_json()) == parsed
-    with pytest.raises(RunConfigError, match="serving.scheduler is 'lifo'; choose one of fcfs, rr, andes, andes-dp"):
+    with pytest.raises(RunConfigError, match=r"serving\.scheduler is 'lifo'; choose one of fcfs, rr, andes, andes-dp"):
         parse(dict(run_config("serving"), serving={"scheduler": "lifo"}))
-    with pytest.raises(RunConfigError, match="serving.capacity_tokens must be a whole number"):
+    with pytest.raises(RunConfigError, match=r"serving\.capacity_tokens must be a whole number"):
         parse(dict(run_config("serving"), serving={"capacity_tokens": -5}))
-    with pytest.raises(RunConfigError, match="serving.watermak is not a field"):
+    with pytest.raises(RunConfigError, match=r"serving\.watermak is not a field"):
         parse(dict(run_config("serving"), serving={"watermak": 0.9}))
 
 

@@ -39,7 +39,7 @@ def simulate(scheduler: str, rate_per_s: float, count: int = 120, capacity_token
         iterations += 1
         while nxt < count and arrivals[nxt] <= now:
             request = ServedRequest((0, nxt), float(arrivals[nxt]), [1] * int(prompts[nxt]), int(outputs[nxt]), 1.0, 4.8)
-            state.add(request)
+            state.add(request, now)
             requests.append(request)
             nxt += 1
         if not state.live:

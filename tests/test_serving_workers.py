@@ -116,3 +116,23 @@ def test_the_token_buffer_shows_tokens_at_the_expected_speed(tmp_path, reference
             assert shown >= ts - 1e-6 and shown >= before + 1 / tds - 1e-5
         # the buffer holds the tokens back: the last is shown later than it arrived
         assert stamps[-1][2] - stamps[-1][1] > 0.2
+
+
+def test_a_request_that_cannot_fit_is_refused_and_one_that_fills_the_memory_ends_there(tmp_path, reference):
+    from nodes.inference.tokenizer import Tokenizer
+
+    capacity = 25  # KV tokens: the 31-token prompt never fits; the others stop once context + 1 would pass 25
+    result = serve(tmp_path, {"scheduler": "fcfs", "capacity_tokens": capacity})
+    lengths = [len(Tokenizer(str(TINY)).encode(p)) for p in PROMPTS]
+    assert sorted(lengths)[-1] + 1 > capacity >= sorted(lengths)[-2] + 1 + 1
+    for record in result["clients"]:
+        prompt, want = lengths[record["request_id"]], reference[PROMPTS[record["request_id"]]]
+        if prompt + 1 > capacity:
+            assert record["finished_by"] == "refused" and record["token_ids"] == [] and record["ttft_s"] is None
+        elif prompt + MAX_NEW_TOKENS <= capacity:
+            assert record["finished_by"] == "length" and record["token_ids"] == want
+        else:
+            assert record["finished_by"] == "capacity"
+            assert record["token_ids"] == want[: capacity - prompt]
+    by_engine = {r["request_id"]: r["finished_by"] for r in result["engine"]}
+    assert by_engine == {r["request_id"]: r["finished_by"] for r in result["clients"]}

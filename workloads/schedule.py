@@ -7,12 +7,14 @@ A schedule is JSON lines, one request per line, keys sorted, in arrival order::
      "request_id": 1000000}
 
 Device workers read ``request_id``, ``arrival_s`` (seconds from the run's start barrier),
-``prompt_ids`` and ``max_new_tokens`` (``nodes/workers/run_config.py``); the rest is kept for
-analysis. Each device has its own random streams, seeded from (seed, device name, purpose) through
-SHA-256: a device's arrivals and prompts do not depend on the other devices, and changing the
-prompt set leaves the arrivals as they were (``foundation.seeds``). Request ids are ``device index * 1_000_000 + i``
-(``nodes.contracts.schedules``), the
-index being the device's position in the list given.
+``prompt_ids`` and ``max_new_tokens`` (``nodes/workers/run_config.py``), and a streaming method's
+clients the QoE expectation (``expected_ttft_s``, ``expected_tds_tok_s``: the preset's, or with
+``qoe_draw`` each request's own from Andes' Table 1 or 2); the rest is kept for analysis. Each
+device has its own random streams, seeded from (seed, device name, purpose) through SHA-256: a
+device's arrivals, prompts and speeds do not depend on the other devices, and changing the prompt
+set leaves the arrivals as they were (``foundation.seeds``). Request ids are ``device index *
+1_000_000 + i`` (``nodes.contracts.schedules``), the index being the device's position in the list
+given.
 The same spec, seed and devices give byte-identical files (for one model, one interpreter's
 standard library and one numpy version).
 """
@@ -26,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from foundation.errors import TestbedError
 from foundation.seeds import derive_seed
@@ -41,7 +45,7 @@ from workloads.arrivals import (
     trace_rows_for,
 )
 from workloads.prompts import draw_prompts, prompt_set_problem
-from workloads.qoe import qoe_expectation, qoe_problems
+from workloads.qoe import SPEED_GROUPS, draw_expected_tds, qoe_expectation, qoe_problems
 
 ARRIVALS = ("poisson", "gamma", "constant", "trace")
 
@@ -58,6 +62,7 @@ class WorkloadSpec:
     qoe: str = "reading"  # reading | speaking | custom
     expected_ttft_s: float | None = None  # overrides the preset's
     expected_tds_tok_s: float | None = None  # overrides the preset's
+    qoe_draw: bool | None = None  # each request's TDS_exp drawn from the preset's table (Andes Table 1/2)
 
     def problems(self) -> list[tuple[str, str]]:
         """(field, message) for every semantic error; files are checked when schedules are built."""
@@ -82,6 +87,9 @@ class WorkloadSpec:
         if not _count(self.max_new_tokens, None):
             out.append(("max_new_tokens", f"must be a positive integer, not {self.max_new_tokens!r}"))
         out.extend(qoe_problems(self.qoe, self.expected_ttft_s, self.expected_tds_tok_s))
+        if self.qoe_draw and (self.qoe not in SPEED_GROUPS or self.expected_tds_tok_s is not None):
+            out.append(("qoe_draw", f"draws from the reading or speaking table; not with qoe {self.qoe!r}"
+                        + (" and expected_tds_tok_s given" if self.expected_tds_tok_s is not None else "")))
         return out
 
 
@@ -128,6 +136,10 @@ def build_schedules(
             prompt_tokens=prompt_tokens,
             max_new_tokens_per_request=max_new,
         )
+        speeds = [qoe.expected_tds_tok_s] * count
+        if spec.qoe_draw:
+            drawn = draw_expected_tds(spec.qoe, np.random.default_rng(derive_seed(seed, device, "qoe")), count)
+            speeds = [round(float(v), 6) for v in drawn]
         out[device] = [
             {
                 "request_id": request_id(index, i),
@@ -136,10 +148,10 @@ def build_schedules(
                 "prompt_tokens": prompt.prompt_tokens,
                 "max_new_tokens": prompt.max_new_tokens,
                 "expected_ttft_s": qoe.expected_ttft_s,
-                "expected_tds_tok_s": qoe.expected_tds_tok_s,
+                "expected_tds_tok_s": speed,
                 "prompt_source": prompt.source,
             }
-            for i, (time_s, prompt) in enumerate(zip(times, prompts, strict=True))
+            for i, (time_s, prompt, speed) in enumerate(zip(times, prompts, speeds, strict=True))
         ]
     return out
 

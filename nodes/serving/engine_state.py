@@ -12,7 +12,10 @@ with no room in host memory: its KV is recomputed from its prompt and output whe
 3. the worker computes the plan and reports each new token with ``delivered``.
 
 As vLLM 0.2.7 (which Andes builds on) does, an iteration that admits requests is a prefill iteration
-of those alone; the running ones decode in the next. Every preemption is counted per request.
+of those alone; the running ones decode in the next. Every preemption is counted per request. A
+request that could never run (its prompt and one token over the whole KV capacity) is refused as it
+arrives, and one that grows to the whole capacity alone ends there, as vLLM ends a sequence at the
+model's length: ``finished_by`` says which.
 """
 
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -42,6 +45,7 @@ class ServedRequest(object):
         self.preemptions = self.swaps = self.recomputes = 0
         self.first_token_s: Optional[float] = None
         self.done_s: Optional[float] = None
+        self.finished_by: Optional[str] = None  # eos | length | capacity | refused
         self.cache: Any = None  # the worker's KV cache object (kept while swapped, dropped when dropped)
 
     @property
@@ -87,8 +91,19 @@ class EngineState(object):
         self.latency_table = np.array([np.nan] + [self.latency_of(b) for b in range(1, self.max_batch + 1)])
 
     # -- what the engine holds -----------------------------------------------------------------
-    def add(self, request: ServedRequest) -> None:
+    def add(self, request: ServedRequest, now_s: float) -> bool:
+        """Take a request in; False when it is refused (it could never fit in the KV capacity)."""
+        if request.context_tokens + 1 > self.capacity_tokens:
+            self._finish(request, now_s, "refused")
+            return False
         self.live.append(request)
+        return True
+
+    def _finish(self, request: ServedRequest, now_s: float, why: str) -> None:
+        request.state, request.done_s, request.cache, request.finished_by = DONE, now_s, None, why
+        if request in self.live:
+            self.live.remove(request)
+        self.finished.append(request)
 
     def in_state(self, state: str) -> List[ServedRequest]:
         return [r for r in self.live if r.state == state]
@@ -102,7 +117,7 @@ class EngineState(object):
     def lookahead_s(self) -> float:
         if self.fixed_lookahead_s is not None:
             return self.fixed_lookahead_s
-        spans = [r.done_s - r.arrival_s for r in self.finished if r.done_s is not None]
+        spans = [r.done_s - r.arrival_s for r in self.finished if r.done_s is not None and r.finished_by != "refused"]
         return float(np.mean(spans)) if spans else 30.0  # before any completes: a long answer's time
 
     # -- one iteration -------------------------------------------------------------------------
@@ -179,9 +194,10 @@ class EngineState(object):
         request.shadow.deliver(now_s - request.arrival_s)
         if request.first_token_s is None:
             request.first_token_s = now_s
-        if len(request.generated) >= request.max_new_tokens or (eos_id is not None and token == eos_id):
-            request.state, request.done_s, request.cache = DONE, now_s, None
-            self.live.remove(request)
-            self.finished.append(request)
-            return True
-        return False
+        if eos_id is not None and token == eos_id:
+            self._finish(request, now_s, "eos")
+        elif len(request.generated) >= request.max_new_tokens:
+            self._finish(request, now_s, "length")
+        elif request.context_tokens + 1 > self.capacity_tokens:  # no room for its next token, even alone
+            self._finish(request, now_s, "capacity")
+        return request.state == DONE

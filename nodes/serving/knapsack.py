@@ -2,7 +2,8 @@
 maximise the summed gain q_i over a selection with sum(x) = B and sum(l_i x_i) <= M.
 
 - ``greedy_pack``: Algorithm 1, by Eq. 5's priority q_i / l_i, stopping at the first request that
-  does not fit (the paper's ``break``: it may select fewer than B);
+  does not fit (the paper's ``break``: it may select fewer than B); ``greedy_pack_many`` for several
+  batch sizes in one pass;
 - ``exact_pack``: Algorithm 2's dynamic programme, exact, memory counted in blocks (1 token a block is
   Eq. 4 exactly; vLLM allocates KV in blocks of 16);
 - ``largest_batch``: B_max, the most requests that fit at once (the shortest first).
@@ -16,15 +17,21 @@ import numpy as np
 def greedy_pack(gains: np.ndarray, lengths: np.ndarray, batch: int, capacity_tokens: int) -> np.ndarray:
     """Algorithm 1: take requests in descending q_i / l_i (Eq. 5) while both the batch and the memory
     have room; the first that does not fit ends the packing. Returns the selection as a bool mask."""
+    return greedy_pack_many(np.asarray(gains, dtype="float64")[None, :], lengths, np.array([batch]), capacity_tokens)[0]
+
+
+def greedy_pack_many(gains: np.ndarray, lengths: np.ndarray, batches: np.ndarray, capacity_tokens: int) -> np.ndarray:
+    """Algorithm 1 for several batch sizes at once: row g packs ``gains[g]`` (one gain per request)
+    into ``batches[g]`` requests; a bool mask per row. Ties keep the caller's order (oldest first)."""
     lengths = np.asarray(lengths, dtype="int64")
     if np.any(lengths < 1):
         raise ValueError("every request holds at least one token")
     priority = np.asarray(gains, dtype="float64") / lengths
-    order = np.argsort(-priority, kind="stable")  # ties keep the caller's order (oldest first)
-    used = np.cumsum(lengths[order])
-    taken = min(max(0, batch), int(np.searchsorted(used, capacity_tokens, side="right")))
-    chosen = np.zeros(len(lengths), dtype=bool)
-    chosen[order[:taken]] = True
+    order = np.argsort(-priority, axis=1, kind="stable")
+    used = np.cumsum(lengths[order], axis=1)
+    taken = np.minimum(np.maximum(np.asarray(batches), 0), (used <= capacity_tokens).sum(axis=1))
+    chosen = np.zeros(priority.shape, dtype=bool)
+    np.put_along_axis(chosen, order, np.arange(priority.shape[1])[None, :] < taken[:, None], axis=1)
     return chosen
 
 

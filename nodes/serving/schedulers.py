@@ -24,8 +24,8 @@ from typing import Callable, Dict, Tuple
 
 import numpy as np
 
-from nodes.serving.knapsack import exact_pack, greedy_pack, largest_batch
-from nodes.serving.qoe_shadow import serving_gain
+from nodes.serving.knapsack import exact_pack, greedy_pack_many, largest_batch
+from nodes.serving.qoe_shadow import predicted_qoe
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class SchedulerSettings:
     rr_interval: int = 50  # iterations a request runs before round robin moves it to the back
     watermark: float = 0.9  # Andes' trigger: KV cache use above this share of M (Optimisation 1)
     preemption_cap: float = 1.0  # P: preemptions over admitted requests, at most (Optimisation 4)
-    batch_grid: int = 32  # batch sizes Andes tries between B_min and B_max (all when fewer)
+    batch_grid: int = 16  # batch sizes Andes tries, geometrically from B_min to B_max (all when fewer)
     dp_block_tokens: int = 16  # andes-dp counts memory in blocks of this many tokens
 
 
@@ -147,24 +147,25 @@ def _andes(snapshot: Snapshot, settings: SchedulerSettings, exact: bool) -> Deci
               snapshot.expected_tds, since)  # fmt: skip
     # equal priorities go to the running (no preemption for nothing), then to the oldest
     order = np.lexsort((snapshot.arrival_s, ~snapshot.running))
-    best: Tuple[float, int, np.ndarray, np.ndarray] = (-np.inf, 0, snapshot.running, np.zeros(0))
-    for batch in _batch_grid(b_min, b_max, settings.batch_grid):
-        gain = serving_gain(*shadow, snapshot.lookahead_s, 1.0 / float(snapshot.latency_s[batch]), delay)
-        chosen = np.zeros(len(snapshot), dtype=bool)
-        if exact:
-            picked = exact_pack(gain[order], snapshot.need_tokens[order], int(batch), snapshot.capacity_tokens,
+    grid = _batch_grid(b_min, b_max, settings.batch_grid)
+    rates = 1.0 / snapshot.latency_s[grid][:, None]  # tokens/s a request gets in a batch of B, one row per B
+    waiting = predicted_qoe(*shadow, snapshot.lookahead_s, 0.0, 0.0)
+    gains = predicted_qoe(*shadow, snapshot.lookahead_s, rates, delay) - waiting  # Eq. 2, [B, request]
+    chosen = np.zeros(gains.shape, dtype=bool)
+    if exact:
+        for row, batch in enumerate(grid):
+            picked = exact_pack(gains[row, order], snapshot.need_tokens[order], int(batch), snapshot.capacity_tokens,
                                 settings.dp_block_tokens)  # fmt: skip
-            if picked is None:
-                continue
-        else:
-            picked = greedy_pack(gain[order], snapshot.need_tokens[order], int(batch), snapshot.capacity_tokens)
-        chosen[order] = picked
-        total = float(gain[chosen].sum())
-        if total > best[0]:
-            best = (total, int(batch), chosen, gain)
-    _, batch, run, gain = best
-    if batch == 0:
+            if picked is not None:
+                chosen[row, order] = picked
+    else:
+        need = snapshot.need_tokens[order]
+        chosen[:, order] = greedy_pack_many(gains[:, order], need, grid, snapshot.capacity_tokens)
+    totals = np.where(chosen.any(axis=1), (gains * chosen).sum(axis=1), -np.inf)
+    best = int(np.argmax(totals))  # the smallest B among equals
+    if not np.isfinite(totals[best]):
         return fcfs(snapshot, settings)
+    batch, run, gain = int(grid[best]), chosen[best], gains[best]
     run, forced = _within_cap(snapshot, settings, run.copy(), gain / snapshot.need_tokens)
     return Decision(run, int(np.sum(snapshot.running & ~run)), True, batch, forced)
 

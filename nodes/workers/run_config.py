@@ -74,7 +74,7 @@ class ServingSettings(NamedTuple):
     watermark: float = 0.9
     preemption_cap: float = 1.0
     lookahead_s: Optional[float] = None  # Andes' delta t; None: the mean completion time so far
-    batch_grid: int = 32
+    batch_grid: int = 16
     dp_block_tokens: int = 16
     latency_context_tokens: int = 512  # the context latency(B) is tabulated at (Andes App. B: B decides)
 

@@ -8,6 +8,9 @@ when the client's token buffer shows it (Andes Sec. 5): the first at once, each 
 than 1 / TDS_exp after the one before (target seconds; times the run's dilation on this clock), so
 a burst of tokens is shown at the user's pace and a stall drains what the buffer held.
 
+A request the engine refuses (its prompt alone exceeds the KV capacity) ends with no tokens and
+``finished_by: refused``; one that filled the whole capacity alone ends with ``capacity``.
+
 Logs, like a device rank's: ``requests.jsonl`` (per request: arrival, first and last token,
 the engine's preemptions, swaps and recomputes, the last display time, the tokens and text) and
 ``tokens.csv`` (``request_id, index, token_id, ts_s, display_s``).
@@ -103,7 +106,7 @@ class ServingClient:
                 continue
             flight.download_bytes += size
             tds = flight.request.expected_tds_tok_s
-            for token in segment.payload.view(-1).tolist():
+            for token in segment.payload.view(-1).tolist() if segment.payload is not None else []:
                 flight.tokens.append(int(token))
                 flight.stamps.append(arrived)
                 gap = self.dilation / tds if tds else 0.0  # the buffer's pace, on this clock
@@ -119,22 +122,32 @@ class ServingClient:
             for i, (token, ts, shown) in enumerate(zip(tokens, flight.stamps, flight.shown))
         ])  # fmt: skip
         preemptions, swaps, recomputes = flight.stats if flight.stats is not None else (None, None, None)
+        if not tokens:
+            finished_by = "refused"  # its prompt alone does not fit in the engine's KV capacity
+        elif tokens[-1] == self.tokenizer.eos_id:
+            finished_by = "eos"
+        else:
+            finished_by = "length" if len(tokens) >= request.max_new_tokens else "capacity"
         record: Dict[str, Any] = {
             "request_id": request.request_id, "node": self.spec.node, "method": self.config.method,
             "prompt_tokens": flight.prompt_tokens, "output_tokens": len(tokens),
-            "max_new_tokens": request.max_new_tokens,
-            "finished_by": "eos" if tokens and tokens[-1] == self.tokenizer.eos_id else "length",
+            "max_new_tokens": request.max_new_tokens, "finished_by": finished_by,
             "arrival_s": round(request.arrival_s, 6), "start_s": round(flight.sent_s, 6),
             "upload_start_s": round(flight.sent_s, 6), "upload_end_s": round(flight.sent_s, 6),
-            "first_token_s": round(flight.stamps[0], 6), "last_token_s": round(flight.stamps[-1], 6),
-            "done_s": round(self.now(), 6), "ttft_s": round(flight.stamps[0] - request.arrival_s, 6),
+            "first_token_s": _stamp(flight.stamps, 0), "last_token_s": _stamp(flight.stamps, -1),
+            "done_s": round(self.now(), 6),
+            "ttft_s": round(flight.stamps[0] - request.arrival_s, 6) if tokens else None,
             "serving": {"scheduler": self.config.serving.scheduler, "preemptions": _whole(preemptions),
                         "swaps": _whole(swaps), "recomputes": _whole(recomputes),
-                        "last_display_s": round(flight.shown[-1], 6)},
+                        "last_display_s": _stamp(flight.shown, -1)},
             "upload_bytes": flight.upload_bytes, "download_bytes": flight.download_bytes,
             "token_ids": tokens, "text": self.tokenizer.decode(tokens),
         }  # fmt: skip
         self.requests.write(record)
+
+
+def _stamp(stamps: List[float], index: int) -> Optional[float]:
+    return round(stamps[index], 6) if stamps else None
 
 
 def _whole(value: Optional[float]) -> Optional[int]:

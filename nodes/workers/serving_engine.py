@@ -143,13 +143,31 @@ class ServingEngine:
 
     def _admit_arrivals(self, segments, source: int) -> None:
         asked: Dict[int, wire.Segment] = {s.request_id: s for s in segments if s.phase == wire.REQUEST}
+        refused: List[wire.Segment] = []
         for s in segments:
             if s.phase != wire.PREFILL:
                 continue
             max_new, ttft, tds = asked[s.request_id].payload[0].tolist()
             ids = [int(i) for i in s.payload.view(-1).tolist()]
-            self.state.add(ServedRequest((source, s.request_id), self.clock(), ids, int(max_new),
-                                         ttft if ttft > 0 else 1.0, tds if tds > 0 else 1e6))  # fmt: skip
+            request = ServedRequest((source, s.request_id), self.clock(), ids, int(max_new), ttft if ttft > 0 else 1.0,
+                                    tds if tds > 0 else 1e6)  # fmt: skip
+            if not self.state.add(request, self.clock()):  # it could never fit: refused, no tokens
+                refused += self._closing(request, [])
+                self._log_request(request)
+        if refused:
+            self.outbox.send(self.comm, wire.encode(wire.DATA, self.iteration, refused), source, mpi_link.TAG_DOWN)
+
+    @staticmethod
+    def _closing(request: ServedRequest, token_ids: List[int]) -> List[wire.Segment]:
+        """A finished request's last segments: its counts, then its last tokens (none if refused)
+        flagged DONE."""
+        device, request_id = request.key
+        stats = request.stats()
+        counts = torch.tensor([[stats["preemptions"], stats["swaps"], stats["recomputes"]]], dtype=torch.float32)
+        ids = torch.tensor(token_ids, dtype=torch.int32).view(-1, 1)
+        return [wire.Segment(request_id, device, wire.STATS, 0, 1, counts),
+                wire.Segment(request_id, device, wire.TOKENS, len(request.generated) - len(token_ids), len(token_ids),
+                             ids if token_ids else None, wire.DONE)]  # fmt: skip
 
     def _iterate(self) -> None:
         start = self.clock()
@@ -167,13 +185,15 @@ class ServingEngine:
                 time.sleep(swap_s)
         new_tokens = sum(r.context_tokens if plan.kind == "prefill" else 1 for r in plan.compute)
         recomputed = sum(1 for r in plan.compute if plan.kind == "prefill" and r.generated)
-        began = time.monotonic()
-        tokens = self._compute(plan)
-        compute_s = time.monotonic() - began
-        if plan.kind == "decode" and self.pacer is None and self.iteration % 50 == 0:
-            self.observed_step_s = [compute_s]  # an unprofiled engine's latency(B): its last timed decode
-            self.state.refresh_latency()
-        self._stream(plan, tokens)
+        compute_s = 0.0
+        if plan.compute:  # (an iteration may only preempt: the next one decides again)
+            began = time.monotonic()
+            tokens = self._compute(plan)
+            compute_s = time.monotonic() - began
+            if plan.kind == "decode" and self.pacer is None and self.iteration % 50 == 0:
+                self.observed_step_s = [compute_s]  # an unprofiled engine's latency(B): its last timed decode
+                self.state.refresh_latency()
+            self._stream(plan, tokens)
         self.iteration += 1
         counts = {state: len(self.state.in_state(state)) for state in ("running", "waiting", "swapped", "dropped")}
         self.log.write({
@@ -214,19 +234,15 @@ class ServingEngine:
         by_device: Dict[int, List[wire.Segment]] = {}
         now = self.clock()
         for request, token in zip(plan.compute, tokens):
-            index = len(request.generated)
             ended = self.state.delivered(request, token, now, self.tokenizer.eos_id)
             device, request_id = request.key
             replies = by_device.setdefault(device, [])
             if ended:  # the request's counts go before its last token, which closes it at the client
-                stats = request.stats()
-                replies.append(wire.Segment(request_id, device, wire.STATS, 0, 1, torch.tensor(
-                    [[stats["preemptions"], stats["swaps"], stats["recomputes"]]], dtype=torch.float32)))  # fmt: skip
-            token_ids = torch.tensor([[token]], dtype=torch.int32)
-            flags = wire.DONE if ended else 0
-            replies.append(wire.Segment(request_id, device, wire.TOKENS, index, 1, token_ids, flags))
-            if ended:
+                replies += self._closing(request, [token])
                 self._log_request(request)
+            else:
+                token_ids = torch.tensor([[token]], dtype=torch.int32)
+                replies.append(wire.Segment(request_id, device, wire.TOKENS, len(request.generated) - 1, 1, token_ids))
         for device, replies in by_device.items():
             self.outbox.send(self.comm, wire.encode(wire.DATA, self.iteration, replies), device, mpi_link.TAG_DOWN)
 
@@ -236,6 +252,7 @@ class ServingEngine:
             "request_id": request_id, "device_rank": device, "node": self.config.ranks[device].node,
             "arrival_s": round(request.arrival_s, 6), "first_token_s": round(request.first_token_s or 0.0, 6),
             "done_s": round(request.done_s or 0.0, 6), "prompt_tokens": len(request.prompt_ids),
-            "output_tokens": len(request.generated), "expected_ttft_s": request.shadow.expected_ttft_s,
+            "output_tokens": len(request.generated), "finished_by": request.finished_by,
+            "expected_ttft_s": request.shadow.expected_ttft_s,
             "expected_tds_tok_s": request.shadow.expected_tds,
         }, **request.stats()))  # fmt: skip

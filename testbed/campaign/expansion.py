@@ -31,6 +31,10 @@ def run_id_of(settings: RunSettings, repetition: int, seed: int) -> str:
         dumped.pop("target", None)
     if dumped.get("device_slots") == 1:  # and runs with one slot a device, before slots existed
         dumped.pop("device_slots", None)
+    if dumped.get("serving") is None:  # and runs of methods without a serving engine
+        dumped.pop("serving", None)
+    if dumped.get("workload", {}).get("qoe_draw") is None:  # and workloads with the preset's speed
+        dumped["workload"].pop("qoe_draw", None)
     body = json.dumps({"settings": dumped, "repetition": repetition, "seed": seed}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 

@@ -33,6 +33,7 @@ from netem.plan import TcPlan
 from netem.profile import LinkProfile
 from netem.trace import BandwidthTrace
 from nodes.contracts.draft import default_adapter_dir
+from nodes.workers.methods import method_named
 from testbed.campaign.plan_commands import PlannedCommand, normalised_line, plan_commands
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
 from testbed.inventory import DirectedLink, Inventory, links_from_file
@@ -358,6 +359,10 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
         base_dir=campaign.base_dir,
     )  # fmt: skip
     extra: dict[str, Any] = {"draft": draft_config(campaign, settings)}
+    if method_named(settings.method).streams:
+        from testbed.campaign.serving_budget import serving_config
+
+        extra["serving"] = serving_config(lab, campaign.base_dir, settings)
     if settings.target is not None:
         from testbed.target_emulation import resolve_target
 

@@ -7,7 +7,8 @@ seconds on the device's clock from the run's start barrier, nested timings flatt
 ``completed`` false, so a failed run's tables say what was missing. ``clock_origin_unix_s`` is the
 device's wall clock at its start barrier (from the rank file's header), which lets analysis put
 request times on the controller's clock. ``tokens.parquet`` has one row
-per delivered token (``node``, ``request_id``, ``index``, ``token_id``, ``ts_s``). A run that
+per delivered token (``node``, ``request_id``, ``index``, ``token_id``, ``ts_s``, and for a streaming
+method's clients ``display_s``, when the token buffer showed it). A run that
 emulates a target also gets ``steps.parquet``: every paced step with its real and target seconds.
 """
 
@@ -25,6 +26,7 @@ from nodes.contracts.rank_dirs import device_glob, parse_rank_dir
 
 SCHEDULE_COLUMNS = ("expected_ttft_s", "expected_tds_tok_s", "prompt_source")
 TOKEN_COLUMNS = ["node", "request_id", "index", "token_id", "ts_s"]
+OPTIONAL_TOKEN_COLUMNS = ["display_s"]  # a streaming client's token buffer: when each token was shown
 
 
 def _lines(path: Path) -> list[str]:
@@ -90,7 +92,8 @@ def read_tokens(ranks: Path) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame({c: pd.Series(dtype="float64" if c == "ts_s" else "int64") for c in TOKEN_COLUMNS[1:]}
                             ).assign(node=pd.Series(dtype="object"))[TOKEN_COLUMNS]  # fmt: skip
-    return pd.concat(frames, ignore_index=True)[TOKEN_COLUMNS]
+    tokens = pd.concat(frames, ignore_index=True)
+    return tokens[TOKEN_COLUMNS + [c for c in OPTIONAL_TOKEN_COLUMNS if c in tokens]]
 
 
 def requests_table(ranks: Path, schedules: Mapping[str, Sequence[Mapping[str, Any]]]) -> pd.DataFrame:

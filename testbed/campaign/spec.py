@@ -33,8 +33,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
+from nodes.workers.methods import method_named
 from nodes.workers.methods import names as method_names
 from nodes.workers.run_config import DRAFT_LIMITS
 from nodes.workers.run_config import DraftSettings as RunDraftSettings
@@ -64,6 +74,7 @@ class WorkloadSettings(_Strict):
     qoe: Literal["reading", "speaking", "custom"] = "reading"
     expected_ttft_s: float | None = Field(None, gt=0, le=3600)
     expected_tds_tok_s: float | None = Field(None, gt=0, le=10_000)
+    qoe_draw: StrictBool | None = None  # each request's TDS_exp drawn from Andes' Table 1 (reading) or 2 (speaking)
 
 
 class LinkSettings(_Strict):
@@ -115,6 +126,28 @@ class TargetSettings(_Strict):
     pad_payloads: StrictBool = True  # hidden states on the wire at the target's width and dtype
 
 
+class ServingSettings(_Strict):
+    """The serving engine of a streaming method (``serving``): its scheduler (``nodes.serving``) and
+    budgets. With a target, the KV capacity is what the server's GPUs hold after the target's weights
+    (``tensor_parallel`` x the profile's memory x ``gpu_memory_utilization``), and swaps cross the
+    profile's host link; ``capacity_tokens`` overrides it. ``swap_gb``: host memory for swapped KV
+    (Andes: 240 GB), None for unbounded; 0 makes every preemption a recompute."""
+
+    scheduler: Literal["fcfs", "rr", "andes", "andes-dp"] = "fcfs"
+    capacity_tokens: StrictInt | None = Field(None, ge=1, le=10**12)
+    swap_gb: float | None = Field(None, ge=0, le=100_000)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # vLLM's default share of GPU memory it takes
+    tensor_parallel: StrictInt = Field(1, ge=1, le=64)
+    max_batch: StrictInt = Field(256, ge=1, le=100_000)
+    rr_interval: StrictInt = Field(50, ge=1, le=1_000_000)
+    watermark: float = Field(0.9, gt=0, le=1)
+    preemption_cap: float = Field(1.0, ge=0, le=1000)
+    lookahead_s: float | None = Field(None, gt=0, le=100_000)
+    batch_grid: StrictInt = Field(16, ge=1, le=100_000)  # B values tried, geometric from B_min to B_max
+    dp_block_tokens: StrictInt = Field(16, ge=1, le=4096)
+    latency_context_tokens: StrictInt = Field(512, ge=0, le=10**7)
+
+
 class RunSettings(_Strict):
     """One run's configuration: what a matrix key may override (``link.profile``, ``power.orin``)."""
 
@@ -137,6 +170,7 @@ class RunSettings(_Strict):
     # slot, else waits for the first to free up): 1 is one user's device, whose requests wait for the
     # one before; HAT's lab serves arrivals at once (a serial device would queue them at its rates)
     device_slots: StrictInt = Field(1, ge=1, le=64)
+    serving: ServingSettings | None = None  # a streaming method's engine; None: its defaults
 
     @field_validator("method")
     @classmethod
@@ -144,6 +178,13 @@ class RunSettings(_Strict):
         if name not in method_names():
             raise ValueError(f"unknown method {name!r}; one of {', '.join(method_names())}")
         return name
+
+    @model_validator(mode="after")
+    def _one_client_a_device(self) -> RunSettings:
+        if self.device_slots > 1 and method_named(self.method).streams:
+            raise ValueError(f"device_slots: {self.method}'s client keeps every request of its device in flight "
+                             "at once; leave device_slots at 1")  # fmt: skip
+        return self
 
 
 class FailurePolicy(_Strict):
