@@ -198,6 +198,9 @@ def test_a_killed_device_worker_fails_its_run_and_the_next_run_proceeds(lab, tmp
     assert "worker pool exit" in failed[4] and failed[5] == "orin", failed
     manifest = json.loads((out / "runs" / failed[1] / "manifest.json").read_text())
     assert manifest["status"] == "failed" and manifest["attempt"] == 1
+    # the log the reason points at is where the reason says, once the attempt's directory is the run's
+    for reason in (failed[4], manifest["reason"]):
+        assert "(see " in reason and Path(reason.rsplit("(see ", 1)[1].rstrip(")")).is_file(), reason
     # the failed run's pool was torn down: the next run started a new one, cold
     second = json.loads((out / "runs" / rows[1][1] / "manifest.json").read_text())
     assert manifest["workers"]["start"] == "cold" and second["workers"]["start"] == "cold"

@@ -245,15 +245,15 @@ def run_campaign(
                     # configuring them) is restored now, not at the campaign's end
                     _release_unneeded(campaign, held, (outcome.kept.power, outcome.kept.links), say)
                 held = outcome.kept
-                _settle_directory(directory, row.run_id, work)
+                reason = _settle_directory(directory, row.run_id, work, outcome.reason)
                 newly = ledger.finish(
-                    row.run_id, outcome.state, reason=outcome.reason, node=outcome.failed_node,
+                    row.run_id, outcome.state, reason=reason, node=outcome.failed_node,
                     run_nodes=row.nodes, quarantine_after=campaign.spec.failure.quarantine_after,
                 )  # fmt: skip
                 for node in newly:
                     say(f"{node} is quarantined: it failed {campaign.spec.failure.quarantine_after} runs in a row; "
                         "runs that need it are skipped (--resume --retry-failed tries them again)")  # fmt: skip
-                report("run_end", {"run_id": row.run_id, "state": outcome.state, "reason": outcome.reason,
+                report("run_end", {"run_id": row.run_id, "state": outcome.state, "reason": reason,
                                    "counts": ledger.counts()})  # fmt: skip
                 if outcome.state == "failed" and campaign.spec.failure.on_failure == "stop":
                     stopped = any(r.state == "todo" for r in ledger.runs())
@@ -297,11 +297,22 @@ def _finish(campaign: Campaign, directory: Path, pools: PoolKeeper, held: Kept, 
             say(f"could not restore: {problem}")
 
 
-def _settle_directory(directory: Path, run_id: str, work: Path) -> None:
-    """Make ``work`` the run's directory; an earlier failed attempt there moves aside (kept)."""
+def _settle_directory(directory: Path, run_id: str, work: Path, reason: str | None) -> str | None:
+    """Make ``work`` the run's directory; an earlier failed attempt there moves aside (kept). Returns
+    ``reason`` with the paths it names in ``work`` moved too, as the manifest now says it (a failed
+    run's reason points at its logs, which the user must find where they are)."""
     final = final_dir(directory, run_id)
     if final.exists():
         previous = json.loads((final / "manifest.json").read_text()).get("attempt", 0) if (
             final / "manifest.json").is_file() else 0  # fmt: skip
         final.rename(final.with_name(f"{run_id}.attempt{previous}"))
     work.rename(final)
+    if reason is None or str(work) not in reason:
+        return reason
+    moved = reason.replace(str(work), str(final))
+    manifest = final / "manifest.json"
+    if manifest.is_file():
+        recorded = json.loads(manifest.read_text())
+        if isinstance(recorded.get("reason"), str):
+            write_json_atomic(manifest, dict(recorded, reason=recorded["reason"].replace(str(work), str(final))))
+    return moved
