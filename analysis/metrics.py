@@ -260,6 +260,49 @@ def capacity_per_s(rates_per_s: Sequence[float], mean_qoe: Sequence[float],
     return float(rates[upto - 1]) if upto else float("nan")
 
 
+def token_delivery_speed(tokens: pd.DataFrame) -> pd.DataFrame:
+    """Per request, Andes Table 4's TDS: tokens delivered after the first over the time they took,
+    (n - 1) / (t_last - t_first), on arrival at the client, before its buffer (brief, pitfall 9);
+    NaN for fewer than two tokens."""
+    key = _key(tokens)
+    per = tokens.groupby(key, observed=True)["ts_s"].agg(["count", "min", "max"]).reset_index()
+    span = (per["max"] - per["min"]).where(per["count"] > 1)
+    per["tds_tok_s"] = (per["count"] - 1) / span.where(span > 0)
+    return per[[*key, "tds_tok_s"]]
+
+
+def serving_table(requests: pd.DataFrame, tokens: pd.DataFrame, qoe: pd.DataFrame, runs: pd.DataFrame,
+                  by: Sequence[str]) -> pd.DataFrame:  # fmt: skip
+    """Andes' Table 4 layout per group of ``by``: QoE, TTFT (s) and TDS (tokens/s) at p10/p50/p90,
+    mean QoE, preemptions per request, refused requests, and generated tokens per second (the mean
+    over the group's runs of :func:`throughput`). Every scheduled request with an expectation counts
+    (brief, pitfall 8): one without a QoE (refused, or cut short) counts 0."""
+    key = _key(requests)
+    want = requests.dropna(subset=["expected_ttft_s", "expected_tds_tok_s"])
+    frame = want.merge(qoe[[*key, "qoe"]], on=key, how="left").merge(token_delivery_speed(tokens), on=key, how="left")
+    frame["qoe"] = frame["qoe"].fillna(0.0)
+    frame = frame.merge(runs[["run_id", *by]], on="run_id")
+    rates = throughput(requests).merge(runs[["run_id", *by]], on="run_id")
+    rows = []
+    for values, part in frame.groupby(list(by), sort=True, dropna=False):
+        row = dict(zip(by, values if isinstance(values, tuple) else (values,), strict=True))
+        row.update(requests=len(part), qoe_mean=part["qoe"].mean())
+        for name, column in (("qoe", "qoe"), ("ttft_s", "ttft_s"), ("tds_tok_s", "tds_tok_s")):
+            for pct in (10, 50, 90):
+                row[f"{name}_p{pct}"] = float(np.nanpercentile(part[column], pct)) if part[column].notna().any() \
+                    else float("nan")  # fmt: skip
+        if "serving_preemptions" in part:
+            row["preemptions_per_request"] = part["serving_preemptions"].fillna(0).mean()
+        if "finished_by" in part:
+            row["refused"] = int((part["finished_by"] == "refused").sum())
+        mine = rates
+        for column, value in zip(by, values if isinstance(values, tuple) else (values,), strict=True):
+            mine = mine[mine[column] == value]
+        row["output_tokens_per_s"] = mine["output_tokens_per_s"].mean()
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 # -- speculative decoding ---------------------------------------------------------------------------
 
 

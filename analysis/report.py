@@ -158,6 +158,35 @@ def fidelity_section(report: Report, steps: pd.DataFrame, done: pd.DataFrame) ->
         report.lines += [f"Every node of every run kept its overruns at or under {limit} of its steps.", ""]
 
 
+SERVING_AXES = ("workload.rate_per_s", "workload.arrival", "workload.cv", "workload.qoe", "serving.preemption_cap",
+                "serving.lookahead_s", "serving.capacity_tokens")  # fmt: skip
+
+
+def serving_section(report: Report, requests: pd.DataFrame, tokens: pd.DataFrame, qoe: pd.DataFrame,
+                    done: pd.DataFrame, axes: list[str]) -> None:  # fmt: skip
+    """Andes' view of the serving runs: Table 4's layout per scheduler (and per rate, trace, cap...),
+    and each scheduler's capacity when the rate varies."""
+    serving = done[done["serving.scheduler"].notna()]
+    by = ["serving.scheduler", *[a for a in SERVING_AXES if a in axes]]
+    table = metrics.serving_table(requests[requests["run_id"].isin(serving["run_id"])], tokens, qoe, serving, by)
+    report.lines += ["## Serving (Andes Table 4 layout)", ""]
+    report.table("serving", table,
+                 "Per scheduler: QoE (Eq. 1, every request with an expectation; a refused one counts 0), TTFT "
+                 "(s) and TDS (tokens/s from the first token to the last, before the client's buffer) at "
+                 "p10/p50/p90; preemptions per request; requests refused (their prompt alone exceeds the KV "
+                 "capacity); generated tokens per second over each run's span.", digits=3)  # fmt: skip
+    if "workload.rate_per_s" in by:
+        others = [c for c in by if c != "workload.rate_per_s"]
+        lines = []
+        for values, part in table.groupby(others, sort=True):
+            label = ", ".join(f"{c}={v}" for c, v in zip(others, values if isinstance(values, tuple) else (values,),
+                                                            strict=True))  # fmt: skip
+            capacity = metrics.capacity_per_s(part["workload.rate_per_s"], part["qoe_mean"])
+            lines.append(f"{label}: {'none' if np.isnan(capacity) else f'{capacity:g} requests/s a device'}")
+        report.lines += ["Capacity (the highest tested rate whose mean QoE is at least 0.9, Andes Sec. 6.1): "
+                         + "; ".join(lines) + ".", ""]  # fmt: skip
+
+
 def build_report(campaign_dir: str | Path, options: ReportOptions | None = None) -> Path:
     """Compute every metric of the campaign, write the report's tables, figures and markdown into
     ``<campaign>/report/`` and return the markdown file's path."""
@@ -256,6 +285,9 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
             r += ["Capacity (Andes Sec. 6.1: the highest tested rate with mean QoE >= 0.9): "
                   + ", ".join(f"{m} {'none' if np.isnan(c) else f'{c:g} requests/s'}" for m, c in capacity.items())
                   + ".", ""]  # fmt: skip
+
+    if "serving.scheduler" in done.columns and done["serving.scheduler"].notna().any():
+        serving_section(report, requests, tokens, qoe, done, axes)
 
     power = metrics.node_power(data.telemetry[data.telemetry["run_id"].isin(ids)]) if not data.telemetry.empty \
         else pd.DataFrame()  # fmt: skip

@@ -584,3 +584,26 @@ def test_node_power_decides_board_or_sensors_per_kind():
     ])  # fmt: skip
     power = metrics.node_power(telemetry).set_index("kind")["power_mw"]
     assert power.to_dict() == {"measured": 5000.0, "modeled": 700.0}
+
+
+def test_andes_table4_tds_is_the_pre_buffer_speed_and_unserved_requests_count_zero_qoe():
+    # request 1: 5 tokens 0.1 s apart from 1.0 s (TDS 10/s); request 2: refused, no tokens;
+    # request 3: one token (no speed)
+    tokens = pd.DataFrame({"run_id": "r", "node": "d", "request_id": [1] * 5 + [3],
+                           "index": [0, 1, 2, 3, 4, 0], "ts_s": [1.0, 1.1, 1.2, 1.3, 1.4, 2.0]})  # fmt: skip
+    speeds = metrics.token_delivery_speed(tokens).set_index("request_id")["tds_tok_s"]
+    assert speeds[1] == pytest.approx(10.0) and math.isnan(speeds[3])
+    requests = pd.DataFrame({
+        "run_id": "r", "node": "d", "request_id": [1, 2, 3], "arrival_s": [0.5, 0.6, 1.5],
+        "first_token_s": [1.0, np.nan, 2.0], "last_token_s": [1.4, np.nan, 2.0], "ttft_s": [0.5, np.nan, 0.5],
+        "output_tokens": [5, 0, 1], "completed": True, "expected_ttft_s": 1.0, "expected_tds_tok_s": 4.8,
+        "serving_preemptions": [2, 0, 1], "finished_by": ["length", "refused", "length"],
+    })  # fmt: skip
+    qoe = metrics.qoe_table(requests, tokens)
+    runs = pd.DataFrame({"run_id": ["r"], "serving.scheduler": ["andes"]})
+    table = metrics.serving_table(requests, tokens, qoe, runs, ["serving.scheduler"]).iloc[0]
+    assert table["requests"] == 3 and table["refused"] == 1
+    assert table["qoe_mean"] == pytest.approx((1.0 + 0.0 + 1.0) / 3)  # both served ones were early: QoE 1
+    assert table["preemptions_per_request"] == pytest.approx(1.0)
+    assert table["tds_tok_s_p50"] == pytest.approx(10.0)
+    assert table["output_tokens_per_s"] == pytest.approx(6 / (2.0 - 0.5))

@@ -137,6 +137,7 @@ class ServingClient:
             "first_token_s": _stamp(flight.stamps, 0), "last_token_s": _stamp(flight.stamps, -1),
             "done_s": round(self.now(), 6),
             "ttft_s": round(flight.stamps[0] - request.arrival_s, 6) if tokens else None,
+            "decode": {"steps": max(0, len(tokens) - 1)},  # one token an engine iteration
             "serving": {"scheduler": self.config.serving.scheduler, "preemptions": _whole(preemptions),
                         "swaps": _whole(swaps), "recomputes": _whole(recomputes),
                         "last_display_s": _stamp(flight.shown, -1)},
