@@ -428,3 +428,33 @@ def test_expected_speeds_are_drawn_from_the_andes_tables_at_the_presets_mean(nam
     # the commonest group is the most drawn: 25-44 year olds (51.9%) read at 200 words/min; English 79.3%
     _, counts = np.unique(drawn, return_counts=True)
     assert counts.max() / len(drawn) == pytest.approx(0.519 if name == "reading" else 0.793 + 0.069, abs=0.01)
+
+
+def test_output_lengths_follow_sharegpt_and_multiround_inputs_are_capped_at_1k() -> None:
+    from workloads.prompts import draw_output_lengths, draw_prompt_lengths
+
+    outputs = np.array(draw_output_lengths("sharegpt", count=20_000, seed=1, max_new_tokens=100_000))
+    assert outputs.mean() == pytest.approx(337.99, rel=0.03) and outputs.min() >= 1
+    capped = np.array(draw_output_lengths("sharegpt", count=2000, seed=1, max_new_tokens=256))
+    assert capped.max() == 256 and (capped <= 256).all()
+    multi = np.array(draw_prompt_lengths("sharegpt-multiround", count=20_000, seed=2))
+    single = np.array(draw_prompt_lengths("sharegpt", count=20_000, seed=2))
+    assert multi.max() == 1024 and 2.4 < multi.mean() / single.mean() < 3.0  # 3x before the 1k cap
+    with pytest.raises(TestbedError, match="unknown set 'vicuna'"):
+        draw_output_lengths("vicuna", count=1, seed=1, max_new_tokens=8)
+
+
+def test_a_schedule_draws_each_requests_output_length_and_speed() -> None:
+    spec = WorkloadSpec(prompts="sharegpt", output_lengths="sharegpt", max_new_tokens=300, requests_per_device=40,
+                        qoe="speaking", qoe_draw=True)  # fmt: skip
+    rows = build_schedules(spec, ["orin", "xavier"], seed=4, model_dir=TINY)
+    lengths = [r["max_new_tokens"] for r in rows["orin"]]
+    assert len(set(lengths)) > 10 and max(lengths) <= 300 and min(lengths) >= 1
+    mean_wpm = 0.793 * 150 + 0.070 * 158 + 0.069 * 150 + 0.036 * 195 + 0.032 * 218  # Andes Table 2
+    speeds = {r["expected_tds_tok_s"] for r in rows["orin"]}
+    assert len(speeds) > 1 and speeds <= {round(3.3 * w / mean_wpm, 6) for w in (150, 158, 195, 218)}
+    assert [r["max_new_tokens"] for r in rows["xavier"]] != lengths  # each device its own draws
+    assert ("output_lengths", "unknown output length set 'none'; choose one of sharegpt, alpaca") in \
+        WorkloadSpec(output_lengths="none").problems()
+    assert any(field == "qoe_draw" for field, _ in WorkloadSpec(qoe="custom", expected_ttft_s=1.0,
+                                                                 expected_tds_tok_s=4.0, qoe_draw=True).problems())

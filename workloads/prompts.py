@@ -29,6 +29,10 @@ any Gamma's 1.34 or a uniform's 1.39).
 | cnndm | 1036.6 | 511.8 | 1772 | 1723 | HAT (Xie et al.), Table 3, Vicuna-13B tokenizer |
 | sharegpt | 161.31 | 161.31 (CV 1, assumed) | - | 371 | vLLM (Kwon et al., SOSP 2023) §6.1, Fig. 11a |
 | alpaca | 19.31 | 9.66 (CV 0.5, assumed) | - | 32 | vLLM (Kwon et al., SOSP 2023) §6.1, Fig. 11b |
+| sharegpt-multiround | 483.93 (3x ShareGPT) | 483.93 (CV 1, assumed), cap 1024 | - | - | Andes (Liu et al.) §6.1 |
+
+Output lengths (``workload.output_lengths``) follow ShareGPT's (mean 337.99, CV 1 assumed) or
+Alpaca's (58.45, CV 0.5 assumed) outputs from the same figure, capped by ``max_new_tokens``.
 
 For ShareGPT and Alpaca only the mean input length is published there (ShareGPT's prompts are 8.4x
 Alpaca's on average); the spread is an assumption, hence "ShareGPT-like" and "Alpaca-like".
@@ -68,6 +72,7 @@ class LengthModel:
     std_tokens: float
     p90_tokens: float | None  # published, for reference; not fitted
     source: str
+    cap_tokens: int | None = None  # no draw is longer (a set built with a cap)
 
     @property
     def shape(self) -> float:
@@ -78,7 +83,8 @@ class LengthModel:
         return self.std_tokens**2 / self.mean_tokens
 
     def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
-        return rng.gamma(self.shape, self.scale_tokens, size=count)
+        drawn = rng.gamma(self.shape, self.scale_tokens, size=count)
+        return drawn if self.cap_tokens is None else np.minimum(drawn, self.cap_tokens)
 
 
 LENGTH_MODELS: dict[str, LengthModel] = {
@@ -86,8 +92,26 @@ LENGTH_MODELS: dict[str, LengthModel] = {
     "cnndm": LengthModel(1036.6, 511.8, 1772.0, "HAT (Xie et al.) Table 3"),
     "sharegpt": LengthModel(161.31, 161.31, None, "vLLM (Kwon et al., SOSP 2023) Fig. 11a; CV 1 assumed"),
     "alpaca": LengthModel(19.31, 0.5 * 19.31, None, "vLLM (Kwon et al., SOSP 2023) Fig. 11b; CV 0.5 assumed"),
+    # Andes Sec. 6.1: earlier rounds of a conversation concatenated into the input, capped at 1k
+    # tokens; inputs about 3x ShareGPT's (mean 3 x 161.31, CV 1 assumed before the cap)
+    "sharegpt-multiround": LengthModel(483.93, 483.93, None, "Andes (Liu et al.) Sec. 6.1; CV 1 assumed",
+                                       cap_tokens=1024),
 }
 PROMPT_SETS = ("tiny-python", *LENGTH_MODELS)
+# Output lengths (a request's max_new_tokens), drawn per request where a workload names a set here;
+# ShareGPT's outputs are 5.8x Alpaca's (vLLM Fig. 11), Multi-Round ShareGPT's are ShareGPT's (Andes)
+OUTPUT_LENGTH_MODELS: dict[str, LengthModel] = {
+    "sharegpt": LengthModel(337.99, 337.99, None, "vLLM (Kwon et al., SOSP 2023) Fig. 11a; CV 1 assumed"),
+    "alpaca": LengthModel(58.45, 0.5 * 58.45, None, "vLLM (Kwon et al., SOSP 2023) Fig. 11b; CV 0.5 assumed"),
+}
+
+
+def draw_output_lengths(output_set: str, *, count: int, seed: int, max_new_tokens: int) -> list[int]:
+    """``count`` output lengths from ``output_set``'s length model, each 1 to ``max_new_tokens``."""
+    if output_set not in OUTPUT_LENGTH_MODELS:
+        raise TestbedError(f"output_lengths: unknown set {output_set!r}; one of {', '.join(OUTPUT_LENGTH_MODELS)}")
+    drawn = OUTPUT_LENGTH_MODELS[output_set].sample(np.random.Generator(np.random.PCG64(seed)), count)
+    return [int(min(max(round(x), 1), max_new_tokens)) for x in drawn]
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from workloads.arrivals import (
     arrival_times_s,
     trace_rows_for,
 )
-from workloads.prompts import draw_prompts, prompt_set_problem
+from workloads.prompts import OUTPUT_LENGTH_MODELS, draw_output_lengths, draw_prompts, prompt_set_problem
 from workloads.qoe import SPEED_GROUPS, draw_expected_tds, qoe_expectation, qoe_problems
 
 ARRIVALS = ("poisson", "gamma", "constant", "trace")
@@ -63,6 +63,7 @@ class WorkloadSpec:
     expected_ttft_s: float | None = None  # overrides the preset's
     expected_tds_tok_s: float | None = None  # overrides the preset's
     qoe_draw: bool | None = None  # each request's TDS_exp drawn from the preset's table (Andes Table 1/2)
+    output_lengths: str | None = None  # each request's max_new_tokens drawn from this set (at most max_new_tokens)
 
     def problems(self) -> list[tuple[str, str]]:
         """(field, message) for every semantic error; files are checked when schedules are built."""
@@ -87,6 +88,9 @@ class WorkloadSpec:
         if not _count(self.max_new_tokens, None):
             out.append(("max_new_tokens", f"must be a positive integer, not {self.max_new_tokens!r}"))
         out.extend(qoe_problems(self.qoe, self.expected_ttft_s, self.expected_tds_tok_s))
+        if self.output_lengths is not None and self.output_lengths not in OUTPUT_LENGTH_MODELS:
+            out.append(("output_lengths", f"unknown output length set {self.output_lengths!r}; choose one of "
+                        f"{', '.join(OUTPUT_LENGTH_MODELS)}"))  # fmt: skip
         if self.qoe_draw and (self.qoe not in SPEED_GROUPS or self.expected_tds_tok_s is not None):
             out.append(("qoe_draw", f"draws from the reading or speaking table; not with qoe {self.qoe!r}"
                         + (" and expected_tds_tok_s given" if self.expected_tds_tok_s is not None else "")))
@@ -126,6 +130,9 @@ def build_schedules(
             max_new = [row.max_new_tokens for row in rows]
         else:
             times = arrival_times_s(process, count=count, seed=derive_seed(seed, device, "arrivals"))
+        if spec.output_lengths is not None and max_new is None:
+            max_new = draw_output_lengths(spec.output_lengths, count=count, seed=derive_seed(seed, device, "outputs"),
+                                          max_new_tokens=spec.max_new_tokens)  # fmt: skip
         prompts = draw_prompts(
             spec.prompts,
             count=count,

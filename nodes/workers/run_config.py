@@ -77,6 +77,7 @@ class ServingSettings(NamedTuple):
     batch_grid: int = 16
     dp_block_tokens: int = 16
     latency_context_tokens: int = 512  # the context latency(B) is tabulated at (Andes App. B: B decides)
+    ignore_eos: bool = False  # generate every request's max_new_tokens, as vLLM's benchmarks do
 
 
 # The one definition of the drafting knobs' ranges: campaign files are checked against them
@@ -295,6 +296,8 @@ def _serving(raw: Any, source: str) -> ServingSettings:
         value = getattr(settings, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise RunConfigError("%s: serving.%s must be a number >= 0, not %r" % (source, name, value))
+    if not isinstance(settings.ignore_eos, bool):
+        raise RunConfigError("%s: serving.ignore_eos must be true or false" % source)
     if settings.max_batch < 1 or settings.tensor_parallel < 1:
         raise RunConfigError("%s: serving.max_batch and serving.tensor_parallel must be at least 1" % source)
     return settings

@@ -124,7 +124,7 @@ class ServingClient:
         preemptions, swaps, recomputes = flight.stats if flight.stats is not None else (None, None, None)
         if not tokens:
             finished_by = "refused"  # its prompt alone does not fit in the engine's KV capacity
-        elif tokens[-1] == self.tokenizer.eos_id:
+        elif tokens[-1] == self.tokenizer.eos_id and not self.config.serving.ignore_eos:
             finished_by = "eos"
         else:
             finished_by = "length" if len(tokens) >= request.max_new_tokens else "capacity"

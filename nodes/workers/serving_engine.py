@@ -59,6 +59,7 @@ class ServingEngine:
         )
         self.tokenizer = Tokenizer(config.model)
         settings = config.serving
+        self.eos_id = None if settings.ignore_eos else self.tokenizer.eos_id
         self.dilation = config.target.dilation if config.target is not None else 1.0
         self.pacer: Optional[Pacer] = None
         if config.target is not None and spec.profile is not None:  # tensor parallel: tp GPUs' rates
@@ -234,7 +235,7 @@ class ServingEngine:
         by_device: Dict[int, List[wire.Segment]] = {}
         now = self.clock()
         for request, token in zip(plan.compute, tokens):
-            ended = self.state.delivered(request, token, now, self.tokenizer.eos_id)
+            ended = self.state.delivered(request, token, now, self.eos_id)
             device, request_id = request.key
             replies = by_device.setdefault(device, [])
             if ended:  # the request's counts go before its last token, which closes it at the client

@@ -33,8 +33,9 @@ def run_id_of(settings: RunSettings, repetition: int, seed: int) -> str:
         dumped.pop("device_slots", None)
     if dumped.get("serving") is None:  # and runs of methods without a serving engine
         dumped.pop("serving", None)
-    if dumped.get("workload", {}).get("qoe_draw") is None:  # and workloads with the preset's speed
-        dumped["workload"].pop("qoe_draw", None)
+    for field in ("qoe_draw", "output_lengths"):  # and workloads with the preset's speed, a fixed output length
+        if dumped.get("workload", {}).get(field) is None:
+            dumped["workload"].pop(field, None)
     body = json.dumps({"settings": dumped, "repetition": repetition, "seed": seed}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 

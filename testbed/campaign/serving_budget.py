@@ -50,7 +50,7 @@ def serving_config(inventory: Inventory, base_dir: Path, settings: Any) -> dict[
         "rr_interval": serving.rr_interval, "watermark": serving.watermark, "preemption_cap": serving.preemption_cap,
         "lookahead_s": serving.lookahead_s, "batch_grid": serving.batch_grid,
         "dp_block_tokens": serving.dp_block_tokens, "latency_context_tokens": serving.latency_context_tokens,
-        "capacity_tokens": serving.capacity_tokens,
+        "capacity_tokens": serving.capacity_tokens, "ignore_eos": serving.ignore_eos,
     }  # fmt: skip
     if settings.target is None:  # the real checkpoint's own KV
         dtype = None if settings.dtype == "auto" else settings.dtype

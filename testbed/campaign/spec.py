@@ -75,6 +75,7 @@ class WorkloadSettings(_Strict):
     expected_ttft_s: float | None = Field(None, gt=0, le=3600)
     expected_tds_tok_s: float | None = Field(None, gt=0, le=10_000)
     qoe_draw: StrictBool | None = None  # each request's TDS_exp drawn from Andes' Table 1 (reading) or 2 (speaking)
+    output_lengths: str | None = None  # max_new_tokens drawn per request: sharegpt | alpaca (at most max_new_tokens)
 
 
 class LinkSettings(_Strict):
@@ -146,6 +147,7 @@ class ServingSettings(_Strict):
     batch_grid: StrictInt = Field(16, ge=1, le=100_000)  # B values tried, geometric from B_min to B_max
     dp_block_tokens: StrictInt = Field(16, ge=1, le=4096)
     latency_context_tokens: StrictInt = Field(512, ge=0, le=10**7)
+    ignore_eos: StrictBool = False  # every request generates its max_new_tokens (drawn output lengths hold)
 
 
 class RunSettings(_Strict):
