@@ -72,6 +72,7 @@ class EfficiencySpec(_Strict):
     step_overhead_ms: float = Field(default=0.0, ge=0)
     layer_overhead_ms: float = Field(default=0.0, ge=0)
     prefill_overhead_ms: float = Field(default=0.0, ge=0)
+    sequence_overhead_ms: float = Field(default=0.0, ge=0)  # per sequence of a step (a serving framework's)
 
 
 class ModeSpec(_Strict):
@@ -124,6 +125,7 @@ class ComputeProfile:
             bw_efficiency=eff.bw, flops_efficiency=eff.flops, step_overhead_s=eff.step_overhead_ms / 1e3,
             layer_overhead_s=eff.layer_overhead_ms / 1e3, sharpness=eff.sharpness,
             quantized_flops_efficiency=eff.quantized_flops or 0.0, prefill_overhead_s=eff.prefill_overhead_ms / 1e3,
+            sequence_overhead_s=eff.sequence_overhead_ms / 1e3,
         )  # fmt: skip
 
 

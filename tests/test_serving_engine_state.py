@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from analysis.metrics import qoe
-from nodes.serving.engine_state import DONE, DROPPED, RUNNING, SWAPPED, EngineState, ServedRequest
+from nodes.serving.closed_loop import run_closed_loop
+from nodes.serving.engine_state import DONE, DROPPED, RUNNING, SWAPPED, EngineState, IterationPlan, ServedRequest
 from nodes.serving.schedulers import SchedulerSettings
 
 
@@ -32,34 +33,24 @@ def simulate(scheduler: str, rate_per_s: float, count: int = 120, capacity_token
     prompts, outputs = rng.integers(50, 400, count), rng.integers(20, 120, count)
     state = EngineState(scheduler, SchedulerSettings(preemption_cap=cap), capacity_tokens, swap_tokens, max_batch=256,
                         latency_s=latency_s, prefill_s=prefill_s, swap_s=swap_s)  # fmt: skip
-    times: dict[int, list[float]] = {i: [] for i in range(count)}
-    requests = []
-    now, nxt, iterations = 0.0, 0, 0
-    while (nxt < count or state.live) and iterations < 200_000:
-        iterations += 1
-        while nxt < count and arrivals[nxt] <= now:
-            request = ServedRequest((0, nxt), float(arrivals[nxt]), [1] * int(prompts[nxt]), int(outputs[nxt]), 1.0, 4.8)
-            state.add(request, now)
-            requests.append(request)
-            nxt += 1
-        if not state.live:
-            now = float(arrivals[nxt])
-            continue
-        plan = state.apply(state.decide(now), now)
+    requests = [ServedRequest((0, i), float(arrivals[i]), [1] * int(prompts[i]), int(outputs[i]), 1.0, 4.8)
+                for i in range(count)]  # fmt: skip
+
+    def iteration_s(plan: IterationPlan) -> float:
         assert state.kv_used_tokens() <= capacity_tokens
         assert state.swap_used_tokens() <= swap_tokens
         assert all(r.state == SWAPPED for r in plan.swapped_out) and all(r.state == DROPPED for r in plan.dropped)
+        assert all(r.state == RUNNING for r in plan.compute)
         if plan.kind == "prefill":
             assert all(not r.generated or r.recomputes for r in plan.compute)  # new, or recomputed after a drop
             step = sum(prefill_s(r.context_tokens) for r in plan.compute)
         else:
             step = latency_s(len(plan.compute)) if plan.compute else 0.01
-        now += step + sum(swap_s(r.context_tokens) for r in plan.swapped_out + plan.swapped_in)
-        for r in plan.compute:
-            assert r.state == RUNNING
-            times[r.key[1]].append(now)
-            state.delivered(r, 7, now, eos_id=None)
-    assert iterations < 200_000 and not state.live
+        return step + sum(swap_s(r.context_tokens) for r in plan.swapped_out + plan.swapped_in)
+
+    stamps = run_closed_loop(state, requests, iteration_s)
+    times = {key[1]: value for key, value in stamps.items()}
+    assert not state.live
     assert all(r.state == DONE and len(r.generated) == r.max_new_tokens for r in requests)
     qoes = [qoe(np.array(times[i]) - arrivals[i], 1.0, 4.8) for i in range(count)]
     return state, {"qoe": float(np.mean(qoes)), "preemptions": [r.preemptions for r in requests],

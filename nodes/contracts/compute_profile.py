@@ -4,7 +4,8 @@ The form is a roofline (as in GenZ and LLMCompass) with a smooth knee and fixed 
 
     t_mem  = (weight bytes + KV bytes read and written) / (bandwidth x bw_efficiency)
     t_flop = FLOPs / (peak x flops_efficiency)
-    t      = (t_mem^p + t_flop^p)^(1/p) + step_overhead + layers x layer_overhead (+ prefill_overhead)
+    t      = (t_mem^p + t_flop^p)^(1/p) + step_overhead + layers x layer_overhead
+             + sequences x sequence_overhead (+ prefill_overhead)
 
 p (``sharpness``) -> infinity is the plain roofline max(); p = 2 bends the knee as measured decode steps
 do (Vidur's A40/A100 linear-op profiles: flat to batch 64, then rising). Weight bytes are read once per
@@ -35,6 +36,7 @@ class ModeRates(NamedTuple):
     sharpness: float = 2.0  # p of the roofline's knee
     quantized_flops_efficiency: float = 0.0  # for 4-bit weights (dequantisation costs); 0: as fp16
     prefill_overhead_s: float = 0.0  # per step with several new tokens of one sequence (a prompt's graph)
+    sequence_overhead_s: float = 0.0  # per sequence of a step: a serving framework's per-request work
 
     def to_json(self) -> Dict[str, Any]:
         return self._asdict()
@@ -89,6 +91,7 @@ def step_seconds(
     p = rates.sharpness
     knee = (memory_s**p + compute_s**p) ** (1.0 / p)
     fixed = rates.step_overhead_s + (layers + attention_layers) * rates.layer_overhead_s
+    fixed += len(segments) * rates.sequence_overhead_s
     if any(new > 1 for new, _ in segments):
         fixed += rates.prefill_overhead_s
     return knee + fixed
