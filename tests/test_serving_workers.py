@@ -37,7 +37,8 @@ def reference() -> dict[str, list[int]]:
     return {p: greedy_generate(model, tokenizer.encode(p), MAX_NEW_TOKENS, tokenizer.eos_id) for p in PROMPTS}
 
 
-def serve(tmp_path: Path, serving: dict, devices: int = 2, tds: float = 30.0) -> dict:
+def serve(tmp_path: Path, serving: dict, devices: int = 2, tds: float = 30.0, target: dict | None = None,
+          profile: dict | None = None) -> dict:
     """Run the engine and ``devices`` clients over the prompts (spread round robin, all arriving
     within 0.1 s); the clients' and the engine's records."""
     schedules = []
@@ -51,8 +52,8 @@ def serve(tmp_path: Path, serving: dict, devices: int = 2, tds: float = 30.0) ->
     out = tmp_path / "out"
     config = {
         "run_id": "serving", "method": "serving", "model": str(TINY), "partition": {"device_layers": 0, "stages": 1},
-        "out_dir": str(out), "serving": serving,
-        "ranks": [{"role": "stage", "node": "server"}]
+        "out_dir": str(out), "serving": serving, "target": target,
+        "ranks": [{"role": "stage", "node": "server", **({"profile": profile} if profile else {})}]
         + [{"role": "device", "node": f"dev{d}", "schedule": str(s)} for d, s in enumerate(schedules)],
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -76,7 +77,9 @@ def serve(tmp_path: Path, serving: dict, devices: int = 2, tds: float = 30.0) ->
                 (int(entry["index"]), float(entry["ts_s"]), float(entry["display_s"])))
     engine = [json.loads(line) for line in lines(out / "stage-0-server" / "engine_requests.jsonl")]
     iterations = lines(out / "stage-0-server" / "engine_iterations.csv")
-    return {"clients": clients, "tokens": tokens, "engine": engine, "iterations": iterations}
+    steps = out / "stage-0-server" / "steps.csv"
+    return {"clients": clients, "tokens": tokens, "engine": engine, "iterations": iterations,
+            "steps": lines(steps) if steps.exists() else []}
 
 
 def check_tokens(result: dict, reference: dict[str, list[int]]) -> None:
@@ -136,3 +139,29 @@ def test_a_request_that_cannot_fit_is_refused_and_one_that_fills_the_memory_ends
             assert record["token_ids"] == want[: capacity - prompt]
     by_engine = {r["request_id"]: r["finished_by"] for r in result["engine"]}
     assert by_engine == {r["request_id"]: r["finished_by"] for r in result["clients"]}
+
+
+def test_a_paced_engine_takes_one_target_step_an_iteration(tmp_path, reference):
+    from nodes.contracts.compute_profile import step_seconds
+    from nodes.contracts.target_model import builtin
+    from testbed.compute_profiles import load_profile
+
+    rates = load_profile(REPO / "examples" / "profiles" / "a100-80gb-vllm.yaml").rates()
+    opt13 = builtin("opt-13b")
+    result = serve(tmp_path, {"scheduler": "andes"}, target={"model": opt13.to_json(), "dilation": 1.0},
+                   profile=rates.to_json())  # fmt: skip
+    check_tokens(result, reference)
+    header = result["steps"][0].split(",")
+    steps = [dict(zip(header, row.split(","), strict=True)) for row in result["steps"][1:]]
+    kinds = {row["op"] for row in steps}
+    assert kinds == {"engine_prefill", "engine_decode"}
+    assert len(steps) == len(result["iterations"]) - 1  # one paced step an iteration (the csv header aside)
+    for row in steps:
+        batch, context = int(row["sequences"]), int(row["context_tokens"])
+        if row["op"] == "engine_decode":  # every sequence one new token: the step depends on the sum of contexts
+            want = step_seconds(rates, opt13, opt13.layers, [(1, context / batch)] * batch, head_tokens=batch)
+            assert float(row["target_s"]) == pytest.approx(want, rel=1e-4)
+    # paced: the iterations took at least their steps' target time
+    head = result["iterations"][0].split(",")
+    starts = [float(dict(zip(head, row.split(","), strict=True))["start_s"]) for row in result["iterations"][1:]]
+    assert starts[-1] - starts[0] >= 0.98 * sum(float(row["target_s"]) for row in steps[:-1])

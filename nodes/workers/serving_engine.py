@@ -30,7 +30,7 @@ from nodes.serving.engine_state import EngineState, IterationPlan, ServedRequest
 from nodes.serving.schedulers import SchedulerSettings
 
 from . import mpi_link, wire
-from .pacing import PacedPart, Pacer
+from .pacing import Pacer
 from .part_cache import PartCache
 from .run_config import RunConfig
 from .server_stage import stage_device
@@ -68,7 +68,6 @@ class ServingEngine:
                                           peak_tflops=spec.profile.peak_tflops * tp)  # fmt: skip
             self.pacer = Pacer(rates, config.target.model, self.dilation)
             self.target_layers = config.target.model.layers
-            self.part = PacedPart(self.part, self.pacer, self.target_layers, "engine")
             self.kv_bytes_per_token = config.target.model.kv_bytes_per_token_per_layer * self.target_layers
         else:
             element = torch.empty((), dtype=self.part.dtype).element_size()
@@ -209,7 +208,10 @@ class ServingEngine:
         self.log.flush()
 
     def _compute(self, plan: IterationPlan) -> List[int]:
-        """The next token of every request in the plan, computed by the real model."""
+        """The next token of every request in the plan, computed by the real model; with a profile the
+        iteration is paced as one step of the target (every layer and the head for each request), the
+        step latency(B) and prefill_s model."""
+        began = time.monotonic()
         ids: List[int] = []
         segments = []
         for request in plan.compute:
@@ -220,6 +222,7 @@ class ServingEngine:
                 context = [request.generated[-1]]
             ids.extend(context)
             segments.append(CacheSegment(request.cache, len(context)))
+        shape = [(s.tokens, s.cache.length) for s in segments]  # (new, context) before the step
         with torch.inference_mode():
             hidden = self.part.embed(torch.tensor(ids, dtype=torch.long, device=self.part.device))
             out = self.part.run_layers(hidden, segments)
@@ -228,7 +231,11 @@ class ServingEngine:
                 offset += segment.tokens
                 rows.append(offset - 1)
             logits = self.part.logits(out[torch.tensor(rows, device=out.device)])
-            return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
+            tokens = [int(t) for t in torch.argmax(logits, dim=-1).tolist()]  # (a GPU's queue drained here)
+        if self.pacer is not None:
+            target_s = self.pacer.target_s(self.target_layers, shape, head_tokens=len(shape))
+            self.pacer.pace("engine_" + plan.kind, began, target_s, self.target_layers, shape)
+        return tokens
 
     def _stream(self, plan: IterationPlan, tokens: List[int]) -> None:
         """Each new token down to its client at once, one frame per client per iteration."""

@@ -366,7 +366,8 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
     if settings.target is not None:
         from testbed.target_emulation import resolve_target
 
-        target = resolve_target(lab, campaign.base_dir, settings, list(lab.select([settings.server, *devices])))
+        paced = [settings.server] if method_named(settings.method).streams else [settings.server, *devices]
+        target = resolve_target(lab, campaign.base_dir, settings, list(lab.select(paced)))  # a client computes nothing
         extra["target"] = target.to_json()
         schedules = {d: dilated_schedule(rows, target.dilation) for d, rows in schedules.items()}
     return SplitRunSpec(

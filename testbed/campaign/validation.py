@@ -195,7 +195,7 @@ class SettingsChecker:
             UShapePartition.make(model.layers, m, s.partition.stages)
         except PartitionError as exc:
             yield "target.model", f"{model.name}: {exc}", ""
-        names = [s.server, *s.devices]
+        names = [s.server] if method_named(s.method).streams else [s.server, *s.devices]  # clients compute nothing
         if not all(name in self.names for name in names):
             return  # reported above
         try:
