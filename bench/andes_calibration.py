@@ -43,7 +43,7 @@ GPUS = 4
 
 
 def run(scheduler: str, rate_per_s: float, count: int, seed: int, rates, model, capacity: int,
-        host_gbps: float) -> dict:  # fmt: skip
+        host_gbps: float, cap: float = 1.0) -> dict:  # fmt: skip
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate_per_s, count))
     prompts = np.maximum(1, np.round(LENGTH_MODELS["sharegpt"].sample(rng, count))).astype(int)
@@ -60,7 +60,8 @@ def run(scheduler: str, rate_per_s: float, count: int, seed: int, rates, model, 
     def swap_s(tokens: int) -> float:
         return tokens * kv_bytes_per_token(model) / (host_gbps * 1e9)
 
-    state = EngineState(scheduler, SchedulerSettings(), capacity, int(240e9 // kv_bytes_per_token(model)), 256,
+    swap_tokens = int(240e9 // kv_bytes_per_token(model))  # Andes: 240 GB of host memory for swapped KV
+    state = EngineState(scheduler, SchedulerSettings(preemption_cap=cap), capacity, swap_tokens, 256,
                         lambda b: decode_s([512] * b), prefill_s, swap_s)  # fmt: skip
     requests = [ServedRequest((0, i), float(arrivals[i]), [0] * int(prompts[i]), int(outputs[i]), 1.0,
                               float(speeds[i])) for i in range(count)]  # fmt: skip
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rates", default="1,1.5,2,2.5,3,3.5,4", help="requests/s over the server")
     parser.add_argument("--schedulers", default="fcfs,rr,andes")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--cap", type=float, default=1.0, help="Andes' preemption cap P (Optimisation 4)")
     args = parser.parse_args()
     profile = load_profile(profile_path(args.profile, REPO / "examples" / "profiles"))
     one = profile.rates()
@@ -105,7 +107,7 @@ def main() -> None:
     for scheduler in args.schedulers.split(","):
         for rate in [float(r) for r in args.rates.split(",")]:
             results.append(run(scheduler, rate, args.requests, args.seed, rates, model, capacity,
-                               profile.spec.host_link_gbps * GPUS))  # fmt: skip
+                               profile.spec.host_link_gbps * GPUS, args.cap))  # fmt: skip
             print(results[-1])
     capacities = {}
     for scheduler in args.schedulers.split(","):
@@ -116,8 +118,9 @@ def main() -> None:
                "capacity_per_s": capacities}  # fmt: skip
     print(summary)
     command = " ".join(["python", "bench/andes_calibration.py", *sys.argv[1:]])
-    path = write("andes_calibration", {"command": command, "profile": args.profile, "gpus": GPUS, **summary,
-                                       "results": results})  # fmt: skip
+    name = "andes_calibration" if args.cap == 1.0 else f"andes_calibration_cap{args.cap:g}"
+    path = write(name, {"command": command, "profile": args.profile, "gpus": GPUS, "preemption_cap": args.cap,
+                        **summary, "results": results})  # fmt: skip
     print(f"wrote {path}")
 
 
