@@ -38,7 +38,7 @@ class _InFlight(object):
         self.tokens: List[int] = []
         self.stamps: List[float] = []
         self.shown: List[float] = []
-        self.download_bytes = 0
+        self.download_bytes = 0.0
         self.stats: Optional[List[float]] = None
 
 
@@ -95,6 +95,7 @@ class ServingClient:
 
     def _take(self, frame: wire.Frame, size: int, open_requests: Dict[int, _InFlight]) -> None:
         arrived = self.now()
+        share = size / max(1, len(frame.segments))  # a frame carries tokens of several requests
         for segment in frame.segments:
             flight = open_requests.get(segment.request_id)
             if flight is None:
@@ -104,7 +105,7 @@ class ServingClient:
                 continue
             if segment.phase != wire.TOKENS:
                 continue
-            flight.download_bytes += size
+            flight.download_bytes += share
             tds = flight.request.expected_tds_tok_s
             for token in segment.payload.view(-1).tolist() if segment.payload is not None else []:
                 flight.tokens.append(int(token))
@@ -141,7 +142,7 @@ class ServingClient:
             "serving": {"scheduler": self.config.serving.scheduler, "preemptions": _whole(preemptions),
                         "swaps": _whole(swaps), "recomputes": _whole(recomputes),
                         "last_display_s": _stamp(flight.shown, -1)},
-            "upload_bytes": flight.upload_bytes, "download_bytes": flight.download_bytes,
+            "upload_bytes": flight.upload_bytes, "download_bytes": round(flight.download_bytes),
             "token_ids": tokens, "text": self.tokenizer.decode(tokens),
         }  # fmt: skip
         self.requests.write(record)
