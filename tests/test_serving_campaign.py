@@ -108,3 +108,13 @@ def test_schedulers_give_the_same_tokens_and_the_tables_carry_the_engine(tmp_pat
     fcfs, andes = (tables[k].set_index(["node", "request_id"])["token_ids"] for k in ("fcfs", "andes"))
     assert all(list(fcfs[key]) == list(andes[key]) for key in fcfs.index)
     assert tables["fcfs"]["serving_preemptions"].sum() + tables["andes"]["serving_preemptions"].sum() > 0
+
+
+def test_a_server_too_small_for_the_targets_weights_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    path = tmp_path / "campaign.yaml"
+    text = campaign_text(REPO / "inventory.yaml").replace("  serving: {capacity_tokens: 420, swap_gb: 1}",
+                                                          "  serving: {swap_gb: 1}\n  target: {model: opt-66b}")
+    path.write_text(text)
+    with pytest.raises(InputError) as caught:
+        load_campaign(path)  # OPT-66B's 131 GB of weights on one 48 GB RTX A6000
+    assert "raise serving.tensor_parallel" in str(caught.value) and "serving" in str(caught.value)

@@ -122,6 +122,8 @@ class SettingsChecker:
         yield from self._model_problems(s)
         if s.target is not None:
             yield from self._target_problems(s)
+        if method_named(s.method).streams:
+            yield from self._serving_problems(s)
         spec = workload_spec(s)
         for field, message in spec.problems():
             yield f"workload.{field}", message, ""
@@ -176,6 +178,18 @@ class SettingsChecker:
                             str(relative_path(self.source.path, s.draft.adapter)) if s.draft.adapter else None)
         yield from method_named(s.method).problems(check)
 
+
+    def _serving_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
+        """The serving engine's budgets must be derivable: the server's profile must hold the target's
+        weights (the KV capacity is what is left)."""
+        from testbed.campaign.serving_budget import serving_config
+
+        if s.server not in self.names or (s.target is None and not relative_path(self.source.path, s.model).is_dir()):
+            return  # reported above
+        try:
+            serving_config(self.lab, self.source.path.parent, s)
+        except (TestbedError, InputError) as exc:
+            yield "serving", str(exc), "raise serving.tensor_parallel, or give serving.capacity_tokens"
 
     def _target_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
         """The target model must load and split like the run; every run node needs a profile with its mode."""
