@@ -33,7 +33,7 @@ from nodes.contracts.target_model import builtin
 from nodes.serving.closed_loop import run_closed_loop
 from nodes.serving.engine_state import EngineState, ServedRequest
 from nodes.serving.schedulers import SchedulerSettings
-from testbed.campaign.serving_budget import kv_bytes_per_token, kv_capacity_tokens
+from testbed.campaign.serving_budget import kv_capacity_tokens
 from testbed.compute_profiles import load_profile, profile_path
 from workloads.prompts import LENGTH_MODELS, OUTPUT_LENGTH_MODELS
 from workloads.qoe import draw_expected_tds
@@ -58,9 +58,9 @@ def run(scheduler: str, rate_per_s: float, count: int, seed: int, rates, model, 
         return step_seconds(rates, model, layers, [(tokens, 0)], head_tokens=1)
 
     def swap_s(tokens: int) -> float:
-        return tokens * kv_bytes_per_token(model) / (host_gbps * 1e9)
+        return tokens * model.kv_bytes_per_token / (host_gbps * 1e9)
 
-    swap_tokens = int(240e9 // kv_bytes_per_token(model))  # Andes: 240 GB of host memory for swapped KV
+    swap_tokens = int(240e9 // model.kv_bytes_per_token)  # Andes: 240 GB of host memory for swapped KV
     state = EngineState(scheduler, SchedulerSettings(preemption_cap=cap), capacity, swap_tokens, 256,
                         lambda b: decode_s([512] * b), prefill_s, swap_s)  # fmt: skip
     requests = [ServedRequest((0, i), float(arrivals[i]), [0] * int(prompts[i]), int(outputs[i]), 1.0,

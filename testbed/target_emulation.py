@@ -111,6 +111,14 @@ def node_mode(node: NodeSpec, modes: dict[str, str], profile: ComputeProfile) ->
     return profile.modes[0]
 
 
+def paced_names(settings: Any, devices: Sequence[str]) -> list[str]:
+    """The run's nodes whose steps are paced to a profile: the server and the devices, or the server
+    alone for a streaming method (its clients compute nothing)."""
+    from nodes.workers.methods import method_named
+
+    return [settings.server] if method_named(settings.method).streams else [settings.server, *devices]
+
+
 def resolve_target(inventory: Inventory, base_dir: Path, settings: Any, nodes: list[NodeSpec]) -> RunTarget:
     """The run's target (``settings.target``) with the profile of each of ``nodes`` (server, devices)."""
     target = settings.target

@@ -17,7 +17,7 @@ import pytest
 from foundation.errors import InputError, TestbedError
 from nodes.contracts.target_model import builtin
 from testbed.campaign.load import load_campaign
-from testbed.campaign.serving_budget import kv_bytes_per_token, kv_capacity_tokens, serving_config
+from testbed.campaign.serving_budget import kv_capacity_tokens, serving_config
 from testbed.campaign.spec import RunSettings, ServingSettings, TargetSettings
 from testbed.inventory import load_inventory
 from tests.conftest import REPO, emulated_inventory, emulated_lab
@@ -28,9 +28,9 @@ TINY = REPO / "examples" / "models" / "tiny"
 def test_the_kv_capacity_is_the_gpus_memory_left_after_the_weights() -> None:
     opt66 = builtin("opt-66b")
     assert opt66.params * opt66.weight_bytes_per_param == pytest.approx(131.4e9, rel=0.01)  # Andes Table 3: 132 GB
-    assert kv_bytes_per_token(opt66) == 2 * 64 * 9216 * 2  # keys and values, 64 layers, fp16
+    assert opt66.kv_bytes_per_token == 2 * 64 * 9216 * 2  # keys and values, 64 layers, fp16
     four = kv_capacity_tokens(opt66, 80, 4, 0.9)
-    assert four == int((4 * 80e9 * 0.9 - opt66.params * 2) // kv_bytes_per_token(opt66))
+    assert four == int((4 * 80e9 * 0.9 - opt66.params * 2) // opt66.kv_bytes_per_token)
     assert 60_000 < four < 70_000
     with pytest.raises(TestbedError, match=r"raise serving\.tensor_parallel"):
         kv_capacity_tokens(opt66, 80, 1, 0.9)  # 132 GB of weights on one 80 GB GPU
@@ -43,7 +43,7 @@ def test_a_run_gets_the_servers_budgets_from_its_profile() -> None:
     config = serving_config(lab, REPO, settings)
     opt13 = builtin("opt-13b")
     assert config["capacity_tokens"] == kv_capacity_tokens(opt13, 48, 1, 0.9)
-    assert config["swap_tokens"] == int(10e9 // kv_bytes_per_token(opt13))
+    assert config["swap_tokens"] == int(10e9 // opt13.kv_bytes_per_token)
     assert config["host_link_gbps"] > 0 and config["scheduler"] == "fcfs"
     two = serving_config(lab, REPO, settings.model_copy(update={"serving": ServingSettings(tensor_parallel=2)}))
     assert two["capacity_tokens"] > 2 * config["capacity_tokens"]  # the weights are paid for once

@@ -70,6 +70,11 @@ class TargetModel(NamedTuple):
         """Keys and values of one token in one layer."""
         return 2.0 * self.kv_heads * self.head_dim * self.activation_bytes
 
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Keys and values of one token over every layer (what a serving engine's KV budget counts)."""
+        return self.kv_bytes_per_token_per_layer * self.layers
+
     def to_json(self) -> Dict[str, Any]:
         return self._asdict()
 

@@ -40,9 +40,10 @@ class BufferShadow:
         tau = since_arrival_s - self.at_s
         if tau <= 0:
             return
-        read = future_digested_area(self.digested, self.delivered, self.expected_tds, 0.0, 0.0, tau)
-        self.digested_area += float(read)
-        self.digested = min(self.digested + self.expected_tds * tau, float(self.delivered))
+        a, n, s = self.digested, float(self.delivered), self.expected_tds
+        dry = min(tau, (n - a) / s)  # the user reads until the buffer is empty, then waits (plain floats:
+        self.digested_area += a * dry + 0.5 * s * dry * dry + n * (tau - dry)  # this runs per request per step)
+        self.digested = min(a + s * tau, n)
         self.at_s = since_arrival_s
 
     def deliver(self, since_arrival_s: float, tokens: int = 1) -> None:

@@ -21,6 +21,7 @@ from nodes.contracts.compute_profile import ModeRates, rates_from_json
 from nodes.contracts.rank_dirs import RankDir
 from nodes.contracts.target_model import TargetModel, TargetModelError
 from nodes.contracts.target_model import from_json as target_from_json
+from nodes.serving.schedulers import SCHEDULERS, SchedulerSettings
 
 from .methods import Method, method_named, names
 
@@ -70,12 +71,12 @@ class ServingSettings(NamedTuple):
     host_link_gbps: Optional[float] = None  # GPU <-> host copies (swap), GB/s; None: swaps cost nothing
     max_batch: int = 256  # requests one iteration carries at most (vLLM's max_num_seqs)
     tensor_parallel: int = 1  # GPUs the engine stands for: the profile's per-GPU rates times this
-    rr_interval: int = 50
-    watermark: float = 0.9
-    preemption_cap: float = 1.0
+    rr_interval: int = SchedulerSettings.rr_interval  # the scheduler's knobs (nodes.serving.schedulers)
+    watermark: float = SchedulerSettings.watermark
+    preemption_cap: float = SchedulerSettings.preemption_cap
     lookahead_s: Optional[float] = None  # Andes' delta t; None: the mean completion time so far
-    batch_grid: int = 16
-    dp_block_tokens: int = 16
+    batch_grid: int = SchedulerSettings.batch_grid
+    dp_block_tokens: int = SchedulerSettings.dp_block_tokens
     latency_context_tokens: int = 512  # the context latency(B) is tabulated at (Andes App. B: B decides)
     ignore_eos: bool = False  # generate every request's max_new_tokens, as vLLM's benchmarks do
 
@@ -281,8 +282,6 @@ def _serving(raw: Any, source: str) -> ServingSettings:
     if unknown:
         raise RunConfigError("%s: serving.%s is not a field; known: %s" % (source, unknown[0],
                                                                           ", ".join(ServingSettings._fields)))
-    from nodes.serving.schedulers import SCHEDULERS
-
     settings = ServingSettings(**raw)
     if settings.scheduler not in SCHEDULERS:
         raise RunConfigError("%s: serving.scheduler is %r; choose one of %s"

@@ -16,6 +16,7 @@ scheduler's decision time) and ``engine_requests.jsonl`` (one row per request as
 """
 
 import time
+from dataclasses import fields
 from typing import Dict, List, Optional
 
 import torch
@@ -68,17 +69,15 @@ class ServingEngine:
                                           peak_tflops=spec.profile.peak_tflops * tp)  # fmt: skip
             self.pacer = Pacer(rates, config.target.model, self.dilation)
             self.target_layers = config.target.model.layers
-            self.kv_bytes_per_token = config.target.model.kv_bytes_per_token_per_layer * self.target_layers
+            self.kv_bytes_per_token = config.target.model.kv_bytes_per_token
         else:
             element = torch.empty((), dtype=self.part.dtype).element_size()
             kv_width = model_config.num_key_value_heads * (model_config.hidden_size // model_config.num_attention_heads)
             self.kv_bytes_per_token = 2.0 * kv_width * element * len(layers)
-        self.observed_step_s: List[float] = []
+        self.observed_step_s = UNPROFILED_STEP_S  # an unprofiled engine's latency(B): its last timed decode
         self.state = EngineState(
             settings.scheduler,
-            SchedulerSettings(rr_interval=settings.rr_interval, watermark=settings.watermark,
-                              preemption_cap=settings.preemption_cap, batch_grid=settings.batch_grid,
-                              dp_block_tokens=settings.dp_block_tokens),
+            SchedulerSettings(**{f.name: getattr(settings, f.name) for f in fields(SchedulerSettings)}),
             settings.capacity_tokens if settings.capacity_tokens is not None else UNBOUNDED_TOKENS,
             settings.swap_tokens if settings.swap_tokens is not None else UNBOUNDED_TOKENS,
             settings.max_batch, self.latency_s, self.prefill_s, self.swap_s, settings.lookahead_s,
@@ -90,7 +89,7 @@ class ServingEngine:
     def latency_s(self, batch: int) -> float:
         """One decode iteration of ``batch`` requests at the tabulated context (Andes App. B)."""
         if self.pacer is None:
-            return self.observed_step_s[-1] if self.observed_step_s else UNPROFILED_STEP_S
+            return self.observed_step_s
         context = self.config.serving.latency_context_tokens
         return self.pacer.target_s(self.target_layers, [(1, context)] * batch, head_tokens=batch) / self.dilation
 
@@ -191,7 +190,7 @@ class ServingEngine:
             tokens = self._compute(plan)
             compute_s = time.monotonic() - began
             if plan.kind == "decode" and self.pacer is None and self.iteration % 50 == 0:
-                self.observed_step_s = [compute_s]  # an unprofiled engine's latency(B): its last timed decode
+                self.observed_step_s = compute_s
                 self.state.refresh_latency()
             self._stream(plan, tokens)
         self.iteration += 1

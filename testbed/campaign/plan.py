@@ -364,10 +364,9 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
 
         extra["serving"] = serving_config(lab, campaign.base_dir, settings)
     if settings.target is not None:
-        from testbed.target_emulation import resolve_target
+        from testbed.target_emulation import paced_names, resolve_target
 
-        paced = [settings.server] if method_named(settings.method).streams else [settings.server, *devices]
-        target = resolve_target(lab, campaign.base_dir, settings, list(lab.select(paced)))  # a client computes nothing
+        target = resolve_target(lab, campaign.base_dir, settings, list(lab.select(paced_names(settings, devices))))
         extra["target"] = target.to_json()
         schedules = {d: dilated_schedule(rows, target.dilation) for d, rows in schedules.items()}
     return SplitRunSpec(

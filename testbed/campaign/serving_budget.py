@@ -16,21 +16,17 @@ from typing import Any
 
 from foundation.errors import TestbedError
 from nodes.contracts.target_model import TargetModel
+from nodes.workers.run_config import ServingSettings as RunServingSettings
 from testbed.inventory import Inventory
 
 GB = 1e9
-
-
-def kv_bytes_per_token(model: TargetModel) -> float:
-    """One token's keys and values over every layer of ``model``."""
-    return model.kv_bytes_per_token_per_layer * model.layers
 
 
 def kv_capacity_tokens(model: TargetModel, memory_gb: float, gpus: int, utilization: float) -> int:
     """M: the KV tokens ``gpus`` GPUs of ``memory_gb`` hold after ``model``'s weights, at ``utilization``
     of their memory; a TestbedError when the weights alone do not fit."""
     usable = gpus * memory_gb * GB * utilization - model.params * model.weight_bytes_per_param
-    per_token = kv_bytes_per_token(model)
+    per_token = model.kv_bytes_per_token
     if usable < per_token:
         raise TestbedError(
             f"serving: {gpus} x {memory_gb:g} GB at {utilization:g} cannot hold {model.name}'s weights "
@@ -45,18 +41,14 @@ def serving_config(inventory: Inventory, base_dir: Path, settings: Any) -> dict[
     from testbed.target_emulation import load_target_model, node_profile
 
     serving = settings.serving or ServingSettings()
-    out: dict[str, Any] = {
-        "scheduler": serving.scheduler, "max_batch": serving.max_batch, "tensor_parallel": serving.tensor_parallel,
-        "rr_interval": serving.rr_interval, "watermark": serving.watermark, "preemption_cap": serving.preemption_cap,
-        "lookahead_s": serving.lookahead_s, "batch_grid": serving.batch_grid,
-        "dp_block_tokens": serving.dp_block_tokens, "latency_context_tokens": serving.latency_context_tokens,
-        "capacity_tokens": serving.capacity_tokens, "ignore_eos": serving.ignore_eos,
-    }  # fmt: skip
+    # the settings the campaign writes as the engine reads them; the budgets below are derived
+    shared = [f for f in RunServingSettings._fields if f in type(serving).model_fields]
+    out: dict[str, Any] = {f: getattr(serving, f) for f in shared}
     if settings.target is None:  # the real checkpoint's own KV
         dtype = None if settings.dtype == "auto" else settings.dtype
         model = load_target_model(settings.model, base_dir, dtype)
         if serving.swap_gb is not None:
-            out["swap_tokens"] = int(serving.swap_gb * GB // kv_bytes_per_token(model))
+            out["swap_tokens"] = int(serving.swap_gb * GB // model.kv_bytes_per_token)
         return out
     model = load_target_model(settings.target.model, base_dir, settings.target.dtype)
     server = inventory.node(settings.server)
@@ -68,6 +60,6 @@ def serving_config(inventory: Inventory, base_dir: Path, settings: Any) -> dict[
         out["capacity_tokens"] = kv_capacity_tokens(model, profile.spec.memory_gb, serving.tensor_parallel,
                                                     serving.gpu_memory_utilization)  # fmt: skip
     if serving.swap_gb is not None:
-        out["swap_tokens"] = int(serving.swap_gb * GB // kv_bytes_per_token(model))
+        out["swap_tokens"] = int(serving.swap_gb * GB // model.kv_bytes_per_token)
     out["host_link_gbps"] = profile.spec.host_link_gbps * serving.tensor_parallel
     return out

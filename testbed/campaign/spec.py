@@ -48,6 +48,7 @@ from nodes.workers.methods import method_named
 from nodes.workers.methods import names as method_names
 from nodes.workers.run_config import DRAFT_LIMITS
 from nodes.workers.run_config import DraftSettings as RunDraftSettings
+from nodes.workers.run_config import ServingSettings as RunServingSettings
 from testbed.inventory import Inventory, Name, NodeSpec
 from workloads.schedule import WorkloadSpec
 
@@ -127,6 +128,9 @@ class TargetSettings(_Strict):
     pad_payloads: StrictBool = True  # hidden states on the wire at the target's width and dtype
 
 
+_SERVING = RunServingSettings._field_defaults  # the engine's defaults, defined once (nodes/workers/run_config)
+
+
 class ServingSettings(_Strict):
     """The serving engine of a streaming method (``serving``): its scheduler (``nodes.serving``) and
     budgets. With a target, the KV capacity is what the server's GPUs hold after the target's weights
@@ -138,16 +142,16 @@ class ServingSettings(_Strict):
     capacity_tokens: StrictInt | None = Field(None, ge=1, le=10**12)
     swap_gb: float | None = Field(None, ge=0, le=100_000)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # vLLM's default share of GPU memory it takes
-    tensor_parallel: StrictInt = Field(1, ge=1, le=64)
-    max_batch: StrictInt = Field(256, ge=1, le=100_000)
-    rr_interval: StrictInt = Field(50, ge=1, le=1_000_000)
-    watermark: float = Field(0.9, gt=0, le=1)
-    preemption_cap: float = Field(1.0, ge=0, le=1000)
+    tensor_parallel: StrictInt = Field(_SERVING["tensor_parallel"], ge=1, le=64)
+    max_batch: StrictInt = Field(_SERVING["max_batch"], ge=1, le=100_000)
+    rr_interval: StrictInt = Field(_SERVING["rr_interval"], ge=1, le=1_000_000)
+    watermark: float = Field(_SERVING["watermark"], gt=0, le=1)
+    preemption_cap: float = Field(_SERVING["preemption_cap"], ge=0, le=1000)
     lookahead_s: float | None = Field(None, gt=0, le=100_000)
-    batch_grid: StrictInt = Field(16, ge=1, le=100_000)  # B values tried, geometric from B_min to B_max
-    dp_block_tokens: StrictInt = Field(16, ge=1, le=4096)
-    latency_context_tokens: StrictInt = Field(512, ge=0, le=10**7)
-    ignore_eos: StrictBool = False  # every request generates its max_new_tokens (drawn output lengths hold)
+    batch_grid: StrictInt = Field(_SERVING["batch_grid"], ge=1, le=100_000)  # B tried, geometric B_min..B_max
+    dp_block_tokens: StrictInt = Field(_SERVING["dp_block_tokens"], ge=1, le=4096)
+    latency_context_tokens: StrictInt = Field(_SERVING["latency_context_tokens"], ge=0, le=10**7)
+    ignore_eos: StrictBool = _SERVING["ignore_eos"]  # every request makes its max_new_tokens (drawn lengths hold)
 
 
 class RunSettings(_Strict):

@@ -194,7 +194,7 @@ class SettingsChecker:
     def _target_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
         """The target model must load and split like the run; every run node needs a profile with its mode."""
         from nodes.inference.partition import PartitionError, UShapePartition
-        from testbed.target_emulation import load_target_model, resolve_target
+        from testbed.target_emulation import load_target_model, paced_names, resolve_target
 
         target = s.target
         if target is None:
@@ -209,7 +209,7 @@ class SettingsChecker:
             UShapePartition.make(model.layers, m, s.partition.stages)
         except PartitionError as exc:
             yield "target.model", f"{model.name}: {exc}", ""
-        names = [s.server] if method_named(s.method).streams else [s.server, *s.devices]  # clients compute nothing
+        names = paced_names(s, s.devices)
         if not all(name in self.names for name in names):
             return  # reported above
         try:
