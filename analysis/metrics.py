@@ -271,17 +271,44 @@ def token_delivery_speed(tokens: pd.DataFrame) -> pd.DataFrame:
     return per[[*key, "tds_tok_s"]]
 
 
+def served_requests(requests: pd.DataFrame, tokens: pd.DataFrame, qoe: pd.DataFrame, runs: pd.DataFrame,
+                    by: Sequence[str]) -> pd.DataFrame:  # fmt: skip
+    """Every request with a QoE expectation, with its ``qoe`` (0 when it has none: refused or cut
+    short, brief pitfall 8), its ``tds_tok_s`` and the runs' ``by`` columns."""
+    key = _key(requests)
+    want = requests.dropna(subset=["expected_ttft_s", "expected_tds_tok_s"])
+    frame = want.merge(qoe[[*key, "qoe"]], on=key, how="left").merge(token_delivery_speed(tokens), on=key, how="left")
+    frame["qoe"] = frame["qoe"].fillna(0.0)
+    return frame.merge(runs[["run_id", *by]], on="run_id")
+
+
+def qoe_by_length(served: pd.DataFrame, by: Sequence[str], bins: int = 6) -> pd.DataFrame:
+    """Andes Fig. 14's view: mean and p10 QoE per group of ``by`` and per bin of the response length
+    the request asked for (``max_new_tokens``), the bins' edges the length quantiles over all
+    ``served`` requests so that every group is cut alike. Columns: ``by``, ``length_from``,
+    ``length_to`` (tokens, inclusive), ``requests``, ``qoe_mean``, ``qoe_p10``."""
+    lengths = served["max_new_tokens"].to_numpy(dtype="float64")
+    edges = np.unique(np.floor(np.quantile(lengths, np.linspace(0, 1, bins + 1))))
+    edges[-1] = lengths.max() + 1  # the longest in the last bin
+    cut = pd.cut(served["max_new_tokens"], edges, right=False, labels=False)
+    frame = served.assign(length_bin=cut)
+    rows = []
+    for values, part in frame.groupby([*by, "length_bin"], sort=True, dropna=False):
+        row = dict(zip([*by, "length_bin"], values, strict=True))
+        at = int(row.pop("length_bin"))
+        row.update(length_from=int(edges[at]), length_to=int(edges[at + 1]) - 1, requests=len(part),
+                   qoe_mean=part["qoe"].mean(), qoe_p10=float(np.percentile(part["qoe"], 10)))  # fmt: skip
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def serving_table(requests: pd.DataFrame, tokens: pd.DataFrame, qoe: pd.DataFrame, runs: pd.DataFrame,
                   by: Sequence[str]) -> pd.DataFrame:  # fmt: skip
     """Andes' Table 4 layout per group of ``by``: QoE, TTFT (s) and TDS (tokens/s) at p10/p50/p90,
     mean QoE, preemptions per request, refused requests, and generated tokens per second (the mean
     over the group's runs of :func:`throughput`). Every scheduled request with an expectation counts
     (brief, pitfall 8): one without a QoE (refused, or cut short) counts 0."""
-    key = _key(requests)
-    want = requests.dropna(subset=["expected_ttft_s", "expected_tds_tok_s"])
-    frame = want.merge(qoe[[*key, "qoe"]], on=key, how="left").merge(token_delivery_speed(tokens), on=key, how="left")
-    frame["qoe"] = frame["qoe"].fillna(0.0)
-    frame = frame.merge(runs[["run_id", *by]], on="run_id")
+    frame = served_requests(requests, tokens, qoe, runs, by)
     rates = throughput(requests).merge(runs[["run_id", *by]], on="run_id")
     rows = []
     for values, part in frame.groupby(list(by), sort=True, dropna=False):

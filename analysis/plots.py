@@ -117,29 +117,66 @@ def energy_per_token(table: pd.DataFrame) -> Figure:
 
 
 def delivery_curves(tokens: pd.DataFrame, requests: pd.DataFrame, limit: int = 6) -> Figure:
-    """One run's token delivery timelines (tokens delivered against seconds since arrival) beside
-    Andes' expected curve T(t) = tds (t - TTFT), capped at the response length."""
+    """One run's token timelines (tokens against seconds since arrival) beside Andes' expected curve
+    T(t) = tds (t - TTFT), capped at the response length: on arrival at the client (solid) and, where
+    the client buffered them (``display_s``, Andes Sec. 5), as its user was shown them (dotted). With
+    preemptions recorded, half the requests drawn are the most preempted ones."""
     fig = Figure(layout="tight", figsize=(WIDTH_IN, HEIGHT_IN))
     ax = fig.subplots()
-    chosen = requests[requests["completed"]].head(limit)
+    done = requests[requests["completed"]]
+    chosen = done.head(limit)
+    if "serving_preemptions" in done and done["serving_preemptions"].fillna(0).gt(0).any():
+        most = done.sort_values("serving_preemptions", ascending=False, kind="stable").head(limit // 2)
+        chosen = pd.concat([most, done.drop(most.index).head(limit - len(most))])
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
-    horizon = 0.0
+    buffered = "display_s" in tokens and tokens["display_s"].notna().any()
     for i, r in enumerate(chosen.itertuples()):
-        times = np.sort(tokens.loc[(tokens["node"] == r.node) & (tokens["request_id"] == r.request_id), "ts_s"]
-                        .to_numpy()) - r.arrival_s  # fmt: skip
+        mine = tokens[(tokens["node"] == r.node) & (tokens["request_id"] == r.request_id)]
+        times = np.sort(mine["ts_s"].to_numpy()) - r.arrival_s
         if not len(times):
             continue
         color = colors[i % len(colors)]
-        ax.step(np.append(times, times[-1]), np.arange(1, len(times) + 2).clip(max=len(times)), where="post",
-                color=color, label=f"{r.node} #{r.request_id}")  # fmt: skip
-        horizon = max(horizon, times[-1])
+        count = np.arange(1, len(times) + 2).clip(max=len(times))
+        preempted = getattr(r, "serving_preemptions", None)
+        suffix = f", {int(preempted)} preemptions" if preempted is not None and pd.notna(preempted) else ""
+        label = f"{r.node} #{r.request_id}{suffix}"
+        ax.step(np.append(times, times[-1]), count, where="post", color=color, label=label)
+        if buffered:
+            shown = np.sort(mine["display_s"].dropna().to_numpy()) - r.arrival_s
+            if len(shown):
+                ax.step(np.append(shown, shown[-1]), np.arange(1, len(shown) + 2).clip(max=len(shown)), where="post",
+                        color=color, linestyle=":", linewidth=1.2)  # fmt: skip
         end = r.expected_ttft_s + len(times) / r.expected_tds_tok_s
         ax.plot([0, r.expected_ttft_s, end], [0, 0, len(times)], color=color, linestyle="--", linewidth=0.8)
     ax.plot([], [], color="black", linestyle="--", linewidth=0.8, label="expected (Andes)")
+    if buffered:
+        ax.plot([], [], color="black", linestyle=":", linewidth=1.2, label="shown by the client's buffer")
     ax.set_xlabel("time since the request arrived (s)")
-    ax.set_ylabel("tokens delivered")
+    ax.set_ylabel("tokens")
     ax.grid(alpha=0.3)
-    _legend(ax, len(chosen) + 1)
+    _legend(ax, len(chosen) + 1 + buffered)
+    return fig
+
+
+def qoe_vs_length(table: pd.DataFrame, by: Sequence[str]) -> Figure:
+    """Andes Fig. 14: mean QoE (solid) and p10 QoE (dashed) against the requested response length, one
+    colour per group of ``by`` (rows of :func:`analysis.metrics.qoe_by_length`)."""
+    fig = Figure(layout="tight", figsize=(WIDTH_IN, HEIGHT_IN))
+    ax = fig.subplots()
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    groups = list(table.groupby(list(by), sort=True))
+    for i, (values, part) in enumerate(groups):
+        middle = (part["length_from"] + part["length_to"]) / 2
+        label = _series_label(values if isinstance(values, tuple) else (values,), by)
+        color = colors[i % len(colors)]
+        ax.plot(middle, part["qoe_mean"], marker="o", color=color, label=f"{label} mean")
+        ax.plot(middle, part["qoe_p10"], marker=".", linestyle="--", color=color, label=f"{label} p10")
+    ax.axhline(metrics.QOE_THRESHOLD, color="grey", linestyle=":", label="0.9 (Andes' threshold)")
+    ax.set_xlabel("requested response length (tokens, middle of the bin)")
+    ax.set_ylabel("QoE (Andes Eq. 1)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    _legend(ax, 2 * len(groups) + 1)
     return fig
 
 

@@ -168,7 +168,8 @@ def serving_section(report: Report, requests: pd.DataFrame, tokens: pd.DataFrame
     and each scheduler's capacity when the rate varies."""
     serving = done[done["serving.scheduler"].notna()]
     by = ["serving.scheduler", *[a for a in SERVING_AXES if a in axes]]
-    table = metrics.serving_table(requests[requests["run_id"].isin(serving["run_id"])], tokens, qoe, serving, by)
+    mine = requests[requests["run_id"].isin(serving["run_id"])]
+    table = metrics.serving_table(mine, tokens, qoe, serving, by)
     report.lines += ["## Serving (Andes Table 4 layout)", ""]
     report.table("serving", table,
                  "Per scheduler: QoE (Eq. 1, every request with an expectation; a refused one counts 0), TTFT "
@@ -185,6 +186,20 @@ def serving_section(report: Report, requests: pd.DataFrame, tokens: pd.DataFrame
             lines.append(f"{label}: {'none' if np.isnan(capacity) else f'{capacity:g} requests/s a device'}")
         report.lines += ["Capacity (the highest tested rate whose mean QoE is at least 0.9, Andes Sec. 6.1): "
                          + "; ".join(lines) + ".", ""]  # fmt: skip
+    served = metrics.served_requests(mine, tokens, qoe, serving, by)
+    where = ""
+    if "workload.rate_per_s" in by:  # Fig. 14 is at one rate: the knee, the highest that some scheduler holds
+        holding = table.loc[table["qoe_mean"] >= metrics.QOE_THRESHOLD, "workload.rate_per_s"]
+        knee = float(holding.max() if len(holding) else table["workload.rate_per_s"].min())
+        served = served[served["workload.rate_per_s"] == knee]
+        by = [c for c in by if c != "workload.rate_per_s"]
+        where = f" at {knee:g} requests/s a device (the highest rate some scheduler holds at mean QoE 0.9)"
+    by_length = metrics.qoe_by_length(served, by)
+    report.table("qoe_by_length", by_length,
+                 f"QoE against the requested response length{where}, in bins of equal request counts (Andes "
+                 "Fig. 14: which lengths a scheduler starves).", digits=3)  # fmt: skip
+    report.figure("qoe_vs_length", plots.qoe_vs_length(by_length, by),
+                  f"Mean and p10 QoE against the requested response length{where}.")  # fmt: skip
 
 
 def build_report(campaign_dir: str | Path, options: ReportOptions | None = None) -> Path:
@@ -344,8 +359,9 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
     else:
         if one[["expected_ttft_s", "expected_tds_tok_s"]].notna().all(axis=None):
             report.figure("delivery_curves", plots.delivery_curves(tokens[tokens["run_id"] == run_id], one),
-                          "Tokens delivered against time since arrival (solid) and Andes' expected curve "
-                          "(dashed), per request.")  # fmt: skip
+                          "Tokens against time since arrival: on arrival at the client (solid), as the client's "
+                          "buffer showed them where it paced them (dotted), and Andes' expected curve (dashed), "
+                          "per request.")  # fmt: skip
         if not power.empty:
             tel = data.telemetry[data.telemetry["run_id"] == run_id]
             run_power = power[power["run_id"] == run_id].merge(tel[["ts_s", "t_s"]].drop_duplicates("ts_s"),

@@ -607,3 +607,18 @@ def test_andes_table4_tds_is_the_pre_buffer_speed_and_unserved_requests_count_ze
     assert table["preemptions_per_request"] == pytest.approx(1.0)
     assert table["tds_tok_s_p50"] == pytest.approx(10.0)
     assert table["output_tokens_per_s"] == pytest.approx(6 / (2.0 - 0.5))
+
+
+def test_qoe_by_length_cuts_every_scheduler_at_the_same_length_quantiles():
+    # 8 requests a scheduler, lengths 10..80; fcfs starves the short half, andes the longest one
+    lengths = [10, 20, 30, 40, 50, 60, 70, 80]
+    served = pd.DataFrame({
+        "serving.scheduler": ["fcfs"] * 8 + ["andes"] * 8, "max_new_tokens": lengths * 2,
+        "qoe": [0.0, 0.2, 0.4, 0.6, 1.0, 1.0, 1.0, 1.0] + [1.0] * 7 + [0.5],
+    })  # fmt: skip
+    table = metrics.qoe_by_length(served, ["serving.scheduler"], bins=2)
+    assert list(table["serving.scheduler"]) == ["andes", "andes", "fcfs", "fcfs"]
+    assert list(table["length_from"]) == [10, 45, 10, 45] and list(table["length_to"]) == [44, 80, 44, 80]
+    assert list(table["requests"]) == [4, 4, 4, 4]
+    assert list(table["qoe_mean"]) == pytest.approx([1.0, 0.875, 0.3, 1.0])
+    assert table["qoe_p10"].iloc[2] == pytest.approx(0.06)  # np.percentile of 0, 0.2, 0.4, 0.6

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from analysis.report import build_report
 from foundation.errors import InputError, TestbedError
 from nodes.contracts.target_model import builtin
 from testbed.campaign.load import load_campaign
@@ -108,6 +109,13 @@ def test_schedulers_give_the_same_tokens_and_the_tables_carry_the_engine(tmp_pat
     fcfs, andes = (tables[k].set_index(["node", "request_id"])["token_ids"] for k in ("fcfs", "andes"))
     assert all(list(fcfs[key]) == list(andes[key]) for key in fcfs.index)
     assert tables["fcfs"]["serving_preemptions"].sum() + tables["andes"]["serving_preemptions"].sum() > 0
+    # the report: Table 4's layout, QoE against length for both schedulers, the buffered timelines
+    text = build_report(out).read_text()
+    assert "## Serving (Andes Table 4 layout)" in text and "qoe_vs_length.png" in text
+    by_length = pd.read_csv(out / "report" / "qoe_by_length.csv")
+    assert by_length.groupby("serving.scheduler")["requests"].sum().to_dict() == {"andes": 12, "fcfs": 12}
+    assert (by_length["length_from"] <= by_length["length_to"]).all()
+    assert all((out / "report" / f"{name}.png").is_file() for name in ("qoe_vs_length", "delivery_curves"))
 
 
 def test_a_server_too_small_for_the_targets_weights_is_refused_before_anything_runs(tmp_path: Path) -> None:
