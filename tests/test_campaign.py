@@ -731,3 +731,10 @@ def test_the_manifest_names_only_modeled_sensors_that_gave_a_reading() -> None:
     probes = {"server": {"sensors": jsonable([silent])}, "orin": {"sensors": jsonable([working])}}
     statements = modeled_statements(lab, [], SimpleNamespace(telemetry={"probes": probes}))
     assert statements == ["orin: cgroup-model power_mw is modeled"]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples" / "campaigns").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_example_campaign_validates_against_its_inventory(path: Path) -> None:
+    # what the README tells a newcomer to run must at least load: schema, inventory, method checks
+    campaign = load_campaign(path)
+    assert campaign.runs and all(run.run_id for run in campaign.runs)
