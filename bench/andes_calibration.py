@@ -12,7 +12,8 @@ the speed of the memory-bound batch, 1 / latency(B_mem), B_mem = M / the mean co
 in flight: the number Andes Fig. 3 puts at >= 6.6 tokens/s, which the profile is calibrated against,
 and which decides the capacity gain (6.6 / 4.8 = 1.38x reading, 6.6 / 3.3 = 2x speaking).
 
-``--trace speaking`` draws TDS_exp from Andes Table 2; ``--arrival gamma --cv 3`` makes the arrivals
+``--trace speaking`` draws TDS_exp from Andes Table 2; ``--prompts sharegpt-multiround`` gives
+Multi-Round-ShareGPT-like inputs; ``--arrival gamma --cv 3`` makes the arrivals
 bursty (Sec. 6.3); ``--cap`` sets the preemption cap P, ``--lookahead`` pins delta t (Sec. 6.5).
 ``--memory-scale`` shrinks the KV capacity (and the host's swap room) so that a short run fills it,
 and ``--charge-decisions`` adds each scheduling decision's measured time to its iteration, which is
@@ -67,6 +68,7 @@ class Scenario:
     capacity_tokens: int
     host_gbps: float
     trace: str = "reading"
+    prompts: str = "sharegpt"  # the prompt length set (sharegpt-multiround: Andes' Multi-Round ShareGPT)
     arrival: str = "poisson"
     cv: float = 3.0
     cap: float = 1.0
@@ -83,7 +85,7 @@ def run(scheduler: str, rate_per_s: float, count: int, seed: int, sc: Scenario) 
     else:
         arrivals = np.cumsum(rng.exponential(1.0 / rate_per_s, count))
     arrivals *= count / rate_per_s / arrivals[-1]  # the trace's realised rate is the nominal one, both processes
-    prompts = np.maximum(1, np.round(LENGTH_MODELS["sharegpt"].sample(rng, count))).astype(int)
+    prompts = np.maximum(1, np.round(LENGTH_MODELS[sc.prompts].sample(rng, count))).astype(int)
     outputs = np.clip(np.round(OUTPUT_LENGTH_MODELS["sharegpt"].sample(rng, count)), 1, 1024).astype(int)
     speeds = draw_expected_tds(sc.trace, rng, count)
     model, layers = sc.model, sc.model.layers
@@ -156,8 +158,14 @@ def summarise(scheduler: str, rate_per_s: float, runs: list[dict]) -> dict:
 def result_name(args: argparse.Namespace) -> str:
     """The results file: andes_calibration, suffixed by each option that differs from its default."""
     parts = ["andes_calibration"]
+    if args.requests != 600:
+        parts.append(f"n{args.requests}")
+    if args.seeds != 3:
+        parts.append(f"seeds{args.seeds}")
     if args.trace != "reading":
         parts.append(args.trace)
+    if args.prompts != "sharegpt":
+        parts.append(args.prompts.replace("sharegpt-", ""))
     if args.arrival != "poisson":
         parts.append(f"{args.arrival}{args.cv:g}")
     if args.cap != 1.0:
@@ -181,6 +189,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="runs per scheduler and rate, seeds seed, seed+1, ...")
     parser.add_argument("--trace", default="reading", choices=["reading", "speaking"], help="TDS_exp table")
     parser.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"])
+    parser.add_argument("--prompts", default="sharegpt", choices=["sharegpt", "sharegpt-multiround"],
+                        help="prompt lengths: ShareGPT's or Multi-Round ShareGPT's (about 3x longer)")  # fmt: skip
     parser.add_argument("--cv", type=float, default=3.0, help="gamma arrivals: the gaps' coefficient of variation")
     parser.add_argument("--cap", type=float, default=1.0, help="Andes' preemption cap P (Optimisation 4)")
     parser.add_argument("--lookahead", type=float, default=None,
@@ -195,9 +205,10 @@ def main() -> None:
     rates = one._replace(mem_bw_gbps=one.mem_bw_gbps * GPUS, peak_tflops=one.peak_tflops * GPUS)
     model = builtin("opt-66b")
     capacity = kv_capacity_tokens(model, profile.spec.memory_gb, GPUS, 0.9)
-    scenario = Scenario(rates, model, capacity, profile.spec.host_link_gbps * GPUS, args.trace, args.arrival, args.cv,
-                        args.cap, args.lookahead, args.memory_scale, args.charge_decisions)  # fmt: skip
-    in_flight = LENGTH_MODELS["sharegpt"].mean_tokens + OUTPUT_LENGTH_MODELS["sharegpt"].mean_tokens / 2
+    scenario = Scenario(rates, model, capacity, profile.spec.host_link_gbps * GPUS, args.trace, args.prompts,
+                        args.arrival, args.cv, args.cap, args.lookahead, args.memory_scale,
+                        args.charge_decisions)  # fmt: skip
+    in_flight = LENGTH_MODELS[args.prompts].mean_tokens + OUTPUT_LENGTH_MODELS["sharegpt"].mean_tokens / 2
     b_mem = int(capacity * args.memory_scale // in_flight)
     memory_bound = step_seconds(rates, model, model.layers, [(1, int(in_flight))] * b_mem, head_tokens=b_mem)
     results = []
@@ -215,7 +226,8 @@ def main() -> None:
                "capacity_per_s": capacities}  # fmt: skip
     print(summary)
     command = " ".join(["python", "bench/andes_calibration.py", *sys.argv[1:]])
-    settings = {"trace": args.trace, "arrival": args.arrival, "cv": args.cv if args.arrival == "gamma" else None,
+    settings = {"trace": args.trace, "prompts": args.prompts, "arrival": args.arrival,
+                "cv": args.cv if args.arrival == "gamma" else None,
                 "preemption_cap": args.cap, "lookahead_s": args.lookahead, "memory_scale": args.memory_scale,
                 "charge_decisions": args.charge_decisions}  # fmt: skip
     path = write(result_name(args), {"command": command, "profile": args.profile, "gpus": GPUS, **settings,
