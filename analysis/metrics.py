@@ -283,15 +283,16 @@ def served_requests(requests: pd.DataFrame, tokens: pd.DataFrame, qoe: pd.DataFr
 
 
 def qoe_by_length(served: pd.DataFrame, by: Sequence[str], bins: int = 6) -> pd.DataFrame:
-    """Andes Fig. 14's view: mean and p10 QoE per group of ``by`` and per bin of the response length
-    the request asked for (``max_new_tokens``), the bins' edges the length quantiles over all
-    ``served`` requests so that every group is cut alike. Columns: ``by``, ``length_from``,
-    ``length_to`` (tokens, inclusive), ``requests``, ``qoe_mean``, ``qoe_p10``."""
-    lengths = served["max_new_tokens"].to_numpy(dtype="float64")
+    """Andes Fig. 14's view: mean and p10 QoE per group of ``by`` and per bin of the request's total
+    length (its prompt plus the response length it asked for, ``prompt_tokens + max_new_tokens``), the
+    bins' edges the length quantiles over all ``served`` requests so that every group is cut alike.
+    Columns: ``by``, ``length_from``, ``length_to`` (tokens, inclusive), ``requests``, ``qoe_mean``,
+    ``qoe_p10``."""
+    total = served["prompt_tokens"] + served["max_new_tokens"]
+    lengths = total.to_numpy(dtype="float64")
     edges = np.unique(np.floor(np.quantile(lengths, np.linspace(0, 1, bins + 1))))
     edges[-1] = lengths.max() + 1  # the longest in the last bin
-    cut = pd.cut(served["max_new_tokens"], edges, right=False, labels=False)
-    frame = served.assign(length_bin=cut)
+    frame = served.assign(length_bin=pd.cut(total, edges, right=False, labels=False))
     rows = []
     for values, part in frame.groupby([*by, "length_bin"], sort=True, dropna=False):
         row = dict(zip([*by, "length_bin"], values, strict=True))

@@ -159,8 +159,9 @@ def delivery_curves(tokens: pd.DataFrame, requests: pd.DataFrame, limit: int = 6
 
 
 def qoe_vs_length(table: pd.DataFrame, by: Sequence[str]) -> Figure:
-    """Andes Fig. 14: mean QoE (solid) and p10 QoE (dashed) against the requested response length, one
-    colour per group of ``by`` (rows of :func:`analysis.metrics.qoe_by_length`)."""
+    """Andes Fig. 14: mean QoE (solid) and p10 QoE (dashed) against the request's total length (prompt
+    and requested response), one colour per group of ``by`` (rows of
+    :func:`analysis.metrics.qoe_by_length`)."""
     fig = Figure(layout="tight", figsize=(WIDTH_IN, HEIGHT_IN))
     ax = fig.subplots()
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -172,7 +173,7 @@ def qoe_vs_length(table: pd.DataFrame, by: Sequence[str]) -> Figure:
         ax.plot(middle, part["qoe_mean"], marker="o", color=color, label=f"{label} mean")
         ax.plot(middle, part["qoe_p10"], marker=".", linestyle="--", color=color, label=f"{label} p10")
     ax.axhline(metrics.QOE_THRESHOLD, color="grey", linestyle=":", label="0.9 (Andes' threshold)")
-    ax.set_xlabel("requested response length (tokens, middle of the bin)")
+    ax.set_xlabel("total length: prompt + requested response (tokens, middle of the bin)")
     ax.set_ylabel("QoE (Andes Eq. 1)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

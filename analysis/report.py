@@ -196,10 +196,10 @@ def serving_section(report: Report, requests: pd.DataFrame, tokens: pd.DataFrame
         where = f" at {knee:g} requests/s a device (the highest rate some scheduler holds at mean QoE 0.9)"
     by_length = metrics.qoe_by_length(served, by)
     report.table("qoe_by_length", by_length,
-                 f"QoE against the requested response length{where}, in bins of equal request counts (Andes "
-                 "Fig. 14: which lengths a scheduler starves).", digits=3)  # fmt: skip
+                 f"QoE against the request's total length (prompt + requested response){where}, in bins of "
+                 "equal request counts (Andes Fig. 14: which lengths a scheduler starves).", digits=3)  # fmt: skip
     report.figure("qoe_vs_length", plots.qoe_vs_length(by_length, by),
-                  f"Mean and p10 QoE against the requested response length{where}.")  # fmt: skip
+                  f"Mean and p10 QoE against the request's total length{where}.")  # fmt: skip
 
 
 def build_report(campaign_dir: str | Path, options: ReportOptions | None = None) -> Path:

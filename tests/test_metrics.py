@@ -610,10 +610,11 @@ def test_andes_table4_tds_is_the_pre_buffer_speed_and_unserved_requests_count_ze
 
 
 def test_qoe_by_length_cuts_every_scheduler_at_the_same_length_quantiles():
-    # 8 requests a scheduler, lengths 10..80; fcfs starves the short half, andes the longest one
-    lengths = [10, 20, 30, 40, 50, 60, 70, 80]
+    # 8 requests a scheduler, total lengths (prompt 4 + response) 10..80; fcfs starves the short half,
+    # andes the longest one
+    lengths = [6, 16, 26, 36, 46, 56, 66, 76]
     served = pd.DataFrame({
-        "serving.scheduler": ["fcfs"] * 8 + ["andes"] * 8, "max_new_tokens": lengths * 2,
+        "serving.scheduler": ["fcfs"] * 8 + ["andes"] * 8, "prompt_tokens": 4, "max_new_tokens": lengths * 2,
         "qoe": [0.0, 0.2, 0.4, 0.6, 1.0, 1.0, 1.0, 1.0] + [1.0] * 7 + [0.5],
     })  # fmt: skip
     table = metrics.qoe_by_length(served, ["serving.scheduler"], bins=2)
