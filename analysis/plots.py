@@ -152,7 +152,7 @@ def delivery_curves(tokens: pd.DataFrame, requests: pd.DataFrame, limit: int = 6
     if buffered:
         ax.plot([], [], color="black", linestyle=":", linewidth=1.2, label="shown by the client's buffer")
     ax.set_xlabel("time since the request arrived (s)")
-    ax.set_ylabel("tokens")
+    ax.set_ylabel("tokens delivered (solid) or shown (dotted)")
     ax.grid(alpha=0.3)
     _legend(ax, len(chosen) + 1 + buffered)
     return fig
