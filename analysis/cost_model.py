@@ -146,3 +146,35 @@ def api_price_usd(api: str, input_tokens: np.ndarray, output_tokens: np.ndarray)
         raise ValueError(f"unknown API {api!r}; known: {', '.join(API_PRICES_USD_PER_MTOK)}")
     price_in, price_out = API_PRICES_USD_PER_MTOK[api]
     return (np.asarray(input_tokens) * price_in + np.asarray(output_tokens) * price_out) / 1e6
+
+
+# The API each of DiSCo's traced services is billed at (Table 8).
+SERVICE_APIS = {"gpt": "gpt-4o-mini", "deepseek": "deepseek-v2.5", "command": "command-cohere",
+                "llama": "llama-3.1-70b-hyperbolic"}  # fmt: skip
+REGIMES = {"server": "server-constrained", "device": "device-constrained"}
+
+
+@dataclass(frozen=True)
+class DispatchPrices:
+    """USD per token at each endpoint for one service, device model and regime (Algorithm 1's and
+    Eq. 4's c_s^p, c_s^d, c_d^p, c_d^d); device tokens at a typical prompt of ``context_tokens``."""
+
+    server_prefill: float
+    server_decode: float
+    device_prefill: float
+    device_decode: float
+
+    @classmethod
+    def for_run(cls, api: str, device_model: str, regime: str, context_tokens: float) -> DispatchPrices:
+        price_in, price_out = API_PRICES_USD_PER_MTOK[api]
+        shape = DISCO_SHAPES[device_model]
+        usd_per_flop = DEVICE_USD_PER_PFLOP[REGIMES.get(regime, regime)] / 1e15
+        return cls(price_in / 1e6, price_out / 1e6,
+                   float(flops_per_token(shape, context_tokens, "prefill")) * usd_per_flop,
+                   float(flops_per_token(shape, context_tokens, "decode")) * usd_per_flop)  # fmt: skip
+
+    def cost_usd(self, server_input: np.ndarray, server_output: np.ndarray, device_prefill: np.ndarray,
+                 device_decode: np.ndarray) -> np.ndarray:  # fmt: skip
+        """Per request: the server's bill plus the device's energy in money (App. E)."""
+        return (np.asarray(server_input) * self.server_prefill + np.asarray(server_output) * self.server_decode
+                + np.asarray(device_prefill) * self.device_prefill + np.asarray(device_decode) * self.device_decode)

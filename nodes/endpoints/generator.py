@@ -1,0 +1,81 @@
+"""Greedy generation with the real checkpoint, each token released at its paced time.
+
+``stream`` yields one ``Emitted`` per token: its id, its index in the output and the monotonic time it
+was released. The first token is due ``pace.first_token_s(l)`` after the request was taken, each next
+one ``pace.gap_s()`` after the previous was due. A token computed later than its due time is released
+at once and counted as an overrun (the host could not keep the target's pace: a fidelity violation).
+Closing the generator (the client went away) stops the computation at the next token.
+"""
+
+import threading
+import time
+from typing import Iterator, List, NamedTuple, Optional, Sequence
+
+import torch
+
+from nodes.inference.checkpoint import load_whole
+from nodes.inference.model import Segment
+from nodes.inference.tokenizer import Tokenizer
+
+from .pace import Pace
+
+
+class Emitted(NamedTuple):
+    token_id: int
+    index: int
+    released_s: float  # time.monotonic()
+    overrun_s: float  # how late the computation made it (0 when on time)
+
+
+class PacedGenerator(object):
+    """The whole model of ``model_dir`` behind a lock (one forward pass at a time)."""
+
+    def __init__(self, model_dir: str, dtype: str = "float32") -> None:
+        self.model_dir = model_dir
+        self.model = load_whole(model_dir, dtype=dtype)
+        self.tokenizer = Tokenizer(model_dir)
+        self.context_tokens = int(self.model.config.max_position_embeddings)
+        self._lock = threading.Lock()
+
+    def stream(self, prompt_ids: Sequence[int], max_tokens: int, pace: Pace,
+               stop_at_eos: bool = True, sleep=time.sleep) -> Iterator[Emitted]:  # fmt: skip
+        if not prompt_ids:
+            raise ValueError("a prompt needs at least one token")
+        taken = time.monotonic()
+        due = taken + pace.first_token_s(len(prompt_ids))
+        cache = self.model.new_cache(len(prompt_ids) + max_tokens + 1)
+        eos = self.tokenizer.eos_id if stop_at_eos else None
+        with self._lock, torch.inference_mode():
+            ids = torch.tensor(list(prompt_ids))
+            hidden = self.model.run_layers(self.model.embed(ids), [Segment(cache, len(prompt_ids))])
+            token = int(torch.argmax(self.model.logits(hidden[-1])).item())
+        for index in range(max_tokens):
+            now = time.monotonic()
+            if now < due:
+                sleep(due - now)
+            released = time.monotonic()
+            yield Emitted(token, index, released, max(0.0, now - due))
+            if token == eos or index + 1 == max_tokens:
+                return
+            due += pace.gap_s()
+            with self._lock, torch.inference_mode():
+                hidden = self.model.run_layers(self.model.embed(torch.tensor([token])), [Segment(cache, 1)])
+                token = int(torch.argmax(self.model.logits(hidden[-1])).item())
+
+    def encode(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: List[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def piece(self, before: List[int], token_id: int) -> str:
+        """The text ``token_id`` adds after ``before`` (decoding the whole tail keeps merged bytes right)."""
+        tail = before[-4:]
+        return self.tokenizer.decode(tail + [token_id])[len(self.tokenizer.decode(tail)):]
+
+
+def max_tokens_for(generator: PacedGenerator, prompt_tokens: int, asked: Optional[int]) -> int:
+    """What a request may generate: what it asked (16 by default, as OpenAI's completions) within the
+    model's context."""
+    room = generator.context_tokens - prompt_tokens
+    return max(0, min(room, asked if asked is not None else 16))

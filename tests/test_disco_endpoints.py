@@ -1,0 +1,219 @@
+"""DiSCo's endpoints over real HTTP: the OpenAI-compatible API checked with the official ``openai``
+client, cancellation seen by the endpoint, and the live dispatcher's race and token-id migration,
+whose output must equal greedy generation of the same checkpoint token for token."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from nodes.dispatch.controller import MigrationRule
+from nodes.dispatch.device_speed import DeviceSpeed, LinearTtft
+from nodes.dispatch.live import EndpointAddress, dispatch_request
+from nodes.dispatch.policy import ServerTtft, TokenCosts
+from nodes.endpoints.generator import PacedGenerator
+from nodes.endpoints.openai_api import Endpoint, make_server
+from nodes.endpoints.pace import DevicePace, Pace
+from nodes.inference.generate import greedy_generate
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = str(REPO / "examples" / "models" / "tiny")
+R_C = 4.8
+
+
+class SteadyPace(Pace):
+    """A server that answers after ``ttft_s`` and streams one token every ``gap_s``."""
+
+    def __init__(self, ttft_s: float, gap_s: float) -> None:
+        self.ttft_s, self.gap, self.label = ttft_s, gap_s, "steady"
+
+    def first_token_s(self, prompt_tokens: int) -> float:
+        return self.ttft_s
+
+    def gap_s(self) -> float:
+        return self.gap
+
+
+@pytest.fixture(scope="module")
+def generator() -> PacedGenerator:
+    return PacedGenerator(TINY)
+
+
+def serve(generator: PacedGenerator, pace: Pace, log: Path, key: str | None = None):
+    endpoint = Endpoint(generator, pace, "tiny", str(log), api_key=key)
+    server, port = make_server(endpoint, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, endpoint, f"http://127.0.0.1:{port}/v1"
+
+
+def logged(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if not line.startswith("#")]
+
+
+def test_the_openai_client_streams_completions_and_chat_with_usage(generator, tmp_path):
+    server, endpoint, url = serve(generator, SteadyPace(0.05, 0.01), tmp_path / "api.jsonl")
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        prompt = "def add(a, b):"
+        reference = greedy_generate(generator.model, generator.encode(prompt), 12, generator.tokenizer.eos_id)
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, stream=True,
+                                                stream_options={"include_usage": True}))  # fmt: skip
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == generator.decode(reference)
+        assert chunks[-1].usage.completion_tokens == len(reference)
+        assert chunks[-1].usage.prompt_tokens == len(generator.encode(prompt))
+        by_ids = client.completions.create(model="tiny", prompt=generator.encode(prompt), max_tokens=12)
+        assert by_ids.choices[0].text == text  # a prompt given as token ids is the same prompt
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=5)  # fmt: skip
+        assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
+        deltas = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=5, stream=True))  # fmt: skip
+        assert deltas[0].choices[0].delta.role == "assistant"
+        assert "".join(d.choices[0].delta.content or "" for d in deltas) == chat.choices[0].message.content
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt=[10**9], max_tokens=3)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt="x", max_tokens=3, n=2)
+    finally:
+        server.shutdown()
+        endpoint.close()
+    rows = logged(tmp_path / "api.jsonl")
+    assert len(rows) == 4 and all(row["modeled"] and not row["cancelled"] for row in rows)
+    first = rows[0]
+    assert first["first_token_s"] - first["taken_s"] >= 0.05  # paced: the first token after its TTFT
+
+
+def test_a_key_is_required_when_the_endpoint_has_one(generator, tmp_path):
+    server, endpoint, url = serve(generator, SteadyPace(0.0, 0.0), tmp_path / "api.jsonl", key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).completions.create(
+                model="tiny", prompt="x", max_tokens=2)  # fmt: skip
+        ok = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0).completions.create(
+            model="tiny", prompt="x", max_tokens=2)  # fmt: skip
+        assert ok.usage.completion_tokens == 2
+    finally:
+        server.shutdown()
+        endpoint.close()
+
+
+def test_a_client_that_goes_away_cancels_its_request(generator, tmp_path):
+    server, endpoint, url = serve(generator, SteadyPace(0.0, 0.05), tmp_path / "api.jsonl")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    try:
+        body = json.dumps({"prompt": "def f(x):", "max_tokens": 100, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            received = b""
+            for _ in range(50):  # the headers, then the first events
+                received += sock.recv(4096)
+                if b"data:" in received:
+                    break
+            assert b"data:" in received
+        deadline = time.monotonic() + 10
+        while endpoint.served < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        server.shutdown()
+        endpoint.close()
+    (row,) = logged(tmp_path / "api.jsonl")
+    assert row["cancelled"] and row["completion_tokens"] < 20  # 100 tokens would take 5 s
+
+
+FAST_PHONE = DeviceSpeed("fast-phone", prefill_tok_s=200.0, decode_tok_s=50.0, model="bloom-1.1b")
+
+
+def endpoints_pair(generator, tmp_path, server_pace: Pace, device_pace: Pace):
+    server, server_endpoint, server_url = serve(generator, server_pace, tmp_path / "server.jsonl")
+    device, device_endpoint, device_url = serve(generator, device_pace, tmp_path / "device.jsonl")
+    addresses = {"server": EndpointAddress(server_url, "tiny"), "device": EndpointAddress(device_url, "tiny")}
+
+    def stop() -> None:
+        for http, endpoint in ((server, server_endpoint), (device, device_endpoint)):
+            http.shutdown()
+            endpoint.close()
+
+    return addresses, stop
+
+
+def test_the_race_keeps_the_first_token_and_cancels_the_loser(generator, tmp_path):
+    addresses, stop = endpoints_pair(generator, tmp_path, SteadyPace(1.5, 0.01), DevicePace(FAST_PHONE))
+    prompt = generator.encode("def fibonacci(n):")
+    fit = LinearTtft(1 / FAST_PHONE.prefill_tok_s, 0.0, 1.0, 10)
+    try:
+        record = dispatch_request(1, prompt, 20, 0.0, 0.0, addresses, R_C, fit)
+    finally:
+        stop()
+    assert record["winner"] == "device" and record["failure"] is None
+    assert record["ttft_s"] < 1.0  # the device's 0.03 s prefill, not the server's 1.5 s
+    assert record["token_ids"] == greedy_generate(generator.model, prompt, 20, generator.tokenizer.eos_id)
+    (server_row,) = logged(tmp_path / "server.jsonl")
+    assert server_row["cancelled"] and server_row["completion_tokens"] == 0
+    assert record["race_server_input_tokens"] == len(prompt)  # billed although cancelled
+
+
+@pytest.mark.parametrize("direction", ["server-to-device", "device-to-server"])
+def test_a_migrated_stream_is_token_identical_to_greedy_generation(generator, tmp_path, direction):
+    slow = SteadyPace(0.05, 0.1)  # 10 tokens/s, just above the reader
+    if direction == "server-to-device":  # the server is dear: the fast phone takes over
+        server_pace, device_pace, route = slow, DevicePace(FAST_PHONE), (0.0, float("inf"))
+        costs = TokenCosts(server_prefill=1.0, server_decode=4.0, device_prefill=1.0, device_decode=1.0)
+    else:  # the phone is dear: a fast server takes over
+        server_pace, device_pace, route = SteadyPace(0.1, 0.01), DevicePace(FAST_PHONE), (float("inf"), 0.0)
+        costs = TokenCosts(server_prefill=1.0, server_decode=1.0, device_prefill=4.0, device_decode=4.0)
+    addresses, stop = endpoints_pair(generator, tmp_path, server_pace, device_pace)
+    fit = LinearTtft(1 / FAST_PHONE.prefill_tok_s, 0.0, 1.0, 10)
+    rule = MigrationRule.from_calibration(costs, R_C, fit, ServerTtft.from_samples([0.1]), [60] * 10)
+    prompt = generator.encode("class Stack:\n    def push(self, item):")
+    try:
+        record = dispatch_request(7, prompt, 40, *route, addresses, R_C, fit, rule)
+    finally:
+        stop()
+    reference = greedy_generate(generator.model, prompt, 40, generator.tokenizer.eos_id)
+    assert record["failure"] is None and record["migrated"], record
+    assert record["token_ids"] == reference
+    assert record["migration_mismatches"] == 0
+    assert 0 < record["handoff_tokens"] < len(reference)
+    assert record["migration_input_tokens"] == len(prompt) + record["held_tokens"] + (
+        record["migration_input_tokens"] - len(prompt) - record["held_tokens"])  # prompt + the ids so far
+    assert record["migration_input_tokens"] > len(prompt)
+    source = "server" if direction == "server-to-device" else "device"
+    rows = logged(tmp_path / f"{source}.jsonl")
+    assert any(row["cancelled"] for row in rows)  # the source was stopped once the target was ready
+    gaps = np.diff(np.array(record["arrivals_s"]))
+    assert gaps.max() < 1.0  # no stall at the handoff
+
+
+def test_the_endpoint_command_serves_until_terminated(tmp_path):
+    port_file = tmp_path / "port"
+    process = subprocess.Popen([sys.executable, "-m", "nodes.endpoints", "--model", TINY, "--pace", "device",
+                                "--device-speed", "xiaomi14-qwen-0.5b", "--port-file", str(port_file),
+                                "--log", str(tmp_path / "device.jsonl")], cwd=REPO, stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and port_file.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{int(port_file.read_text())}/v1"
+        reply = openai.OpenAI(base_url=url, api_key="x", max_retries=0).completions.create(
+            model="tiny", prompt="def f():", max_tokens=3)  # fmt: skip
+        assert reply.usage.completion_tokens == 3
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) == 0
+    (row,) = logged(tmp_path / "device.jsonl")
+    assert row["pace"] == "device:xiaomi14-qwen-0.5b" and row["modeled"]
+    bad = subprocess.run([sys.executable, "-m", "nodes.endpoints", "--model", TINY, "--pace", "trace",
+                          "--service", "nope"], cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "unknown service trace" in bad.stderr
