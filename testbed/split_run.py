@@ -34,7 +34,14 @@ from nodes.contracts.schedules import request_id
 from nodes.contracts.target_model import from_json as target_from_json
 from nodes.workers.methods import method_named
 from nodes.workers.methods import names as method_names
-from nodes.workers.run_config import DraftSettings, RankSpec, RunConfig, ServingSettings, TargetSettings
+from nodes.workers.run_config import (
+    DispatchSettings,
+    DraftSettings,
+    RankSpec,
+    RunConfig,
+    ServingSettings,
+    TargetSettings,
+)
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
 from testbed.provision import compare_records, load_record
@@ -201,7 +208,14 @@ def run_config_for(spec: SplitRunSpec, model_dir: str, run_dir: str, ranks: tupl
         target=None if target is None else TargetSettings(
             target_from_json(target["model"]), float(target["dilation"]), bool(target["pad_payloads"])),
         serving=ServingSettings(**spec.extra.get("serving", {})),
+        dispatch=_dispatch_settings(spec.extra.get("dispatch")),
     )  # fmt: skip
+
+
+def _dispatch_settings(raw: dict[str, Any] | None) -> DispatchSettings:
+    if not raw:
+        return DispatchSettings()
+    return DispatchSettings(**dict(raw, prices=tuple(raw.get("prices") or DispatchSettings().prices)))
 
 
 def _torch_device(node: NodeSpec) -> str:

@@ -39,8 +39,9 @@ class _Request(object):
     """One request's streams and tokens while it is served."""
 
     def __init__(self, prompt: List[int], max_tokens: int, endpoints: Dict[str, EndpointAddress],
-                 tokenize: Optional[Callable[[str], List[int]]]) -> None:  # fmt: skip
+                 tokenize: Optional[Callable[[str], List[int]]], seed: Optional[int]) -> None:  # fmt: skip
         self.prompt, self.max_tokens, self.endpoints, self.tokenize = prompt, max_tokens, endpoints, tokenize
+        self.seed = seed
         self.events: "queue.Queue" = queue.Queue()
         self.t0 = time.monotonic()
         self.streams: Dict[str, CompletionStream] = {}
@@ -57,9 +58,12 @@ class _Request(object):
         self.finished = False
 
     def open(self, name: str, endpoint: str, ids: List[int], budget: int) -> None:
+        """Start a stream; the race's two carry the request's seed (a trace endpoint's draws), a
+        migration's does not (it is a new request to its endpoint)."""
         address = self.endpoints[endpoint]
+        seed = self.seed if name == endpoint else None
         self.streams[name] = CompletionStream(name, address.base_url, ids, budget, self.events, address.model,
-                                              address.api_key, self.tokenize).start()  # fmt: skip
+                                              address.api_key, self.tokenize, seed=seed).start()  # fmt: skip
 
     def take(self, name: str, kind: str, payload, stamp: float) -> None:
         if kind == "failed":
@@ -114,10 +118,12 @@ class _Request(object):
 def dispatch_request(request_id: int, prompt_ids: Sequence[int], max_tokens: int, server_start_s: float,
                      device_start_s: float, endpoints: Dict[str, EndpointAddress], consumption_tok_s: float,
                      device_ttft: LinearTtft, migration: Optional[MigrationRule] = None,
-                     tokenize: Optional[Callable[[str], List[int]]] = None,
-                     timeout_s: float = 120.0) -> dict:  # fmt: skip
-    """Serve one request; return its record (times in seconds from its arrival on this clock)."""
-    request = _Request(list(prompt_ids), max_tokens, endpoints, tokenize)
+                     tokenize: Optional[Callable[[str], List[int]]] = None, timeout_s: float = 120.0,
+                     seed: Optional[int] = None) -> dict:  # fmt: skip
+    """Serve one request; return its record (times in seconds from its arrival on this clock).
+    ``seed``: sent with the race's two requests (the API's ``seed``), so a trace endpoint draws
+    this request's times reproducibly."""
+    request = _Request(list(prompt_ids), max_tokens, endpoints, tokenize, seed)
     due = {SERVER: server_start_s, DEVICE: device_start_s}
     while not request.finished:
         elapsed = time.monotonic() - request.t0
@@ -190,5 +196,5 @@ def _record(request_id: int, request: _Request, device_ttft: LinearTtft) -> dict
         "device_output_tokens": received(DEVICE) + received(DEVICE + MIGRATION),
         "migration_target": request.target, "migrated": migrated, "handoff_tokens": request.handoff,
         "held_tokens": request.held, "migration_input_tokens": len(target.prompt_ids) if target is not None else 0,
-        "migration_mismatches": request.mismatches, "modeled_times": True,
+        "migration_mismatches": request.mismatches, "seed": request.seed, "modeled_times": True,
     }  # fmt: skip

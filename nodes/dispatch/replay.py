@@ -16,7 +16,7 @@ before it was cancelled. Everything here is modeled time: no token is computed.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 
@@ -52,6 +52,23 @@ class ReplayInput:
         return cls(np.asarray(prompt_tokens, dtype="int64"), outputs, service.ttft_s(rng, n),
                    service.inter_token_s(rng, (n, GENERATION_CAP_TOKENS - 1)), service.ttft_s(rng, n),
                    rng.random(n), np.exp(device_jitter_sigma * rng.standard_normal(n)))  # fmt: skip
+
+
+def draw_seeded(service: ServiceModel, prompt_tokens: np.ndarray, output_tokens: np.ndarray,
+                seeds: Sequence[int], draws: np.ndarray) -> ReplayInput:  # fmt: skip
+    """The requests a trace endpoint serves when each names its ``seed``: per request, its TTFT and
+    then its gaps from ``default_rng(seed)`` (``TracePace.seeded``), a fresh draw for a migration's
+    TTFT, and no device jitter (the device endpoint paces exactly)."""
+    n = len(prompt_tokens)
+    ttft, gaps = np.zeros(n), np.zeros((n, GENERATION_CAP_TOKENS - 1))
+    for i, seed in enumerate(seeds):
+        rng = np.random.default_rng(int(seed))
+        ttft[i] = service.ttft_s(rng, 1)[0]
+        gaps[i] = service.inter_token_s(rng, GENERATION_CAP_TOKENS - 1)
+    outputs = np.clip(np.asarray(output_tokens, dtype="int64"), 1, GENERATION_CAP_TOKENS)
+    migration = service.ttft_s(np.random.default_rng([int(s) for s in seeds]), n)
+    return ReplayInput(np.asarray(prompt_tokens, dtype="int64"), outputs, ttft, gaps, migration,
+                       np.asarray(draws, dtype="float64"), np.ones(n))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,11 @@ from urllib.parse import urlsplit
 class CompletionStream(object):
     def __init__(self, name: str, base_url: str, prompt_ids: Sequence[int], max_tokens: int, events: "queue.Queue",
                  model: str = "default", api_key: Optional[str] = None,
-                 tokenize: Optional[Callable[[str], List[int]]] = None, timeout_s: float = 60.0) -> None:  # fmt: skip
+                 tokenize: Optional[Callable[[str], List[int]]] = None, timeout_s: float = 60.0,
+                 seed: Optional[int] = None) -> None:  # fmt: skip
         self.name, self.base_url, self.events = name, base_url.rstrip("/"), events
         self.prompt_ids, self.max_tokens, self.model, self.api_key = list(prompt_ids), max_tokens, model, api_key
-        self.tokenize, self.timeout_s = tokenize, timeout_s
+        self.tokenize, self.timeout_s, self.seed = tokenize, timeout_s, seed
         self.started_s = 0.0
         self.received = 0
         self.usage: Optional[dict] = None
@@ -58,9 +59,12 @@ class CompletionStream(object):
         url = urlsplit(self.base_url)
         kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
         self._connection = connection = kind(url.hostname, url.port, timeout=self.timeout_s)
-        body = json.dumps({"model": self.model, "prompt": self.prompt_ids, "max_tokens": self.max_tokens,
-                           "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                           "return_token_ids": True})  # fmt: skip
+        request = {"model": self.model, "prompt": self.prompt_ids, "max_tokens": self.max_tokens,
+                   "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                   "return_token_ids": True}  # fmt: skip
+        if self.seed is not None:
+            request["seed"] = self.seed
+        body = json.dumps(request)
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         if self.api_key:
             headers["Authorization"] = "Bearer " + self.api_key

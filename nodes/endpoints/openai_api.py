@@ -15,6 +15,7 @@ one line of ``endpoint_requests.jsonl``, written when it ends: its times on this
 and whether they were modeled.
 """
 
+import contextlib
 import json
 import os
 import select
@@ -98,6 +99,10 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # the request log is ours
         return
 
+    def handle(self) -> None:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            super().handle()  # (a client may cancel between requests of a kept-alive connection)
+
     # -- routing -------------------------------------------------------------------------------------
     def do_GET(self) -> None:
         if self.path.rstrip("/") in ("/health", "/v1/health"):
@@ -145,10 +150,14 @@ class Handler(BaseHTTPRequestHandler):
         overruns = 0
         cancelled = False
         finish = "length"
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or seed < 0):
+            raise ApiError(400, "seed must be a non-negative integer", "seed")
+        pace = endpoint.pace.seeded(seed) if seed is not None else endpoint.pace
         endpoint.begin()
         if stream:
             self._start_events()
-        generator = endpoint.generator.stream(prompt_ids, max_tokens, endpoint.pace, sleep=self._sleep_watching)
+        generator = endpoint.generator.stream(prompt_ids, max_tokens, pace, sleep=self._sleep_watching)
         try:
             for emitted in generator:
                 piece = endpoint.generator.piece(tokens, emitted.token_id)
@@ -185,7 +194,7 @@ class Handler(BaseHTTPRequestHandler):
             "cancelled": cancelled, "finish_reason": None if cancelled else finish,
             "taken_s": round(taken, 6), "first_token_s": round(stamps[0], 6) if stamps else None,
             "last_token_s": round(stamps[-1], 6) if stamps else None, "overrun_tokens": overruns,
-            "pace": endpoint.pace.label, "modeled": endpoint.pace.modeled,
+            "pace": endpoint.pace.label, "modeled": endpoint.pace.modeled, "seed": seed,
         })  # fmt: skip
         if cancelled:
             self.close_connection = True

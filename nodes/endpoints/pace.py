@@ -28,6 +28,11 @@ class Pace(object):
     def gap_s(self) -> float:
         raise NotImplementedError
 
+    def seeded(self, seed: int) -> "Pace":
+        """The pace of one request that names its own random stream (the API's ``seed``): its draws
+        are then reproducible whatever the order requests arrive in."""
+        return self
+
 
 class ComputePace(Pace):
     modeled = False
@@ -55,6 +60,9 @@ class DevicePace(Pace):
     def gap_s(self) -> float:
         return self.speed.decode_s()
 
+    def seeded(self, seed: int) -> "Pace":
+        return DevicePace(self.speed, self.jitter_sigma, seed)
+
 
 class TracePace(Pace):
     """Draws are shared by every request of the endpoint, in the order they ask (thread-safe)."""
@@ -72,6 +80,11 @@ class TracePace(Pace):
     def gap_s(self) -> float:
         with self._lock:
             return float(self.service.inter_token_s(self._rng, 1)[0]) * self.time_scale
+
+    def seeded(self, seed: int) -> "Pace":
+        """First the TTFT, then one gap per token, from ``default_rng(seed)``: the order the replay
+        draws a request in (``ReplayInput.draw_seeded``)."""
+        return TracePace(self.service, seed, self.time_scale)
 
 
 def pace_named(kind: str, name: Optional[str], seed: int = 0) -> Pace:

@@ -81,6 +81,27 @@ class ServingSettings(NamedTuple):
     ignore_eos: bool = False  # generate every request's max_new_tokens, as vLLM's benchmarks do
 
 
+DISPATCH_POLICIES = ("server-only", "device-only", "stoch-s", "stoch-d", "disco-s", "disco-d")
+
+
+class DispatchSettings(NamedTuple):
+    """DiSCo's dispatch (``methods/disco.py``): the policy and budget the device dispatches with, the
+    server it races (a trace endpoint replaying ``service`` on the server node), its own speed,
+    migration, and the per-token prices (USD: server input, server output, device prefill, device
+    decode) that Algorithm 1 and Eq. 4 weigh; the controller fills them from the cost model."""
+
+    policy: str = "disco-s"  # nodes.dispatch.controller.POLICIES
+    budget: float = 0.5  # b: the constrained endpoint's share of input tokens
+    alpha: float = 0.01  # DiSCo-D's tail ratio
+    service: str = "gpt"  # the trace endpoint's service (nodes.dispatch.services)
+    device_speed: str = "pixel7pro-bloom-1.1b"  # nodes.dispatch.device_speed
+    migration: bool = False
+    source_keeps_streaming: bool = True
+    consumption_tok_s: float = 4.8  # r_c: the client buffer's pace
+    calibration_requests: int = 40  # per endpoint, before the schedule (profiles F and T_d)
+    prices: Tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+
+
 # The one definition of the drafting knobs' ranges: campaign files are checked against them
 # (testbed/campaign/spec.py builds its model from DraftSettings and these), run configs too.
 DRAFT_LIMITS = {"eta": (0.0, 1.0), "max_draft_tokens": (0, 64), "top_k": (0, 64), "max_parallel_steps": (0, 64)}
@@ -103,6 +124,7 @@ class RunConfig(NamedTuple):
     deadline_s: Optional[float] = None
     target: Optional[TargetSettings] = None
     serving: ServingSettings = ServingSettings()
+    dispatch: DispatchSettings = DispatchSettings()
 
     @property
     def method_spec(self) -> Method:
@@ -156,6 +178,7 @@ class RunConfig(NamedTuple):
                 "model": self.target.model.to_json(), "dilation": self.target.dilation,
                 "pad_payloads": self.target.pad_payloads},
             "serving": self.serving._asdict(),
+            "dispatch": dict(self.dispatch._asdict(), prices=list(self.dispatch.prices)),
         }  # fmt: skip
 
     def rank_dir(self, rank: int) -> str:
@@ -270,7 +293,30 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
         deadline_s=None if deadline is None else float(deadline),
         target=_target(raw.get("target"), source),
         serving=_serving(raw.get("serving"), source),
+        dispatch=_dispatch(raw.get("dispatch"), source),
     )
+
+
+def _dispatch(raw: Any, source: str) -> DispatchSettings:
+    if raw is None:
+        return DispatchSettings()
+    if not isinstance(raw, dict):
+        raise RunConfigError("%s: field 'dispatch' must be a mapping" % source)
+    unknown = sorted(set(raw) - set(DispatchSettings._fields))
+    if unknown:
+        raise RunConfigError("%s: dispatch.%s is not a field; known: %s" % (source, unknown[0],
+                                                                           ", ".join(DispatchSettings._fields)))
+    settings = DispatchSettings(**dict(raw, prices=tuple(raw.get("prices") or DispatchSettings().prices)))
+    if settings.policy not in DISPATCH_POLICIES:
+        raise RunConfigError("%s: dispatch.policy is %r; choose one of %s"
+                             % (source, settings.policy, ", ".join(DISPATCH_POLICIES)))  # fmt: skip
+    if not 0 <= settings.budget <= 1 or not 0 < settings.alpha < 1:
+        raise RunConfigError("%s: dispatch.budget must lie in [0, 1] and dispatch.alpha in (0, 1)" % source)
+    if len(settings.prices) != 4 or any(p < 0 for p in settings.prices):
+        raise RunConfigError("%s: dispatch.prices are four USD-per-token figures >= 0" % source)
+    if settings.consumption_tok_s <= 0 or settings.calibration_requests < 2:
+        raise RunConfigError("%s: dispatch.consumption_tok_s must be > 0 and calibration_requests >= 2" % source)
+    return settings
 
 
 def _serving(raw: Any, source: str) -> ServingSettings:

@@ -33,7 +33,11 @@ def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, An
     os.makedirs(config.rank_dir(rank), exist_ok=True)
     started = time.monotonic()
     streams = config.method_spec.streams  # a serving engine and its clients, not a split pipeline
-    if spec.role == "stage" and streams:
+    if config.method_spec.dispatches:  # endpoints over HTTP, and the devices' dispatchers
+        from .dispatch_worker import DispatchClient, DispatchServer
+
+        worker = (DispatchServer if spec.role == "stage" else DispatchClient)(config, comm, rank, parts)
+    elif spec.role == "stage" and streams:
         from .serving_engine import ServingEngine
 
         worker = ServingEngine(config, comm, rank, parts)

@@ -363,6 +363,10 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
         from testbed.campaign.serving_budget import serving_config
 
         extra["serving"] = serving_config(lab, campaign.base_dir, settings)
+    if method_named(settings.method).dispatches:
+        from testbed.campaign.dispatch_config import dispatch_config
+
+        extra["dispatch"] = dispatch_config(settings)
     if settings.target is not None:
         from testbed.target_emulation import paced_names, resolve_target
 

@@ -47,6 +47,7 @@ from pydantic import (
 from nodes.workers.methods import method_named
 from nodes.workers.methods import names as method_names
 from nodes.workers.run_config import DRAFT_LIMITS
+from nodes.workers.run_config import DispatchSettings as RunDispatchSettings
 from nodes.workers.run_config import DraftSettings as RunDraftSettings
 from nodes.workers.run_config import ServingSettings as RunServingSettings
 from testbed.inventory import Inventory, Name, NodeSpec
@@ -154,6 +155,29 @@ class ServingSettings(_Strict):
     ignore_eos: StrictBool = _SERVING["ignore_eos"]  # every request makes its max_new_tokens (drawn lengths hold)
 
 
+_DISPATCH = RunDispatchSettings._field_defaults  # the dispatcher's defaults (nodes/workers/run_config)
+
+
+class DispatchSettings(_Strict):
+    """DiSCo's dispatch (method ``disco``): the policy and budget b (the constrained endpoint's share of
+    input tokens), the service the server's trace endpoint replays, the phone's speed, and migration.
+    The per-token prices come from the cost model (the service's API price, the device model's FLOPs at
+    the regime's energy-to-money rate: DiSCo App. E); ``regime`` forces the rate (default: the policy's,
+    ``server`` for one-endpoint policies)."""
+
+    policy: Literal["server-only", "device-only", "stoch-s", "stoch-d", "disco-s", "disco-d"] = "disco-s"
+    budget: float = Field(_DISPATCH["budget"], ge=0, le=1)
+    alpha: float = Field(_DISPATCH["alpha"], gt=0, lt=1)
+    service: Literal["gpt", "deepseek", "command", "llama"] = "gpt"
+    device_speed: Literal["pixel7pro-bloom-1.1b", "pixel7pro-bloom-560m", "xiaomi14-qwen-0.5b"] = \
+        "pixel7pro-bloom-1.1b"
+    migration: StrictBool = False
+    source_keeps_streaming: StrictBool = True
+    consumption_tok_s: float = Field(_DISPATCH["consumption_tok_s"], gt=0, le=1000)
+    calibration_requests: StrictInt = Field(_DISPATCH["calibration_requests"], ge=2, le=10_000)
+    regime: Literal["server", "device"] | None = None
+
+
 class RunSettings(_Strict):
     """One run's configuration: what a matrix key may override (``link.profile``, ``power.orin``)."""
 
@@ -177,6 +201,7 @@ class RunSettings(_Strict):
     # one before; HAT's lab serves arrivals at once (a serial device would queue them at its rates)
     device_slots: StrictInt = Field(1, ge=1, le=64)
     serving: ServingSettings | None = None  # a streaming method's engine; None: its defaults
+    dispatch: DispatchSettings | None = None  # a dispatching method's policy; None: its defaults
 
     @field_validator("method")
     @classmethod
@@ -184,6 +209,13 @@ class RunSettings(_Strict):
         if name not in method_names():
             raise ValueError(f"unknown method {name!r}; one of {', '.join(method_names())}")
         return name
+
+    @model_validator(mode="after")
+    def _dispatch_for_disco(self) -> RunSettings:
+        if self.dispatch is not None and not method_named(self.method).dispatches:
+            raise ValueError(f"dispatch: {self.method} does not dispatch between endpoints; use method: disco, "
+                             "or remove the dispatch section")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _one_client_a_device(self) -> RunSettings:

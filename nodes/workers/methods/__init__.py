@@ -6,10 +6,10 @@ to validate campaigns; the workers use it to pick their behaviours.
 
 from typing import Dict, Tuple
 
-from . import centralized, hat, serving, usarathi, ushape
+from . import centralized, disco, hat, serving, usarathi, ushape
 from .base import Method, MethodCheck, default_adapter_dir
 
-MODULES = (centralized, ushape, usarathi, hat, serving)  # the registration: one module per method family
+MODULES = (centralized, ushape, usarathi, hat, serving, disco)  # the registration: one module per method family
 
 _REGISTRY: Dict[str, Method] = {}
 

@@ -1,0 +1,122 @@
+"""DiSCo in campaigns: the dispatch section is checked with the method, the prices come from the cost
+model per regime, and a campaign on the emulated testbed races the server's trace endpoint (over the
+data plane) against each device's own endpoint, with the profiles fitted from calibration requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis.cost_model import SERVICE_APIS, DispatchPrices
+from foundation.errors import InputError
+from nodes.dispatch.controller import POLICIES
+from nodes.dispatch.policy import TokenCosts, constrained_endpoint
+from nodes.workers.run_config import DISPATCH_POLICIES, DispatchSettings, parse
+from testbed.campaign.dispatch_config import dispatch_config
+from testbed.campaign.load import load_campaign
+from testbed.campaign.spec import RunSettings
+from tests.conftest import REPO, emulated_inventory, emulated_lab
+
+TINY = REPO / "examples" / "models" / "tiny"
+
+
+def campaign_text(inventory: Path, dispatch: str = "{policy: disco-s, budget: 0.5, calibration_requests: 8}") -> str:
+    return f"""name: disco
+inventory: {inventory}
+base:
+  method: disco
+  model: {TINY}
+  partition: {{device_layers: 0, stages: 1}}
+  devices: [orin, xavier]
+  workload: {{arrival: poisson, rate_per_s: 2.0, requests_per_device: 5, max_new_tokens: 6, prompts: alpaca}}
+  dispatch: {dispatch}
+  telemetry: {{enabled: false}}
+  drain_s: 0.1
+matrix:
+  dispatch.policy: [stoch-s, disco-s]
+order: listed
+seed: 4
+run_timeout_s: 300
+"""
+
+
+def test_the_run_config_knows_every_policy_the_controller_plans() -> None:
+    assert DISPATCH_POLICIES == POLICIES
+
+
+def test_prices_follow_the_regime_and_algorithm_1_agrees() -> None:
+    for policy, regime in (("disco-s", "server"), ("disco-d", "device")):
+        settings = RunSettings(method="disco", dispatch={"policy": policy, "service": "gpt"})
+        prices = dispatch_config(settings)["prices"]
+        expected = DispatchPrices.for_run(SERVICE_APIS["gpt"], "bloom-1.1b", regime, 20.0)
+        assert prices == pytest.approx([expected.server_prefill, expected.server_decode, expected.device_prefill,
+                                        expected.device_decode])  # fmt: skip
+        assert constrained_endpoint(TokenCosts(*prices)) == regime
+    forced = dispatch_config(RunSettings(method="disco", dispatch={"policy": "stoch-d", "regime": "server"}))
+    assert constrained_endpoint(TokenCosts(*forced["prices"])) == "server"
+
+
+def test_a_run_config_carries_the_dispatch_and_refuses_a_bad_one() -> None:
+    raw = {"method": "disco", "model": "/m", "out_dir": "/o", "partition": {"stages": 1},
+           "ranks": [{"role": "stage", "node": "server"}, {"role": "device", "node": "d", "schedule": "/s"}],
+           "dispatch": {"policy": "disco-d", "budget": 0.3, "prices": [1e-7, 2e-7, 3e-7, 4e-7]}}  # fmt: skip
+    config = parse(raw)
+    assert config.dispatch == DispatchSettings(policy="disco-d", budget=0.3, prices=(1e-7, 2e-7, 3e-7, 4e-7))
+    assert parse(config.to_json()) == config
+    with pytest.raises(ValueError, match="dispatch.policy"):
+        parse(dict(raw, dispatch={"policy": "random"}))
+    with pytest.raises(ValueError, match="dispatch.budget"):
+        parse(dict(raw, dispatch={"budget": 1.5}))
+
+
+def test_a_dispatch_section_needs_a_dispatching_method(tmp_path: Path) -> None:
+    path = tmp_path / "campaign.yaml"
+    path.write_text(campaign_text(REPO / "inventory.yaml").replace("method: disco", "method: serving"))
+    with pytest.raises(InputError, match="use method: disco"):
+        load_campaign(path)
+    path.write_text(campaign_text(REPO / "inventory.yaml", "{policy: disco-x}"))
+    with pytest.raises(InputError, match="dispatch.policy"):
+        load_campaign(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
+@pytest.mark.slow
+@pytest.mark.root
+def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -> None:
+    inventory = emulated_inventory(tmp_path, "dc", 204)
+    campaign = tmp_path / "campaign.yaml"
+    campaign.write_text(campaign_text(inventory))
+    out = tmp_path / "out"
+    with emulated_lab(inventory):
+        done = subprocess.run([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)], cwd=REPO,
+                              capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    tables = {}
+    for run in sorted((out / "runs").iterdir()):
+        manifest = json.loads((run / "manifest.json").read_text())
+        assert manifest["status"] == "done", manifest.get("reason")
+        requests = pd.read_parquet(run / "requests.parquet")
+        assert len(requests) == 10 and requests["ttft_s"].notna().all()
+        assert (requests["dispatch_failure"].isna()).all()
+        policy = manifest["settings"]["dispatch"]["policy"]
+        tables[policy] = requests
+        calibrations = list(run.rglob("dispatch_calibration.json"))
+        assert len(calibrations) == 2  # one per device
+        for path in calibrations:
+            calibration = json.loads(path.read_text())
+            assert calibration["device_pearson"] >= 0.8  # the device premise, on its own endpoint
+            assert calibration["server_url"].startswith("http://10.205.")  # the data plane (10.204: management)
+        served = [json.loads(line) for path in run.rglob("endpoint_requests.jsonl")
+                  for line in path.read_text().splitlines() if not line.startswith("#")]  # fmt: skip
+        assert any(row["pace"] == "trace:gpt" for row in served) and any(row["pace"].startswith("device:")
+                                                                         for row in served)  # fmt: skip
+        if policy == "stoch-s":  # one endpoint a request: nobody was cancelled in a race
+            assert set(requests["dispatch_winner"]) <= {"server", "device"}
+    stoch, disco = (tables[k].set_index(["node", "request_id"])["token_ids"] for k in ("stoch-s", "disco-s"))
+    assert all(list(stoch[key]) == list(disco[key]) for key in stoch.index)  # same tokens whoever served them
