@@ -59,3 +59,75 @@ def migration_table(rows: pd.DataFrame) -> pd.DataFrame:
         held_tokens_p99=("held_tokens_p99", "mean"), slipped_tokens_mean=("slipped_tokens_mean", "mean"),
         tbt_p99_s=("migrated_tbt_p99_s", "median"), tbt_p99_s_worst=("migrated_tbt_p99_s", "max"),
     ).reset_index()  # fmt: skip
+
+
+DEVICE_MODELS = {"pixel7pro-bloom-1.1b": "bloom-1.1b", "pixel7pro-bloom-560m": "bloom-560m",
+                 "xiaomi14-qwen-0.5b": "qwen-0.5b"}  # fmt: skip
+PRICE_CONTEXT_TOKENS = 20.0  # the prompt length the device's per-token FLOPs are priced at (Alpaca-like)
+DISPATCH_DEFAULTS = {"dispatch.policy": "disco-s", "dispatch.budget": 0.5, "dispatch.service": "gpt",
+                     "dispatch.device_speed": "pixel7pro-bloom-1.1b", "dispatch.migration": False,
+                     "dispatch.regime": None}  # fmt: skip
+
+
+def regime_of(policy: str, forced: object = None) -> str:
+    """The regime a policy is priced in: the one the campaign forces, else ``-d`` device, else server."""
+    if isinstance(forced, str) and forced:
+        return forced
+    return "device" if str(policy).endswith("-d") else "server"
+
+
+def live_runs(requests: pd.DataFrame, tokens: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per live dispatch run (method ``disco``) in the sweep's schema: trace, device, regime,
+    budget, policy, migration, TTFT mean and P99 (s), realised budget, cost per request (USD), the
+    share the device answered first, migrations and what the client held for them, and token
+    mismatches at a handoff (must be 0); TBT P99 after the client's buffer over migrated requests."""
+    from analysis.cost_model import SERVICE_APIS, DispatchPrices
+
+    rows = []
+    for _, run in runs.iterrows():
+        mine = requests[(requests["run_id"] == run["run_id"]) & requests["ttft_s"].notna()]
+        if mine.empty or "dispatch_winner" not in mine.columns:
+            continue
+        setting = {k: run.get(k, v) if k in runs.columns and pd.notna(run.get(k)) else v
+                   for k, v in DISPATCH_DEFAULTS.items()}  # fmt: skip
+        regime = regime_of(setting["dispatch.policy"], setting["dispatch.regime"])
+        prices = DispatchPrices.for_run(SERVICE_APIS[setting["dispatch.service"]],
+                                        DEVICE_MODELS[setting["dispatch.device_speed"]], regime,
+                                        PRICE_CONTEXT_TOKENS)  # fmt: skip
+        target = mine.get("dispatch_migration_target", pd.Series([None] * len(mine), index=mine.index))
+        moved = mine["dispatch_migrated"].fillna(False).astype(bool)
+        migration_in = mine["dispatch_migration_input_tokens"].fillna(0) * moved
+        server_in = mine["dispatch_race_server_input_tokens"] + migration_in * (target == "server-migration")
+        device_prefill = mine["dispatch_race_device_prefill_tokens"] + migration_in * (target == "device-migration")
+        cost = prices.cost_usd(server_in, mine["dispatch_server_output_tokens"], device_prefill,
+                               mine["dispatch_device_output_tokens"])  # fmt: skip
+        constrained = "server_input_tokens" if regime == "server" else "device_prefill_tokens"
+        spent = mine[f"dispatch_race_{constrained}"]
+        rows.append({
+            "run_id": run["run_id"], "trace": setting["dispatch.service"], "device": setting["dispatch.device_speed"],
+            "regime": regime, "budget": float(setting["dispatch.budget"]), "policy": setting["dispatch.policy"],
+            "migration": bool(setting["dispatch.migration"]), "requests": len(mine),
+            "mean_ttft_s": float(mine["ttft_s"].mean()), "p99_ttft_s": float(mine["ttft_s"].quantile(0.99)),
+            "realised_budget": float(spent.sum() / mine["prompt_tokens"].sum()),
+            "cost_usd_per_request": float(cost.mean()),
+            "device_first_share": float((mine["dispatch_winner"] == "device").mean()),
+            "migrated_share": float(moved.mean()),
+            "held_tokens_mean": float(mine.loc[moved, "dispatch_held_tokens"].mean()) if moved.any() else float("nan"),
+            "held_tokens_p99": float(mine.loc[moved, "dispatch_held_tokens"].quantile(0.99)) if moved.any()
+            else float("nan"),
+            "slipped_tokens_mean": float("nan"),
+            "migrated_tbt_p99_s": _display_gap_p99_s(tokens, run["run_id"], mine[moved]),
+            "handoff_mismatches": int(mine["dispatch_migration_mismatches"].fillna(0).sum()),
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _display_gap_p99_s(tokens: pd.DataFrame, run_id: str, migrated: pd.DataFrame) -> float:
+    """P99 of the gaps between shown tokens (``display_s``) of a run's migrated requests."""
+    if migrated.empty or "display_s" not in tokens.columns:
+        return float("nan")
+    keys = set(zip(migrated["node"], migrated["request_id"], strict=True))
+    mine = tokens[tokens["run_id"] == run_id]
+    mine = mine[[(n, r) in keys for n, r in zip(mine["node"], mine["request_id"], strict=True)]]
+    gaps = mine.sort_values("index").groupby(["node", "request_id"])["display_s"].diff().dropna()
+    return float(gaps.quantile(0.99)) if len(gaps) else float("nan")

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from analysis.cost_model import SERVICE_APIS, DispatchPrices
+from analysis.report import build_report
 from foundation.errors import InputError
 from nodes.dispatch.controller import POLICIES
 from nodes.dispatch.policy import TokenCosts, constrained_endpoint
@@ -69,9 +70,9 @@ def test_a_run_config_carries_the_dispatch_and_refuses_a_bad_one() -> None:
     config = parse(raw)
     assert config.dispatch == DispatchSettings(policy="disco-d", budget=0.3, prices=(1e-7, 2e-7, 3e-7, 4e-7))
     assert parse(config.to_json()) == config
-    with pytest.raises(ValueError, match="dispatch.policy"):
+    with pytest.raises(ValueError, match=r"dispatch\.policy"):
         parse(dict(raw, dispatch={"policy": "random"}))
-    with pytest.raises(ValueError, match="dispatch.budget"):
+    with pytest.raises(ValueError, match=r"dispatch\.budget"):
         parse(dict(raw, dispatch={"budget": 1.5}))
 
 
@@ -81,7 +82,7 @@ def test_a_dispatch_section_needs_a_dispatching_method(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="use method: disco"):
         load_campaign(path)
     path.write_text(campaign_text(REPO / "inventory.yaml", "{policy: disco-x}"))
-    with pytest.raises(InputError, match="dispatch.policy"):
+    with pytest.raises(InputError, match=r"dispatch\.policy"):
         load_campaign(path)
 
 
@@ -120,3 +121,9 @@ def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -
             assert set(requests["dispatch_winner"]) <= {"server", "device"}
     stoch, disco = (tables[k].set_index(["node", "request_id"])["token_ids"] for k in ("stoch-s", "disco-s"))
     assert all(list(stoch[key]) == list(disco[key]) for key in stoch.index)  # same tokens whoever served them
+    text = build_report(out).read_text()
+    assert "## Dispatch (DiSCo Sec. 5)" in text
+    runs = pd.read_csv(out / "report" / "dispatch_runs.csv")
+    assert set(runs["policy"]) == {"stoch-s", "disco-s"} and (runs["requests"] == 10).all()
+    assert runs["realised_budget"].between(0, 1).all() and (runs["cost_micro_usd_per_request"] > 0).all()
+    assert (out / "report" / "dispatch_tail_reduction.csv").is_file()
