@@ -66,7 +66,8 @@ DEVICE_MODELS = {"pixel7pro-bloom-1.1b": "bloom-1.1b", "pixel7pro-bloom-560m": "
 PRICE_CONTEXT_TOKENS = 20.0  # the prompt length the device's per-token FLOPs are priced at (Alpaca-like)
 DISPATCH_DEFAULTS = {"dispatch.policy": "disco-s", "dispatch.budget": 0.5, "dispatch.service": "gpt",
                      "dispatch.device_speed": "pixel7pro-bloom-1.1b", "dispatch.migration": False,
-                     "dispatch.regime": None}  # fmt: skip
+                     "dispatch.regime": None, "dispatch.server_endpoint": "trace",
+                     "serving.scheduler": "fcfs"}  # fmt: skip
 
 
 def regime_of(policy: str, forced: object = None) -> str:
@@ -77,7 +78,8 @@ def regime_of(policy: str, forced: object = None) -> str:
 
 
 def live_runs(requests: pd.DataFrame, tokens: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per live dispatch run (method ``disco``) in the sweep's schema: trace, device, regime,
+    """One row per live dispatch run (method ``disco``) in the sweep's schema: trace (the service the
+    trace endpoint replays, or ``engine:<scheduler>`` for the serving engine), device, regime,
     budget, policy, migration, TTFT mean and P99 (s), realised budget, cost per request (USD), the
     share the device answered first, migrations and what the client held for them, and token
     mismatches at a handoff (must be 0); TBT P99 after the client's buffer over migrated requests."""
@@ -104,7 +106,9 @@ def live_runs(requests: pd.DataFrame, tokens: pd.DataFrame, runs: pd.DataFrame) 
         constrained = "server_input_tokens" if regime == "server" else "device_prefill_tokens"
         spent = mine[f"dispatch_race_{constrained}"]
         rows.append({
-            "run_id": run["run_id"], "trace": setting["dispatch.service"], "device": setting["dispatch.device_speed"],
+            "run_id": run["run_id"], "device": setting["dispatch.device_speed"],
+            "trace": setting["dispatch.service"] if setting["dispatch.server_endpoint"] == "trace"
+            else "engine:" + str(setting["serving.scheduler"]),  # what the server behaves like
             "regime": regime, "budget": float(setting["dispatch.budget"]), "policy": setting["dispatch.policy"],
             "migration": bool(setting["dispatch.migration"]), "requests": len(mine),
             "mean_ttft_s": float(mine["ttft_s"].mean()), "p99_ttft_s": float(mine["ttft_s"].quantile(0.99)),

@@ -41,6 +41,7 @@ base:
   drain_s: 0.1
 matrix:
   dispatch.policy: [stoch-s, disco-s]
+  dispatch.server_endpoint: [trace, engine]
 order: listed
 seed: 4
 run_timeout_s: 300
@@ -105,8 +106,8 @@ def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -
         requests = pd.read_parquet(run / "requests.parquet")
         assert len(requests) == 10 and requests["ttft_s"].notna().all()
         assert (requests["dispatch_failure"].isna()).all()
-        policy = manifest["settings"]["dispatch"]["policy"]
-        tables[policy] = requests
+        policy, server = (manifest["settings"]["dispatch"][k] for k in ("policy", "server_endpoint"))
+        tables[policy, server] = requests
         calibrations = list(run.rglob("dispatch_calibration.json"))
         assert len(calibrations) == 2  # one per device
         for path in calibrations:
@@ -115,15 +116,20 @@ def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -
             assert calibration["server_url"].startswith("http://10.205.")  # the data plane (10.204: management)
         served = [json.loads(line) for path in run.rglob("endpoint_requests.jsonl")
                   for line in path.read_text().splitlines() if not line.startswith("#")]  # fmt: skip
-        assert any(row["pace"] == "trace:gpt" for row in served) and any(row["pace"].startswith("device:")
-                                                                         for row in served)  # fmt: skip
+        assert any(row["pace"] == ("trace:gpt" if server == "trace" else "engine:fcfs") for row in served)
+        assert any(row["pace"].startswith("device:") for row in served)
+        if server == "engine":  # the serving engine logged what it served, cancelled races included
+            assert list(run.rglob("engine_requests.jsonl"))
         if policy == "stoch-s":  # one endpoint a request: nobody was cancelled in a race
             assert set(requests["dispatch_winner"]) <= {"server", "device"}
-    stoch, disco = (tables[k].set_index(["node", "request_id"])["token_ids"] for k in ("stoch-s", "disco-s"))
-    assert all(list(stoch[key]) == list(disco[key]) for key in stoch.index)  # same tokens whoever served them
+    assert len(tables) == 4
+    reference = tables["stoch-s", "trace"].set_index(["node", "request_id"])["token_ids"]
+    for table in tables.values():  # the same tokens whoever served them, trace endpoint or engine
+        ids = table.set_index(["node", "request_id"])["token_ids"]
+        assert all(list(ids[key]) == list(reference[key]) for key in reference.index)
     text = build_report(out).read_text()
     assert "## Dispatch (DiSCo Sec. 5)" in text
     runs = pd.read_csv(out / "report" / "dispatch_runs.csv")
-    assert set(runs["policy"]) == {"stoch-s", "disco-s"} and (runs["requests"] == 10).all()
+    assert set(runs["policy"]) == {"stoch-s", "disco-s"} and len(runs) == 4 and (runs["requests"] == 10).all()
     assert runs["realised_budget"].between(0, 1).all() and (runs["cost_micro_usd_per_request"] > 0).all()
     assert (out / "report" / "dispatch_tail_reduction.csv").is_file()

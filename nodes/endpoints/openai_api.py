@@ -246,23 +246,23 @@ class Handler(BaseHTTPRequestHandler):
     # -- HTTP plumbing -------------------------------------------------------------------------------
     def _sleep_watching(self, seconds: float) -> None:
         """Wait for a token's due time, noticing a client that closes its connection meanwhile (a
-        cancelled request stops before its next token, also while its first one is pending)."""
+        cancelled request stops before its next token, also while its first one is pending); with 0
+        seconds, only look."""
         end = time.monotonic() + seconds
         while True:
-            left = end - time.monotonic()
-            if left <= 0:
-                return
+            left = max(0.0, end - time.monotonic())
             readable, _, _ = select.select([self.connection], [], [], left)
-            if not readable:
+            if readable:
+                try:
+                    peeked = self.connection.recv(1, socket.MSG_PEEK)
+                except OSError:
+                    raise BrokenPipeError("the client went away") from None
+                if not peeked:
+                    raise BrokenPipeError("the client went away")
+                time.sleep(max(0.0, end - time.monotonic()))  # it sent more (a next request): just wait
                 return
-            try:
-                peeked = self.connection.recv(1, socket.MSG_PEEK)
-            except OSError:
-                raise BrokenPipeError("the client went away") from None
-            if not peeked:
-                raise BrokenPipeError("the client went away")
-            time.sleep(max(0.0, end - time.monotonic()))  # it sent more (a next request): just wait
-            return
+            if time.monotonic() >= end:
+                return
 
     def _authorised(self) -> bool:
         key = self.endpoint.api_key

@@ -45,6 +45,20 @@ class ComputePace(Pace):
         return 0.0
 
 
+class EnginePace(Pace):
+    """A serving engine keeps its own time (its scheduler, and the server's profile when the run has a
+    target): the endpoint adds none."""
+
+    def __init__(self, scheduler: str, modeled: bool) -> None:
+        self.label, self.modeled = "engine:" + scheduler, modeled
+
+    def first_token_s(self, prompt_tokens: int) -> float:
+        return 0.0
+
+    def gap_s(self) -> float:
+        return 0.0
+
+
 class DevicePace(Pace):
     def __init__(self, speed: DeviceSpeed, jitter_sigma: float = 0.0, seed: int = 0) -> None:
         self.speed, self.jitter_sigma = speed, jitter_sigma

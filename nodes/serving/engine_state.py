@@ -105,6 +105,11 @@ class EngineState(object):
             self.live.remove(request)
         self.finished.append(request)
 
+    def cancel(self, request: ServedRequest, now_s: float) -> None:
+        """The request's client went away: it leaves the engine now, its KV freed."""
+        if request.state != DONE:
+            self._finish(request, now_s, "cancelled")
+
     def in_state(self, state: str) -> List[ServedRequest]:
         return [r for r in self.live if r.state == state]
 

@@ -39,7 +39,7 @@ from nodes.dispatch.replay import display_times
 from nodes.dispatch.services import service_named
 from nodes.endpoints.generator import PacedGenerator
 from nodes.endpoints.openai_api import Endpoint, make_server
-from nodes.endpoints.pace import DevicePace, TracePace
+from nodes.endpoints.pace import DevicePace, EnginePace, TracePace
 
 from .run_config import RunConfig, load_schedule
 
@@ -59,13 +59,26 @@ def interface_address(interface: str) -> str:
 
 
 class DispatchServer(object):
+    """The server's endpoint: the trace endpoint, or (``dispatch.server_endpoint: engine``) the serving
+    engine with the run's scheduler and KV budget behind the same API."""
+
     def __init__(self, config: RunConfig, comm: "MPI.Comm", rank: int, parts: Any = None) -> None:
         self.config, self.comm, self.rank = config, comm, rank
-        self.generator = PacedGenerator(config.model, dtype=config.dtype)
-        self.pace = TracePace(service_named(config.dispatch.service), seed=config.seed)
+        self.engine = None
+        if config.dispatch.server_endpoint == "engine":
+            from .engine_endpoint import EngineEndpoint
+
+            self.engine = EngineEndpoint(config, comm, rank, parts)
+            self.generator: Any = self.engine.streams
+            self.pace: Any = EnginePace(config.serving.scheduler, config.target is not None)
+        else:
+            self.generator = PacedGenerator(config.model, dtype=config.dtype)
+            self.pace = TracePace(service_named(config.dispatch.service), seed=config.seed)
 
     def start(self, t0: float) -> None:
         directory = self.config.rank_dir(self.rank)
+        if self.engine is not None:
+            self.engine.start(t0)
         name = os.path.basename(self.config.model.rstrip("/"))
         self.endpoint = Endpoint(self.generator, self.pace, name, directory + "/endpoint_requests.jsonl",
                                  role="server endpoint")  # fmt: skip
@@ -78,11 +91,23 @@ class DispatchServer(object):
             self.comm.send(url, dest=device, tag=TAG_DISPATCH)
 
     def serve(self) -> None:
-        for _ in self.config.device_ranks:  # each device says when it has dispatched its schedule
-            self.comm.recv(source=MPI.ANY_SOURCE, tag=TAG_DISPATCH)
+        if self.engine is not None:  # the engine loop here, the devices' "done" on a thread of its own
+            waiter = threading.Thread(target=self._await_devices, name="devices", daemon=True)
+            waiter.start()
+            self.engine.serve()
+            waiter.join()
+        else:
+            self._await_devices()
         self.http.shutdown()
         self.http.server_close()
         self.endpoint.close()
+
+
+    def _await_devices(self) -> None:
+        for _ in self.config.device_ranks:  # each device says when it has dispatched its schedule
+            self.comm.recv(source=MPI.ANY_SOURCE, tag=TAG_DISPATCH)
+        if self.engine is not None:
+            self.engine.stop()
 
 
 class DispatchClient(object):

@@ -94,6 +94,7 @@ class DispatchSettings(NamedTuple):
     budget: float = 0.5  # b: the constrained endpoint's share of input tokens
     alpha: float = 0.01  # DiSCo-D's tail ratio
     service: str = "gpt"  # the trace endpoint's service (nodes.dispatch.services)
+    server_endpoint: str = "trace"  # trace: the service's times replayed; engine: the serving engine
     device_speed: str = "pixel7pro-bloom-1.1b"  # nodes.dispatch.device_speed
     migration: bool = False
     source_keeps_streaming: bool = True
@@ -307,6 +308,9 @@ def _dispatch(raw: Any, source: str) -> DispatchSettings:
         raise RunConfigError("%s: dispatch.%s is not a field; known: %s" % (source, unknown[0],
                                                                            ", ".join(DispatchSettings._fields)))
     settings = DispatchSettings(**dict(raw, prices=tuple(raw.get("prices") or DispatchSettings().prices)))
+    if settings.server_endpoint not in ("trace", "engine"):
+        raise RunConfigError("%s: dispatch.server_endpoint is %r; choose trace or engine"
+                             % (source, settings.server_endpoint))  # fmt: skip
     if settings.policy not in DISPATCH_POLICIES:
         raise RunConfigError("%s: dispatch.policy is %r; choose one of %s"
                              % (source, settings.policy, ", ".join(DISPATCH_POLICIES)))  # fmt: skip

@@ -359,7 +359,8 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
         base_dir=campaign.base_dir,
     )  # fmt: skip
     extra: dict[str, Any] = {"draft": draft_config(campaign, settings)}
-    if method_named(settings.method).streams:
+    engine_endpoint = settings.dispatch is not None and settings.dispatch.server_endpoint == "engine"
+    if method_named(settings.method).streams or engine_endpoint:
         from testbed.campaign.serving_budget import serving_config
 
         extra["serving"] = serving_config(lab, campaign.base_dir, settings)

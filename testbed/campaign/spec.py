@@ -169,6 +169,7 @@ class DispatchSettings(_Strict):
     budget: float = Field(_DISPATCH["budget"], ge=0, le=1)
     alpha: float = Field(_DISPATCH["alpha"], gt=0, lt=1)
     service: Literal["gpt", "deepseek", "command", "llama"] = "gpt"
+    server_endpoint: Literal["trace", "engine"] = "trace"  # engine: the serving engine (``serving:``) behind the API
     device_speed: Literal["pixel7pro-bloom-1.1b", "pixel7pro-bloom-560m", "xiaomi14-qwen-0.5b"] = \
         "pixel7pro-bloom-1.1b"
     migration: StrictBool = False
