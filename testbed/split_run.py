@@ -46,7 +46,7 @@ from testbed.inventory import Inventory, NodeSpec
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
 from testbed.provision import compare_records, load_record
 from testbed.transport import open_transport
-from testbed.transport.base import Transport
+from testbed.transport.base import Transport, store_script
 from testbed.transport.fanout import fan_out
 
 Say = Callable[[str], None]
@@ -208,14 +208,33 @@ def run_config_for(spec: SplitRunSpec, model_dir: str, run_dir: str, ranks: tupl
         target=None if target is None else TargetSettings(
             target_from_json(target["model"]), float(target["dilation"]), bool(target["pad_payloads"])),
         serving=ServingSettings(**spec.extra.get("serving", {})),
-        dispatch=_dispatch_settings(spec.extra.get("dispatch")),
+        dispatch=_dispatch_settings(spec.extra.get("dispatch"), run_dir),
     )  # fmt: skip
 
 
-def _dispatch_settings(raw: dict[str, Any] | None) -> DispatchSettings:
+KEY_FILE = "endpoint.key"  # an external endpoint's key on a device node, in its run directory
+
+
+def _dispatch_settings(raw: dict[str, Any] | None, run_dir: str) -> DispatchSettings:
+    """The run config's dispatch section: the key's variable name becomes the path of its file."""
     if not raw:
         return DispatchSettings()
-    return DispatchSettings(**dict(raw, prices=tuple(raw.get("prices") or DispatchSettings().prices)))
+    fields = {k: v for k, v in raw.items() if k != "external_key_env"}
+    if raw.get("external_key_env"):
+        fields["external_key_file"] = f"{run_dir}/{KEY_FILE}"
+    return DispatchSettings(**dict(fields, prices=tuple(raw.get("prices") or DispatchSettings().prices)))
+
+
+def endpoint_key(spec: SplitRunSpec) -> bytes | None:
+    """An external endpoint's key, from the controller's environment (checked when the campaign loaded)."""
+    name = (spec.extra.get("dispatch") or {}).get("external_key_env")
+    if not name:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        raise TestbedError(f"the environment variable {name} that holds the external endpoint's key is not set; "
+                           f"export {name}=... on the controller")  # fmt: skip
+    return value.encode()
 
 
 def _torch_device(node: NodeSpec) -> str:
@@ -261,6 +280,7 @@ def stage_run(inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, N
     if contexts is None:
         contexts = resolve_contexts(inventory, [n.name for n in nodes]).require("reading the nodes' home directories")
     model_dirs = {n.name: _model_dir_on(records[n.name], "server" if n is server else "device", spec) for n in nodes}
+    key = endpoint_key(spec)
 
     def stage(name: str) -> dict[str, str]:
         node = inventory.node(name)
@@ -276,6 +296,9 @@ def stage_run(inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, N
                 path = f"{run_dir}/schedule-{name}.jsonl"
                 t.store(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
                 info["schedule"] = path
+                if key is not None:  # readable by the node's user alone; the rank removes it once read
+                    t.run(["sh", "-c", "umask 077 && " + store_script(f"{run_dir}/{KEY_FILE}", len(key))], stdin=key,
+                          timeout_s=60.0).check()  # fmt: skip
             return info
 
     info = fan_out([n.name for n in nodes], stage).require("staging the run")

@@ -133,3 +133,81 @@ def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -
     assert set(runs["policy"]) == {"stoch-s", "disco-s"} and len(runs) == 4 and (runs["requests"] == 10).all()
     assert runs["realised_budget"].between(0, 1).all() and (runs["cost_micro_usd_per_request"] > 0).all()
     assert (out / "report" / "dispatch_tail_reduction.csv").is_file()
+
+
+def inventory_with_endpoint(directory: Path, endpoint_yaml: str, prefix: str = "dx", octet: int = 206) -> Path:
+    path = emulated_inventory(directory, prefix, octet)
+    path.write_text(path.read_text() + f"endpoints:\n  lab:\n{endpoint_yaml}")
+    return path
+
+
+def test_an_inventory_names_a_labs_endpoint_and_never_its_key(tmp_path: Path) -> None:
+    from testbed.inventory import load_inventory
+
+    good = inventory_with_endpoint(tmp_path, "    url: http://10.207.0.2:18080/v1/\n    model: tiny\n"
+                                             "    api_key_env: LAB_KEY\n")  # fmt: skip
+    lab = load_inventory(good).spec.endpoints["lab"]
+    assert (lab.url, lab.model, lab.api_key_env) == ("http://10.207.0.2:18080/v1", "tiny", "LAB_KEY")
+    inline = inventory_with_endpoint(tmp_path, "    url: http://10.207.0.2:18080/v1\n    api_key: sk-123\n")
+    with pytest.raises(InputError) as caught:
+        load_inventory(inline)
+    text = str(caught.value)
+    assert "inventory.yaml:" in text and "never write a key in the inventory" in text and "sk-123" not in text
+    with pytest.raises(InputError, match="is not an http:// or https:// URL"):
+        load_inventory(inventory_with_endpoint(tmp_path, "    url: ftp://10.207.0.2/v1\n"))
+
+
+def test_an_external_endpoint_must_exist_and_its_key_be_set(tmp_path: Path, monkeypatch) -> None:
+    inventory = inventory_with_endpoint(tmp_path, "    url: http://10.207.0.2:18080/v1\n    api_key_env: TB_TEST_KEY\n")
+    path = tmp_path / "campaign.yaml"
+    monkeypatch.delenv("TB_TEST_KEY", raising=False)
+    path.write_text(campaign_text(inventory, "{policy: disco-s, external: lab}"))
+    with pytest.raises(InputError, match=r"takes its key from \$TB_TEST_KEY, which is not set"):
+        load_campaign(path)
+    path.write_text(campaign_text(inventory, "{policy: disco-s, external: elsewhere}"))
+    with pytest.raises(InputError, match="no endpoint 'elsewhere' in the inventory"):
+        load_campaign(path)
+    monkeypatch.setenv("TB_TEST_KEY", "s3cret")
+    path.write_text(campaign_text(inventory, "{policy: disco-s, external: lab}"))
+    campaign = load_campaign(path)
+    config = dispatch_config(campaign.runs[0].settings, campaign.inventory)
+    assert config["external_url"] == "http://10.207.0.2:18080/v1" and config["external_key_env"] == "TB_TEST_KEY"
+    assert "s3cret" not in json.dumps(config)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
+@pytest.mark.slow
+@pytest.mark.root
+def test_devices_race_a_labs_own_endpoint_with_its_key_from_the_environment(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TB_LAB_KEY", "k3y-" + os.urandom(4).hex())
+    inventory = inventory_with_endpoint(tmp_path, "    url: http://10.209.0.2:18080/v1\n    model: tiny\n"
+                                                  "    api_key_env: TB_LAB_KEY\n", "dy", 208)  # fmt: skip
+    campaign = tmp_path / "campaign.yaml"
+    text = campaign_text(inventory, "{policy: disco-s, budget: 0.8, calibration_requests: 6, external: lab}")
+    campaign.write_text(text.replace("  dispatch.server_endpoint: [trace, engine]\n", ""))
+    out = tmp_path / "out"
+    log = tmp_path / "lab-endpoint.jsonl"
+    with emulated_lab(inventory):  # the lab's server: our trace endpoint in the server's namespace, keyed
+        lab = subprocess.Popen(["ip", "netns", "exec", "dy-server", sys.executable, "-m", "nodes.endpoints",
+                                "--model", str(TINY), "--pace", "trace", "--service", "command", "--host",
+                                "10.209.0.2", "--port", "18080", "--log", str(log), "--api-key-env", "TB_LAB_KEY"],
+                               cwd=REPO, stdout=subprocess.PIPE)  # fmt: skip
+        try:
+            assert lab.stdout is not None and b"serving" in lab.stdout.readline()
+            done = subprocess.run([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)],
+                                  cwd=REPO, capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+        finally:
+            lab.terminate()
+            lab.wait(timeout=30)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        homes = tmp_path / "state" / "nodes"  # the nodes' run directories, while the lab is up
+        assert list(homes.rglob("run.json")) and not list(homes.rglob("endpoint.key"))  # removed once read
+    served = [json.loads(line) for line in log.read_text().splitlines() if not line.startswith("#")]
+    assert len(served) >= 2 * 6  # every device's calibration at least, over the data plane, with the key
+    for run in (out / "runs").iterdir():
+        manifest = (run / "manifest.json").read_text()
+        assert os.environ["TB_LAB_KEY"] not in manifest and os.environ["TB_LAB_KEY"] not in (run / "plan.json").read_text()
+        for path in run.rglob("dispatch_calibration.json"):
+            assert json.loads(path.read_text())["server_url"] == "http://10.209.0.2:18080/v1"
+        requests = pd.read_parquet(run / "requests.parquet")
+        assert len(requests) == 10 and requests["ttft_s"].notna().all()

@@ -16,6 +16,7 @@ r_c by the client buffer) and ``dispatch_calibration.json`` with the profiles, t
 coefficients and Algorithm 1's verdict.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -24,7 +25,7 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -65,6 +66,9 @@ class DispatchServer(object):
     def __init__(self, config: RunConfig, comm: "MPI.Comm", rank: int, parts: Any = None) -> None:
         self.config, self.comm, self.rank = config, comm, rank
         self.engine = None
+        self.external = config.dispatch.external_url is not None  # a lab's server: nothing to serve here
+        if self.external:
+            return
         if config.dispatch.server_endpoint == "engine":
             from .engine_endpoint import EngineEndpoint
 
@@ -76,6 +80,10 @@ class DispatchServer(object):
             self.pace = TracePace(service_named(config.dispatch.service), seed=config.seed)
 
     def start(self, t0: float) -> None:
+        if self.external:
+            for device in self.config.device_ranks:
+                self.comm.send(self.config.dispatch.external_url, dest=device, tag=TAG_DISPATCH)
+            return
         directory = self.config.rank_dir(self.rank)
         if self.engine is not None:
             self.engine.start(t0)
@@ -91,6 +99,9 @@ class DispatchServer(object):
             self.comm.send(url, dest=device, tag=TAG_DISPATCH)
 
     def serve(self) -> None:
+        if self.external:
+            self._await_devices()
+            return
         if self.engine is not None:  # the engine loop here, the devices' "done" on a thread of its own
             waiter = threading.Thread(target=self._await_devices, name="devices", daemon=True)
             waiter.start()
@@ -134,7 +145,10 @@ class DispatchClient(object):
     def run(self) -> None:
         server_url = self.comm.recv(source=0, tag=TAG_DISPATCH)
         model = os.path.basename(self.config.model.rstrip("/"))
-        endpoints = {"server": EndpointAddress(server_url, model), "device": EndpointAddress(self.device_url, model)}
+        server = EndpointAddress(server_url, model)
+        if self.settings.external_url is not None:  # a lab's server, its key from the file staging wrote
+            server = EndpointAddress(self.settings.external_url, self.settings.external_model, self._key())
+        endpoints = {"server": server, "device": EndpointAddress(self.device_url, model)}
         prompts = [self._prompt_ids(r) for r in self.schedule]
         began = time.monotonic()
         plan, fit, rule, calibration = self._calibrate(endpoints, prompts)
@@ -170,6 +184,17 @@ class DispatchClient(object):
         self.http.shutdown()
         self.http.server_close()
         self.endpoint.close()
+
+    def _key(self) -> Optional[str]:
+        """The external endpoint's key, read once from its 0600 file, which is then removed."""
+        path = self.settings.external_key_file
+        if not path:
+            return None
+        with open(path, encoding="utf-8") as handle:
+            key = handle.read().strip()
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        return key
 
     def _prompt_ids(self, request) -> List[int]:
         if request.prompt_ids:
@@ -219,7 +244,7 @@ class DispatchClient(object):
             "algorithm1": constrained_endpoint(costs) if any(self.settings.prices) else None,
             "regime": REGIME_OF.get(self.settings.policy, SERVER), "policy": self.settings.policy,
             "budget": self.settings.budget, "plan": _describe(plan), "modeled_times": True,
-            "server_url": endpoints["server"].base_url,
+            "server_url": endpoints["server"].base_url, "external": self.settings.external_url is not None,
         }  # fmt: skip
         return plan, fit, rule, calibration
 

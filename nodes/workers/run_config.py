@@ -101,6 +101,9 @@ class DispatchSettings(NamedTuple):
     consumption_tok_s: float = 4.8  # r_c: the client buffer's pace
     calibration_requests: int = 40  # per endpoint, before the schedule (profiles F and T_d)
     prices: Tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    external_url: Optional[str] = None  # a lab's OpenAI-compatible server, raced instead of ours
+    external_model: str = "default"
+    external_key_file: Optional[str] = None  # on the device node, 0600, written at staging, read once
 
 
 # The one definition of the drafting knobs' ranges: campaign files are checked against them

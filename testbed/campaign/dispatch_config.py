@@ -23,10 +23,16 @@ def regime_of(settings: DispatchSettings) -> str:
     return "device" if settings.policy.endswith("-d") else "server"
 
 
-def dispatch_config(run_settings: Any) -> dict[str, Any]:
+def dispatch_config(run_settings: Any, inventory: Any = None) -> dict[str, Any]:
+    """The section; with ``dispatch.external``, the inventory endpoint's URL and model, and the name
+    (never the value) of the variable its key is in (``external_key_env``: staging stores the key)."""
     settings = run_settings.dispatch or DispatchSettings()
     prices = DispatchPrices.for_run(SERVICE_APIS[settings.service], DEVICE_MODELS[settings.device_speed],
                                     regime_of(settings), PRICE_CONTEXT_TOKENS)  # fmt: skip
     shared = {f: getattr(settings, f) for f in RunDispatchSettings._fields if f in type(settings).model_fields}
-    return dict(shared, prices=[prices.server_prefill, prices.server_decode, prices.device_prefill,
-                                prices.device_decode])  # fmt: skip
+    out = dict(shared, prices=[prices.server_prefill, prices.server_decode, prices.device_prefill,
+                               prices.device_decode])  # fmt: skip
+    if settings.external is not None and inventory is not None:
+        endpoint = inventory.spec.endpoints[settings.external]
+        out.update(external_url=endpoint.url, external_model=endpoint.model, external_key_env=endpoint.api_key_env)
+    return out

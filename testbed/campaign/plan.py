@@ -367,7 +367,7 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
     if method_named(settings.method).dispatches:
         from testbed.campaign.dispatch_config import dispatch_config
 
-        extra["dispatch"] = dispatch_config(settings)
+        extra["dispatch"] = dispatch_config(settings, lab)
     if settings.target is not None:
         from testbed.target_emulation import paced_names, resolve_target
 

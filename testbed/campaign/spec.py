@@ -170,6 +170,7 @@ class DispatchSettings(_Strict):
     alpha: float = Field(_DISPATCH["alpha"], gt=0, lt=1)
     service: Literal["gpt", "deepseek", "command", "llama"] = "gpt"
     server_endpoint: Literal["trace", "engine"] = "trace"  # engine: the serving engine (``serving:``) behind the API
+    external: Name | None = None  # an inventory endpoint (a lab's vLLM, ...) raced instead of the server's
     device_speed: Literal["pixel7pro-bloom-1.1b", "pixel7pro-bloom-560m", "xiaomi14-qwen-0.5b"] = \
         "pixel7pro-bloom-1.1b"
     migration: StrictBool = False

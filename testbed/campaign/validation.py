@@ -124,6 +124,8 @@ class SettingsChecker:
             yield from self._target_problems(s)
         if method_named(s.method).streams:
             yield from self._serving_problems(s)
+        if s.dispatch is not None and s.dispatch.external is not None:
+            yield from self._external_problems(s.dispatch.external)
         spec = workload_spec(s)
         for field, message in spec.problems():
             yield f"workload.{field}", message, ""
@@ -178,6 +180,19 @@ class SettingsChecker:
                             str(relative_path(self.source.path, s.draft.adapter)) if s.draft.adapter else None)
         yield from method_named(s.method).problems(check)
 
+
+    def _external_problems(self, name: str) -> Iterable[tuple[str, str, str]]:
+        """An external endpoint must be in the inventory, and its key's variable set on the controller."""
+        endpoints = self.lab.spec.endpoints
+        if name not in endpoints:
+            known = ", ".join(endpoints) or "none"
+            yield ("dispatch.external", f"no endpoint {name!r} in the inventory (known: {known})",
+                   "add it under endpoints: in the inventory, with its url")  # fmt: skip
+            return
+        variable = endpoints[name].api_key_env
+        if variable and not os.environ.get(variable):
+            yield ("dispatch.external", f"endpoint {name!r} takes its key from ${variable}, which is not set",
+                   f"export {variable}=... on the controller before testbed run")  # fmt: skip
 
     def _serving_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
         """The serving engine's budgets must be derivable: the server's profile must hold the target's

@@ -10,8 +10,9 @@ from __future__ import annotations
 import ipaddress
 import re
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictInt
+from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from foundation.user_fields import STRICT_MODEL_CONFIG, DurationS, invalid_value
 from netem.profile import LinkProfile
@@ -164,6 +165,32 @@ class EmulationSettings(_Strict):
     instance: EmulationInstance | None = None
 
 
+class EndpointSpec(_Strict):
+    """An OpenAI-compatible server the lab runs (vLLM, llama.cpp's server, ...), that DiSCo's devices
+    can race against (a campaign's ``dispatch.external``). Its key, if it needs one, is read from the
+    environment variable ``api_key_env`` on the controller when a run starts: never written here."""
+
+    url: str
+    model: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/@+-]+$")] = "default"
+    api_key_env: Annotated[str, Field(pattern=ENV_PATTERN)] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or re.search(r"[\s'\"`$;]", url):
+            raise ValueError(f"{url!r} is not an http:// or https:// URL; write e.g. http://10.50.0.2:8000/v1")
+        return url.rstrip("/")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_inline_key(cls, data: object) -> object:
+        if isinstance(data, dict) and ({"api_key", "key", "token"} & set(data)):
+            raise ValueError("never write a key in the inventory: export it in an environment variable on the "
+                             "controller and name the variable in api_key_env")  # fmt: skip
+        return data
+
+
 class InventorySpec(_Strict):
     defaults: Defaults = Defaults()
     emulation: EmulationSettings = EmulationSettings()
@@ -171,6 +198,7 @@ class InventorySpec(_Strict):
     groups: dict[Name, tuple[Name, ...]] = {}
     link_profiles: dict[Name, LinkProfile] = {}
     links: tuple[LinkSpec, ...] = ()
+    endpoints: dict[Name, EndpointSpec] = {}  # OpenAI-compatible servers of the lab, by name
 
 
 class LinksFileSpec(_Strict):
