@@ -2,13 +2,14 @@
 streaming API): the same routes, race and migration as the trace-driven runs (``replay.py``), with
 real streams, real cancellation and tokens computed by the endpoints.
 
-One request at a time (a phone serves one; the paper's requests are 30 s apart): the server stream
-starts at its route's time, the device stream at its own unless the server has answered by then; the
-first token decides the winner and the loser is cancelled. With a ``MigrationRule``, once Eq. 4 holds
-and the client buffer holds B tokens, the other endpoint is asked to continue from prompt + the token
-ids so far; the source streams on until the target's first token, then it is cancelled and the
-target's tokens take over from where the source stopped. Every token the target repeats is checked
-against the source's (greedy decoding with one model at both ends: they must agree).
+Each call serves one request (requests are independent: the device's dispatcher runs one call per
+request in flight, the paper's arrive 30 s apart). The server stream starts at its route's time, the
+device stream at its own unless the server has answered by then; the first token decides the winner
+and the loser is cancelled. With a ``MigrationRule``, once Eq. 4 holds and the client buffer holds B
+tokens, the other endpoint is asked to continue from prompt + the token ids so far; the source streams
+on until the target's first token, then it is cancelled and the target's tokens take over from where
+the source stopped. Every token the target repeats is checked against the source's (greedy decoding
+with one model at both ends: they must agree).
 """
 
 import math
@@ -26,7 +27,7 @@ NEVER = float("inf")
 
 
 class EndpointAddress(object):
-    """Where an endpoint is, its model's name and its key (read from the environment by the caller)."""
+    """Where an endpoint is, the model name it serves, and the key it takes (None: none)."""
 
     def __init__(self, base_url: str, model: str = "default", api_key: Optional[str] = None) -> None:
         self.base_url, self.model, self.api_key = base_url, model, api_key

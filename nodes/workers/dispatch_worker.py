@@ -113,7 +113,6 @@ class DispatchServer(object):
         self.http.server_close()
         self.endpoint.close()
 
-
     def _await_devices(self) -> None:
         for _ in self.config.device_ranks:  # each device says when it has dispatched its schedule
             self.comm.recv(source=MPI.ANY_SOURCE, tag=TAG_DISPATCH)
@@ -154,7 +153,7 @@ class DispatchClient(object):
         plan, fit, rule, calibration = self._calibrate(endpoints, prompts)
         calibration["calibration_s"] = round(time.monotonic() - began, 3)
         write_json_atomic(os.path.join(self.directory, "dispatch_calibration.json"), calibration)
-        origin = time.monotonic()  # the schedule's clock starts after the calibration
+        origin = self.origin = time.monotonic()  # the schedule's clock starts after the calibration
         header = {"role": "device", "node": self.spec.node, "method": self.config.method,
                   "policy": self.settings.policy, "clock_origin_monotonic_s": origin,
                   "clock_origin_unix_s": time.time() - (time.monotonic() - origin), "modeled_times": True}  # fmt: skip
@@ -264,7 +263,7 @@ class DispatchClient(object):
             "upload_start_s": round(sent_s, 6), "upload_end_s": round(sent_s, 6),
             "first_token_s": round(stamps[0], 6) if stamps else None,
             "last_token_s": round(stamps[-1], 6) if stamps else None,
-            "done_s": round(time.monotonic() - (self.t0 + 0.0), 6),
+            "done_s": round(time.monotonic() - self.origin, 6),
             "ttft_s": round(sent_s + ttft - request.arrival_s, 6) if ttft is not None else None,
             "decode": {"steps": max(0, len(ids) - 1)},
             "dispatch": {k: v for k, v in record.items() if k not in ("token_ids", "arrivals_s")},
