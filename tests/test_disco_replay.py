@@ -193,3 +193,15 @@ def test_the_report_tables_read_a_sweep():
     assert set(cost_curves(frame)["cut_pct"]) == {75.0}
     table3 = migration_table(frame)
     assert table3.loc[0, "held_tokens_mean"] == 4.0 and table3.loc[0, "tbt_p99_s"] == 0.21
+
+
+def test_a_seeded_trace_endpoint_draws_what_the_replay_draws():
+    from nodes.dispatch.replay import draw_seeded
+    from nodes.endpoints.pace import TracePace
+
+    service = SERVICES["command"]
+    pace = TracePace(service, seed=0).seeded(42)  # what the endpoint draws for a request with seed 42
+    live = [pace.first_token_s(10)] + [pace.gap_s() for _ in range(5)]
+    run = draw_seeded(service, np.array([10, 12]), np.array([6, 6]), [42, 43], np.zeros(2))
+    assert live == pytest.approx([run.server_ttft_s[0], *run.server_gaps_s[0, :5]])
+    assert run.server_ttft_s[1] != run.server_ttft_s[0]  # another seed, another draw

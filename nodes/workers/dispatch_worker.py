@@ -168,10 +168,12 @@ class DispatchClient(object):
             if wait > 0:
                 time.sleep(wait)
             sent = time.monotonic() - origin
-            record = dispatch_request(request.request_id, prompts[index], request.max_new_tokens,
-                                      float(starts[0][index]), float(starts[1][index]), endpoints,
-                                      self.settings.consumption_tok_s, fit, rule,
+            route = (float(starts[0][index]), float(starts[1][index]))
+            record = dispatch_request(request.request_id, prompts[index], request.max_new_tokens, route[0], route[1],
+                                      endpoints, self.settings.consumption_tok_s, fit, rule,
                                       seed=self.config.seed * 1_000_003 + request.request_id)  # fmt: skip
+            # the route the plan gave (None: never), so that a replay can serve the same request the same way
+            record["route_server_s"], record["route_device_s"] = (t if np.isfinite(t) else None for t in route)
             with lock:
                 self._write(request, sent, record, requests, tokens)
 
