@@ -41,13 +41,14 @@ def run_config(method: str) -> dict:
 
 
 def test_the_built_in_methods_compose_hats_strategies():
-    assert names() == ("centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat", "serving")
+    assert names() == ("centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat", "serving", "disco")
     features = {name: {f for f in ("sd", "pc", "pd") if method_named(name).uses(f)} for name in names()}
     assert features == {"centralized": set(), "ushape": set(), "usarathi": set(), "sd": {"sd"}, "pc": {"pc"},
                         "sd_pc": {"sd", "pc"}, "sd_pd": {"sd", "pd"}, "hat": {"sd", "pc", "pd"},
-                        "serving": set()}  # fmt: skip
-    assert [n for n in names() if method_named(n).token_ids_only] == ["centralized", "serving"]
+                        "serving": set(), "disco": set()}  # fmt: skip
+    assert [n for n in names() if method_named(n).token_ids_only] == ["centralized", "serving", "disco"]
     assert [n for n in names() if method_named(n).streams] == ["serving"]
+    assert [n for n in names() if method_named(n).dispatches] == ["disco"]
     assert [n for n in names() if method_named(n).prefill == "server_chunks"] == ["usarathi"]
     assert {n for n in names() if method_named(n).server_state_in_replies} == {"sd", "pc", "sd_pc", "sd_pd", "hat"}
     assert method_named("centralized").server_layers(8, 2) == 8 and method_named("ushape").server_layers(8, 2) == 6
