@@ -163,8 +163,9 @@ def pacing_command(context: NodeContext, on: bool) -> list[str]:
 
 
 def paceable(inventory: Inventory, names: Sequence[str]) -> list[str]:
-    """The emulated ones of ``names`` (a real board's CPU is not this machine's to pace)."""
-    return [n for n in names if inventory.node(n).emulated is not None]
+    """The emulated ones of ``names`` (a real board's CPU is not this machine's to pace; an emulated
+    phone hosts no steps to pace)."""
+    return [n for n in names if inventory.node(n).emulated is not None and inventory.node(n).kind != "android"]
 
 
 def pace_nodes(

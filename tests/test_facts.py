@@ -75,6 +75,15 @@ def test_judging_a_jetson_that_is_not_what_the_inventory_says(tmp_path):
         l4t_release="35.4.1",
     )
     assert judge(inv, inv.node("j"), right) == ([], [])
+    # a clock offset within its exchange's bound (half the round trip) may be the exchange's asymmetry
+    from dataclasses import replace
+
+    from testbed.transport.clock import ClockOffset
+
+    slow_exchange = replace(right, clock=ClockOffset(0.15, 0.4, 3, "adb date"))
+    assert judge(inv, inv.node("j"), slow_exchange) == ([], [])
+    off = replace(right, clock=ClockOffset(0.5, 0.02, 3, "echo"))
+    assert any("clock is +500 ms" in w for w in judge(inv, inv.node("j"), off)[1])
 
 
 def test_check_over_real_ssh_reports_facts_and_clock(tmp_path, ssh_keys, sshd_factory):

@@ -56,7 +56,7 @@ def problems_of(tmp_path: Path, text: str) -> list[str]:
     return [str(p) for p in info.value.problems]
 
 
-@pytest.mark.parametrize("path", ["inventory.yaml", "examples/inventories/lab.yaml"])
+@pytest.mark.parametrize("path", ["inventory.yaml", "examples/inventories/lab.yaml", "examples/inventories/phones-lab.yaml"])
 def test_shipped_inventories_are_valid(path):
     inv = load_inventory(REPO / path)
     assert inv.nodes

@@ -12,6 +12,8 @@ import ipaddress
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,10 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from foundation.errors import TestbedError
+from nodes.contracts.durable import write_json_atomic
+from nodes.emulated import phones as phones_catalogue
 from nodes.emulated.cgroup import CpuCgroup, cgroup_version
 from testbed.emulation import host
 from testbed.emulation.journal import Journal
-from testbed.emulation.node_files import NodeFiles, write_node_tools
+from testbed.emulation.node_files import ADB_DEVICES_FILE, REPO, NodeFiles, write_node_tools
 from testbed.emulation.plan import NODE_DATA_INTERFACE, NODE_MGMT_INTERFACE, EmulationPlan, plan_emulation
 from testbed.emulation.resolved import RESOLVED_NAME, NodeAccess, source_digest, write_resolved_inventory
 from testbed.emulation.sshd_server import SshdServer, SshKeys, accepts_connections, free_port, login_user
@@ -99,6 +103,7 @@ def up(inventory: Inventory, *, mode: str = "netns", say: Say = print) -> Emulat
             keys = SshKeys.create(plan.state_dir / "keys")
             build = _build_netns if mode == "netns" else _build_local
             access = build(plan, journal, keys, say)
+            _attach_phones(plan, journal, access)
             resolved = write_resolved_inventory(
                 inventory,
                 plan.state_dir,
@@ -248,6 +253,34 @@ def _build_local(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say)
     return access
 
 
+def _attach_phones(plan: EmulationPlan, journal: Journal, access: dict[str, NodeAccess]) -> None:
+    """Emulated phones: their USB hosts' stand-in adb learns how to reach each (ssh with the testbed's
+    keys, so only once every sshd is up), and each phone's battery process starts, journaled."""
+    phones = [n for n in plan.nodes if n.kind == "android"]
+    if not phones:
+        return
+    ssh = str(plan.state_dir / "bin-node" / "ssh")
+    table = {}
+    for phone in phones:
+        model = phones_catalogue.phone_named(phone.model)
+        reach = access[phone.name]
+        table[phone.serial] = {"node": phone.name, "usb_host": phone.usb_host, "host": reach.address,
+                               "port": reach.port, "user": reach.user, "ssh": ssh,
+                               "product_model": model.product_model, "codename": model.codename}  # fmt: skip
+    write_json_atomic(plan.state_dir / ADB_DEVICES_FILE, table, mode=0o644)
+    changes = host.HostChanges(journal, plan.prefix)
+    for phone in phones:
+        files = NodeFiles(plan.state_dir, phone)
+        log = (files.directory / "battery.log").open("ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "nodes.emulated.battery", str(files.config), str(files.standin_root)],
+            env=dict(os.environ, PYTHONPATH=str(REPO)), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        changes.process(process.pid, f"battery {phone.name}")
+
+
 def _wait_all(servers: list[SshdServer]) -> None:
     for server in servers:
         server.wait_ready(SSHD_READY_S)
@@ -289,7 +322,8 @@ def status(inventory: Inventory) -> EmulationStatus:
     running = load_inventory(resolved)
     instance = running.spec.emulation.instance
     mode = instance.mode if instance else None
-    sshd_pids = {e.name.split(" ", 1)[1]: e.details for e in journal.entries() if e.kind == "process"}
+    sshd_pids = {e.name.split(" ", 1)[1]: e.details for e in journal.entries()
+                 if e.kind == "process" and e.name.startswith("sshd ")}  # fmt: skip
     nodes = []
     for node_plan in plan.nodes:
         node = running.node(node_plan.name)

@@ -13,13 +13,16 @@ import sys
 from pathlib import Path
 
 from nodes.contracts.durable import write_json_atomic
-from nodes.emulated import boards
+from nodes.emulated import boards, phones
+from nodes.emulated.adb import DEVICES_VARIABLE
 from nodes.emulated.node import CONFIG_VARIABLE, STANDIN_ROOT_VARIABLE
 from testbed.emulation.plan import NODE_DATA_INTERFACE as DATA_INTERFACE
 from testbed.emulation.plan import EmulatedNodePlan
 from testbed.emulation.sshd_server import SshKeys, generate_key
 
 REPO = Path(__file__).resolve().parents[2]
+ADB_DEVICES_FILE = "adb-devices.json"  # the stand-in adb's table of attached phones, in the state directory
+PHONE_SHELL = REPO / "nodes" / "emulated" / "phone_shell.sh"
 JETSON_TOOLS = {
     "nvpmodel": "nodes.emulated.nvpmodel",
     "jetson_clocks": "nodes.emulated.jetson_clocks",
@@ -44,6 +47,20 @@ def write_node_tools(state_dir: Path, keys: SshKeys) -> None:
             f"# Stand-in for NVIDIA's {tool}, written by `testbed emulate up` (hil-testbed).\n"
             f"PYTHONPATH='{REPO}' exec '{sys.executable}' -m {module} \"$@\"\n",
         )
+    _write_executable(
+        state_dir / "bin-adb" / "adb",
+        "#!/bin/sh\n# Stand-in for Android's adb on the USB host of emulated phones (hil-testbed).\n"
+        f"PYTHONPATH='{REPO}' exec '{sys.executable}' -m nodes.emulated.adb \"$@\"\n",
+    )
+    _write_executable(
+        state_dir / "bin-android" / "phone-shell",
+        f"#!/bin/sh\n# An emulated phone's shell (hil-testbed).\nexec sh '{PHONE_SHELL}' \"$@\"\n",
+    )
+    _write_executable(
+        state_dir / "bin-android" / "phone-governor-sync",
+        "#!/bin/sh\n# An emulated phone's power mode follows its cpufreq files (hil-testbed).\n"
+        f"PYTHONPATH='{REPO}' exec '{sys.executable}' -m nodes.emulated.phone_governor \"$@\"\n",
+    )
     config = keys.directory / "ssh_config"
     config.write_text(
         "Host *\n"
@@ -71,6 +88,9 @@ class NodeFiles:
         self.standin_root = self.directory / "root"
         self.jetson_bin = state_dir / "bin-jetson"
         self.node_bin = state_dir / "bin-node"
+        self.android_bin = state_dir / "bin-android"
+        self.adb_bin = state_dir / "bin-adb"
+        self.adb_devices = state_dir / ADB_DEVICES_FILE
 
     def create(self, *, mode: str, cgroup: str | None) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
@@ -85,6 +105,9 @@ class NodeFiles:
             model.parent.mkdir(parents=True, exist_ok=True)
             release.write_text(board.nv_tegra_release + "\n")
             model.write_bytes(board.device_tree_model.encode() + b"\0")  # NUL-terminated, as in the device tree
+        if self.node.kind == "android":  # its sysfs: cpufreq in the initial mode, battery, thermal zones
+            phones.write_phone_files(str(self.standin_root), phones.phone_named(self.node.model),
+                                     initial.name if initial else "schedutil")  # fmt: skip
         self.write_config(mode=mode, cgroup=cgroup, cpu_root_pid=None)
 
     def write_config(self, *, mode: str, cgroup: str | None, cpu_root_pid: int | None) -> None:
@@ -115,5 +138,14 @@ class NodeFiles:
         if self.node.kind == "jetson":
             path.insert(0, str(self.jetson_bin))
             env[STANDIN_ROOT_VARIABLE] = str(self.standin_root)
+        if self.node.kind == "android":
+            phone = phones.phone_named(self.node.model)
+            path.insert(0, str(self.android_bin))
+            env[STANDIN_ROOT_VARIABLE] = str(self.standin_root)
+            env.update(TESTBED_PHONE_MODEL=phone.product_model, TESTBED_PHONE_DEVICE=phone.codename,
+                       TESTBED_PHONE_ANDROID=phone.android)  # fmt: skip
+        if self.node.hosts_phones:
+            path.insert(0, str(self.adb_bin))
+            env[DEVICES_VARIABLE] = str(self.adb_devices)
         env["PATH"] = ":".join(path)
         return env

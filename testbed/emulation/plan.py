@@ -33,6 +33,9 @@ class EmulatedNodePlan:
     data_address: str
     power_modes: tuple[EmulatedPowerMode, ...]
     initial_mode: int | None
+    serial: str | None = None  # a phone's adb serial
+    usb_host: str | None = None  # a phone's USB host (an emulated node), where its stand-in adb runs
+    hosts_phones: bool = False  # the USB host of emulated phones: the stand-in adb is on its PATH
 
     @property
     def initial_power_mode(self) -> EmulatedPowerMode | None:
@@ -86,6 +89,7 @@ def plan_emulation(inventory: Inventory) -> EmulationPlan:
     mgmt_hosts = list(emulation.management_subnet.hosts())
     data_hosts = list(emulation.data_subnet.hosts())
     nodes = []
+    usb_hosts = {n.adb.usb_host for n in emulated if n.kind == "android" and n.adb is not None}
     for index, node in enumerate(emulated):
         assert node.emulated is not None
         nodes.append(
@@ -102,6 +106,9 @@ def plan_emulation(inventory: Inventory) -> EmulationPlan:
                 data_address=str(data_hosts[index + 1]),
                 power_modes=node.emulated.power_modes,
                 initial_mode=node.emulated.initial_mode,
+                serial=node.adb.serial if node.adb is not None else None,
+                usb_host=node.adb.usb_host if node.adb is not None else None,
+                hosts_phones=node.name in usb_hosts,
             )
         )
     return EmulationPlan(

@@ -108,7 +108,7 @@ class EmulatedPowerMode(_Strict):
     """One power mode of an emulated node: its CPU quota and modeled power."""
 
     id: StrictInt = Field(ge=0, le=255)
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}(@[0-9]{1,9})?$")]  # phones: GOVERNOR@KHZ
     cpus: float = Field(gt=0, le=1024)
     idle_w: float = Field(ge=0, le=10000)
     busy_w: float = Field(ge=0, le=10000)

@@ -5,6 +5,7 @@ references, kinds, address clashes, profiles that shape nothing).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -152,6 +153,12 @@ def cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
                     f"{host.name!r} is a phone",
                     "the USB host must be a Linux node or 'controller'",
                 )
+            elif node.emulated is not None and host.emulated is None:
+                yield src.problem(
+                    ("nodes", i, "adb", "usb_host"),
+                    f"{host.name!r} is not emulated: an emulated phone's stand-in adb runs on an emulated node",
+                    "name an emulated Jetson or server as its usb_host",
+                )
     yield from _clash_problems(spec, src)
 
     for group, members in spec.groups.items():
@@ -219,7 +226,7 @@ def _node_kind_problems(
         if node.adb is None:
             yield src.problem(at, "a phone needs an 'adb:' section", "give its serial and usb_host")
         for field in ("ssh", "address"):
-            if getattr(node, field) is not None:
+            if getattr(node, field) is not None and not (node.emulated is not None and resolved):
                 yield src.problem(
                     at + (field,),
                     f"a phone is reached through adb, not '{field}'",
@@ -228,9 +235,7 @@ def _node_kind_problems(
         if node.transport != "ssh":
             yield src.problem(at + ("transport",), "a phone is reached through adb", "remove transport")
         if node.emulated is not None:
-            yield src.problem(
-                at + ("emulated",), "emulated phones are not supported yet", "emulate a Jetson or server instead"
-            )
+            yield from _emulated_phone_problems(node, src, at)
     elif node.adb is not None:
         yield src.problem(at + ("adb",), "only phones (kind: android) have an adb section", "remove it")
     if node.emulated is not None and not resolved:
@@ -257,6 +262,31 @@ def _node_kind_problems(
         values = getattr(node, field)
         if len(set(values)) != len(values):
             yield src.problem(at + (field,), f"repeated entries in {field}", "list each once")
+
+
+PHONE_MODE = re.compile(r"^(schedutil|performance|powersave)(@[1-9][0-9]{5,6})?$")
+
+
+def _emulated_phone_problems(node: NodeSpec, src: YamlSource, at: tuple[str | int, ...]) -> Iterable[InputProblem]:
+    """An emulated phone stands for a phone of the catalogue; its power modes are governors (with an
+    optional cap in kHz), named as ``testbed power`` reads them back."""
+    from nodes.emulated.phones import PHONES
+
+    if node.model not in PHONES:
+        yield src.problem(at + ("model",), f"no emulated phone {node.model!r}", "one of " + ", ".join(PHONES))
+    if node.adb is not None and node.adb.usb_host == "controller":
+        yield src.problem(at + ("adb", "usb_host"), "an emulated phone's stand-in adb runs on an emulated node",
+                          "name an emulated Jetson or server as its usb_host")  # fmt: skip
+    assert node.emulated is not None
+    for i, mode in enumerate(node.emulated.power_modes):
+        if not PHONE_MODE.match(mode.name):
+            yield src.problem(at + ("emulated", "power_modes", i, "name"),
+                              f"{mode.name!r} is not a phone's power mode",
+                              "write GOVERNOR or GOVERNOR@KHZ: schedutil, performance or powersave, e.g. "
+                              "powersave@1803000")  # fmt: skip
+        if mode.idle_w <= 0:
+            yield src.problem(at + ("emulated", "power_modes", i, "idle_w"), "a phone never draws 0 W",
+                              "give its idle power in watts (the battery current must never read 0)")  # fmt: skip
 
 
 def _power_mode_problems(spec: EmulatedSpec, src: YamlSource, at: tuple[str | int, ...]) -> Iterable[InputProblem]:

@@ -1,0 +1,120 @@
+"""Emulated phones: a phone of the catalogue as its own namespace, reached as a real phone is, through
+adb on its USB host (a stand-in adb that carries each shell command into the phone), with its cpufreq,
+battery and thermal files where the phone's kernel has them. Governors are its power modes (they move
+its CPU quota) and its battery reports the modeled power of its CPU use. The real drivers and readers
+(``nodes/android``) run unchanged against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from foundation.errors import InputError
+from nodes.emulated.cgroup import CpuCgroup
+from nodes.emulated.phones import PHONES, mode_of_policies, write_phone_files
+from testbed.emulation.resolved import load_lab
+from testbed.inventory import load_inventory
+from testbed.transport import open_transport
+from tests.conftest import emulated_inventory, emulated_lab, run_cli
+
+PHONE_NODES = """nodes:
+  - name: server
+    kind: server
+    model: generic
+    roles: [server]
+    emulated:
+      power_modes:
+        - {id: 0, name: default, cpus: 1.0, idle_w: 90, busy_w: 300}
+  - name: hub
+    kind: jetson
+    model: agx-orin
+    roles: [device]
+    emulated:
+      power_modes:
+        - {id: 0, name: MAXN, cpus: 0.5, idle_w: 7.0, busy_w: 40.0}
+  - name: pixel
+    kind: android
+    model: pixel-7-pro
+    adb: {serial: EMU7PRO0001, usb_host: hub}
+    roles: [device]
+    emulated:
+      power_modes:
+        - {id: 0, name: schedutil, cpus: 1.0, idle_w: 0.6, busy_w: 6.0}
+        - {id: 1, name: powersave@1803000, cpus: 0.3, idle_w: 0.5, busy_w: 2.5}
+"""
+
+
+def test_the_catalogue_lays_out_a_phones_sysfs_and_reads_its_mode_back(tmp_path: Path) -> None:
+    phone = PHONES["xiaomi-14"]
+    write_phone_files(str(tmp_path), phone, "powersave@1803000")
+    policies = sorted((tmp_path / "sys/devices/system/cpu/cpufreq").iterdir())
+    assert [p.name for p in policies] == [f"policy{c.cpus[0]}" for c in phone.clusters]
+    caps = [int((p / "scaling_max_freq").read_text()) for p in policies]
+    assert caps == [min(c.max_khz, 1803000) for c in phone.clusters]
+    assert mode_of_policies(str(tmp_path), phone) == "powersave@1803000"
+    battery = tmp_path / "sys/class/power_supply/battery"
+    assert int((battery / "current_now").read_text()) < 0 and (battery / "status").read_text().strip() == "Discharging"
+
+
+def test_an_emulated_phones_inventory_is_checked(tmp_path: Path) -> None:
+    bad_mode = PHONE_NODES.replace("name: powersave@1803000", "name: turbo")
+    with pytest.raises(InputError, match="not a phone's power mode"):
+        load_inventory(emulated_inventory(tmp_path, "pq", 210, bad_mode))
+    with pytest.raises(InputError, match="no emulated phone 'galaxy-s24'"):
+        load_inventory(emulated_inventory(tmp_path, "pq", 210, PHONE_NODES.replace("pixel-7-pro", "galaxy-s24")))
+    assert load_inventory(emulated_inventory(tmp_path, "pq", 210, PHONE_NODES)).node("pixel").emulated is not None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
+@pytest.mark.slow
+@pytest.mark.root
+def test_a_phone_is_reached_through_adb_its_governor_moves_its_quota_and_its_battery_follows_the_load(
+    tmp_path: Path,
+) -> None:
+    inventory = emulated_inventory(tmp_path, "ph", 212, PHONE_NODES)
+    with emulated_lab(inventory) as path:
+        resolved = str(tmp_path / "state" / "inventory.yaml")
+        lab = load_lab(path)
+        check = run_cli("inventory", "check", "-i", resolved, "--nodes", "pixel", "--json")
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert "Pixel 7 Pro" in check.stdout
+        group = CpuCgroup("ph-pixel")
+        assert group.quota_cpus() == pytest.approx(1.0)
+        changed = run_cli("power", "set", "-i", resolved, "pixel", "powersave@1803000")
+        assert changed.returncode == 0, changed.stdout + changed.stderr
+        assert group.quota_cpus() == pytest.approx(0.3)  # the governor is the power mode: its CPU quota
+        shown = run_cli("power", "show", "-i", resolved, "--nodes", "pixel", "--json")
+        assert "powersave@1803000" in shown.stdout  # read back from the phone's cpufreq files
+        restored = run_cli("power", "restore", "-i", resolved)
+        assert restored.returncode == 0 and group.quota_cpus() == pytest.approx(1.0)
+
+        probe = run_cli("telemetry", "probe", "-i", resolved, "--nodes", "pixel", "--require-energy", "--json")
+        assert probe.returncode == 0, probe.stdout + probe.stderr
+        assert "modeled" in probe.stdout and "power_mw" in probe.stdout
+
+        current = tmp_path / "state" / "nodes" / "pixel" / "root" / "sys/class/power_supply/battery/current_now"
+        idle_ua = -int(current.read_text())
+        peak = [0]
+
+        def watch() -> None:
+            end = time.monotonic() + 4
+            while time.monotonic() < end:
+                peak[0] = max(peak[0], -int(current.read_text() or 0))
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        with open_transport(lab, lab.node("hub")) as hub:  # a busy loop on the phone, through adb
+            busy = 'end=$(($(date +%s)+3)); while [ "$(date +%s)" -lt "$end" ]; do :; done; echo done'
+            out = hub.run(["adb", "-s", "EMU7PRO0001", "shell", busy], timeout_s=30.0)
+        watcher.join()
+        assert out.exit_code == 0 and "done" in out.stdout
+        assert idle_ua < 0.6 / 3.89 * 1e6 * 1.5  # about the idle 0.6 W at 3.89 V
+        assert peak[0] > 3 * idle_ua  # the phone's load shows in its battery current
+        devices = json.loads((tmp_path / "state" / "adb-devices.json").read_text())
+        assert devices["EMU7PRO0001"]["usb_host"] == "hub"
