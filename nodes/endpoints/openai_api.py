@@ -147,57 +147,67 @@ class Handler(BaseHTTPRequestHandler):
         taken = time.monotonic()
         tokens: List[int] = []
         stamps: List[float] = []
-        overruns = 0
-        cancelled = False
-        finish = "length"
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or seed < 0):
             raise ApiError(400, "seed must be a non-negative integer", "seed")
         pace = endpoint.pace.seeded(seed) if seed is not None else endpoint.pace
         endpoint.begin()
-        if stream:
-            self._start_events()
-        generator = endpoint.generator.stream(prompt_ids, max_tokens, pace, sleep=self._sleep_watching)
+        row: Dict[str, Any] = {"id": ident, "route": "chat" if chat else "completions", "stream": stream,
+                               "prompt_tokens": len(prompt_ids), "max_tokens": max_tokens, "taken_s": round(taken, 6),
+                               "pace": endpoint.pace.label, "modeled": endpoint.pace.modeled, "seed": seed,
+                               "overrun_tokens": 0}  # fmt: skip
         try:
+            cancelled, finish = self._generate(ident, chat, prompt_ids, max_tokens, pace, stream, usage_wanted,
+                                               tokens, stamps, row)  # fmt: skip
+        except Exception as exc:  # the request is logged whatever ended it (in flight counts must fall)
+            row.update(cancelled=False, finish_reason="error", error=repr(exc)[:300], completion_tokens=len(tokens))
+            endpoint.record(row)
+            raise
+        row.update(completion_tokens=len(tokens), cancelled=cancelled, finish_reason=None if cancelled else finish,
+                   first_token_s=round(stamps[0], 6) if stamps else None,
+                   last_token_s=round(stamps[-1], 6) if stamps else None)  # fmt: skip
+        endpoint.record(row)
+        if cancelled:
+            self.close_connection = True
+
+    def _generate(self, ident: str, chat: bool, prompt_ids: List[int], max_tokens: int, pace: Pace, stream: bool,
+                  usage_wanted: bool, tokens: List[int], stamps: List[float], row: Dict[str, Any]) -> Tuple[bool, str]:
+        """Stream (or collect) the tokens; (cancelled, finish reason). A client gone is a cancellation."""
+        endpoint = self.endpoint
+        finish, overruns = "length", 0
+        generator = None
+        try:
+            if stream:
+                self._start_events()
+            generator = endpoint.generator.stream(prompt_ids, max_tokens, pace, sleep=self._sleep_watching)
             for emitted in generator:
                 piece = endpoint.generator.piece(tokens, emitted.token_id)
                 tokens.append(emitted.token_id)
                 stamps.append(emitted.released_s)
                 overruns += emitted.overrun_s > 0
+                row["overrun_tokens"] = overruns
                 if emitted.token_id == endpoint.generator.tokenizer.eos_id:
                     finish = "stop"
                 if stream:
                     done = len(tokens) == max_tokens or finish == "stop"
                     self._event(self._chunk(ident, chat, piece, [emitted.token_id], finish if done else None,
                                             first=len(tokens) == 1))  # fmt: skip
+            usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens),
+                     "total_tokens": len(prompt_ids) + len(tokens)}  # fmt: skip
+            if stream:
+                if usage_wanted:
+                    self._event({"id": ident, "object": self._object(chat, True), "created": int(time.time()),
+                                 "model": endpoint.model_name, "choices": [], "usage": usage})  # fmt: skip
+                self._raw(b"data: [DONE]\n\n")
+                self._raw(b"0\r\n\r\n")
+            else:
+                self._json(200, self._whole(ident, chat, tokens, finish, usage))
         except (BrokenPipeError, ConnectionResetError):
-            cancelled = True
+            return True, finish
         finally:
-            generator.close()
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens),
-                 "total_tokens": len(prompt_ids) + len(tokens)}  # fmt: skip
-        if not cancelled:
-            try:
-                if stream:
-                    if usage_wanted:
-                        self._event({"id": ident, "object": self._object(chat, True), "created": int(time.time()),
-                                     "model": endpoint.model_name, "choices": [], "usage": usage})  # fmt: skip
-                    self._raw(b"data: [DONE]\n\n")
-                    self._raw(b"0\r\n\r\n")
-                else:
-                    self._json(200, self._whole(ident, chat, tokens, finish, usage))
-            except (BrokenPipeError, ConnectionResetError):
-                cancelled = True
-        endpoint.record({
-            "id": ident, "route": "chat" if chat else "completions", "stream": stream,
-            "prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens), "max_tokens": max_tokens,
-            "cancelled": cancelled, "finish_reason": None if cancelled else finish,
-            "taken_s": round(taken, 6), "first_token_s": round(stamps[0], 6) if stamps else None,
-            "last_token_s": round(stamps[-1], 6) if stamps else None, "overrun_tokens": overruns,
-            "pace": endpoint.pace.label, "modeled": endpoint.pace.modeled, "seed": seed,
-        })  # fmt: skip
-        if cancelled:
-            self.close_connection = True
+            if generator is not None:
+                generator.close()
+        return False, finish
 
     def _prompt_ids(self, body: Dict[str, Any], chat: bool) -> List[int]:
         generator = self.endpoint.generator
