@@ -152,6 +152,18 @@ def api_price_usd(api: str, input_tokens: np.ndarray, output_tokens: np.ndarray)
 SERVICE_APIS = {"gpt": "gpt-4o-mini", "deepseek": "deepseek-v2.5", "command": "command-cohere",
                 "llama": "llama-3.1-70b-hyperbolic"}  # fmt: skip
 REGIMES = {"server": "server-constrained", "device": "device-constrained"}
+# The model each of DiSCo's device speeds (nodes/dispatch/device_speed.py) runs, for its FLOPs.
+DEVICE_SPEED_MODELS = {"pixel7pro-bloom-1.1b": "bloom-1.1b", "pixel7pro-bloom-560m": "bloom-560m",
+                       "xiaomi14-qwen-0.5b": "qwen-0.5b"}  # fmt: skip
+PRICE_CONTEXT_TOKENS = 20.0  # the prompt a device's per-token FLOPs are priced at (Alpaca-like mean)
+
+
+def dispatch_regime(policy: str, forced: object = None) -> str:
+    """The regime a dispatch policy is priced in: the one a campaign forces, else ``-d`` policies
+    device-constrained, every other server-constrained."""
+    if isinstance(forced, str) and forced:
+        return forced
+    return "device" if str(policy).endswith("-d") else "server"
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,16 @@ class DispatchPrices:
         return cls(price_in / 1e6, price_out / 1e6,
                    float(flops_per_token(shape, context_tokens, "prefill")) * usd_per_flop,
                    float(flops_per_token(shape, context_tokens, "decode")) * usd_per_flop)  # fmt: skip
+
+    @classmethod
+    def for_dispatch(cls, service: str, device_speed: str, regime: str) -> DispatchPrices:
+        """The prices of a dispatch run: its service's API, its device speed's model, at the Alpaca-like
+        prompt."""
+        return cls.for_run(SERVICE_APIS[service], DEVICE_SPEED_MODELS[device_speed], regime, PRICE_CONTEXT_TOKENS)
+
+    def as_list(self) -> list[float]:
+        """Server input, server output, device prefill, device decode (the run config's order)."""
+        return [self.server_prefill, self.server_decode, self.device_prefill, self.device_decode]
 
     def cost_usd(self, server_input: np.ndarray, server_output: np.ndarray, device_prefill: np.ndarray,
                  device_decode: np.ndarray) -> np.ndarray:  # fmt: skip

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from analysis.cost_model import DispatchPrices, dispatch_regime
+
 KEYS = ["trace", "regime", "device", "budget"]
 
 
@@ -61,20 +63,10 @@ def migration_table(rows: pd.DataFrame) -> pd.DataFrame:
     ).reset_index()  # fmt: skip
 
 
-DEVICE_MODELS = {"pixel7pro-bloom-1.1b": "bloom-1.1b", "pixel7pro-bloom-560m": "bloom-560m",
-                 "xiaomi14-qwen-0.5b": "qwen-0.5b"}  # fmt: skip
-PRICE_CONTEXT_TOKENS = 20.0  # the prompt length the device's per-token FLOPs are priced at (Alpaca-like)
 DISPATCH_DEFAULTS = {"dispatch.policy": "disco-s", "dispatch.budget": 0.5, "dispatch.service": "gpt",
                      "dispatch.device_speed": "pixel7pro-bloom-1.1b", "dispatch.migration": False,
                      "dispatch.regime": None, "dispatch.server_endpoint": "trace",
                      "serving.scheduler": "fcfs"}  # fmt: skip
-
-
-def regime_of(policy: str, forced: object = None) -> str:
-    """The regime a policy is priced in: the one the campaign forces, else ``-d`` device, else server."""
-    if isinstance(forced, str) and forced:
-        return forced
-    return "device" if str(policy).endswith("-d") else "server"
 
 
 def live_runs(requests: pd.DataFrame, tokens: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
@@ -83,8 +75,6 @@ def live_runs(requests: pd.DataFrame, tokens: pd.DataFrame, runs: pd.DataFrame) 
     budget, policy, migration, TTFT mean and P99 (s), realised budget, cost per request (USD), the
     share the device answered first, migrations and what the client held for them, and token
     mismatches at a handoff (must be 0); TBT P99 after the client's buffer over migrated requests."""
-    from analysis.cost_model import SERVICE_APIS, DispatchPrices
-
     rows = []
     for _, run in runs.iterrows():
         mine = requests[(requests["run_id"] == run["run_id"]) & requests["ttft_s"].notna()]
@@ -92,10 +82,8 @@ def live_runs(requests: pd.DataFrame, tokens: pd.DataFrame, runs: pd.DataFrame) 
             continue
         setting = {k: run.get(k, v) if k in runs.columns and pd.notna(run.get(k)) else v
                    for k, v in DISPATCH_DEFAULTS.items()}  # fmt: skip
-        regime = regime_of(setting["dispatch.policy"], setting["dispatch.regime"])
-        prices = DispatchPrices.for_run(SERVICE_APIS[setting["dispatch.service"]],
-                                        DEVICE_MODELS[setting["dispatch.device_speed"]], regime,
-                                        PRICE_CONTEXT_TOKENS)  # fmt: skip
+        regime = dispatch_regime(setting["dispatch.policy"], setting["dispatch.regime"])
+        prices = DispatchPrices.for_dispatch(setting["dispatch.service"], setting["dispatch.device_speed"], regime)
         target = mine.get("dispatch_migration_target", pd.Series([None] * len(mine), index=mine.index))
         moved = mine["dispatch_migrated"].fillna(False).astype(bool)
         migration_in = mine["dispatch_migration_input_tokens"].fillna(0) * moved

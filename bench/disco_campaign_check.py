@@ -22,7 +22,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.dispatch import regime_of
+from analysis.cost_model import dispatch_regime
 from bench._common import write
 from nodes.dispatch.device_speed import device_speed_named
 from nodes.dispatch.replay import draw_seeded, replay
@@ -59,7 +59,7 @@ def check_run(run: Path) -> dict | None:
     device = device_speed_named(dispatch.get("device_speed", "pixel7pro-bloom-1.1b"))
     inputs = draw_seeded(service, prompts, requests["max_new_tokens"].to_numpy(), seeds, np.zeros(len(prompts)))
     replayed = replay(routes, inputs, device, CONSUMPTION_TOK_S)  # type: ignore[arg-type]
-    regime = regime_of(dispatch.get("policy", "disco-s"), dispatch.get("regime"))
+    regime = dispatch_regime(dispatch.get("policy", "disco-s"), dispatch.get("regime"))
     constrained = "server_input_tokens" if regime == "server" else "device_prefill_tokens"
     live_budget = float(requests[f"dispatch_race_{constrained}"].sum() / prompts.sum())
     row = {

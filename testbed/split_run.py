@@ -41,6 +41,7 @@ from nodes.workers.run_config import (
     RunConfig,
     ServingSettings,
     TargetSettings,
+    dispatch_settings,
 )
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
@@ -217,12 +218,10 @@ KEY_FILE = "endpoint.key"  # an external endpoint's key on a device node, in its
 
 def _dispatch_settings(raw: dict[str, Any] | None, run_dir: str) -> DispatchSettings:
     """The run config's dispatch section: the key's variable name becomes the path of its file."""
-    if not raw:
-        return DispatchSettings()
-    fields = {k: v for k, v in raw.items() if k != "external_key_env"}
-    if raw.get("external_key_env"):
+    fields = {k: v for k, v in (raw or {}).items() if k != "external_key_env"}
+    if raw and raw.get("external_key_env"):
         fields["external_key_file"] = f"{run_dir}/{KEY_FILE}"
-    return DispatchSettings(**dict(fields, prices=tuple(raw.get("prices") or DispatchSettings().prices)))
+    return dispatch_settings(fields or None, "the run's dispatch settings")
 
 
 def endpoint_key(spec: SplitRunSpec) -> bytes | None:

@@ -17,13 +17,14 @@ import queue
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Set
 
+import numpy as np
+
 from nodes.endpoints.client import CompletionStream
 
 from .controller import MigrationRule
 from .device_speed import LinearTtft
 from .policy import DEVICE, SERVER
-
-NEVER = float("inf")
+from .replay import display_times
 
 
 class EndpointAddress(object):
@@ -156,15 +157,10 @@ def dispatch_request(request_id: int, prompt_ids: Sequence[int], max_tokens: int
 
 
 def _shown_count(arrivals: Sequence[float], now_s: float, consumption_tok_s: float) -> int:
-    """How many tokens the client buffer has shown by ``now_s`` (paced at r_c)."""
-    shown, last = 0, -NEVER
-    step = 1.0 / consumption_tok_s
-    for arrival in arrivals:
-        at = max(arrival, last + step)
-        if at > now_s:
-            break
-        shown, last = shown + 1, at
-    return shown
+    """How many tokens the client buffer (``replay.display_times``) has shown by ``now_s``."""
+    if not arrivals:
+        return 0
+    return int(np.searchsorted(display_times(np.asarray(arrivals), consumption_tok_s), now_s, side="right"))
 
 
 def _record(request_id: int, request: _Request, device_ttft: LinearTtft) -> dict:

@@ -27,7 +27,25 @@ class Emitted(NamedTuple):
     overrun_s: float  # how late the computation made it (0 when on time)
 
 
-class PacedGenerator(object):
+class TokenText(object):
+    """Text in and out of an endpoint's tokenizer (``self.tokenizer``): what the HTTP API needs of any
+    token source beside its ``stream``."""
+
+    tokenizer: Tokenizer
+
+    def encode(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: List[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def piece(self, before: List[int], token_id: int) -> str:
+        """The text ``token_id`` adds after ``before`` (decoding the whole tail keeps merged bytes right)."""
+        tail = before[-4:]
+        return self.tokenizer.decode(tail + [token_id])[len(self.tokenizer.decode(tail)):]
+
+
+class PacedGenerator(TokenText):
     """The whole model of ``model_dir`` behind a lock (one forward pass at a time)."""
 
     def __init__(self, model_dir: str, dtype: str = "float32") -> None:
@@ -62,16 +80,6 @@ class PacedGenerator(object):
                 hidden = self.model.run_layers(self.model.embed(torch.tensor([token])), [Segment(cache, 1)])
                 token = int(torch.argmax(self.model.logits(hidden[-1])).item())
 
-    def encode(self, text: str) -> List[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids: List[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def piece(self, before: List[int], token_id: int) -> str:
-        """The text ``token_id`` adds after ``before`` (decoding the whole tail keeps merged bytes right)."""
-        tail = before[-4:]
-        return self.tokenizer.decode(tail + [token_id])[len(self.tokenizer.decode(tail)):]
 
 
 def max_tokens_for(generator: PacedGenerator, prompt_tokens: int, asked: Optional[int]) -> int:

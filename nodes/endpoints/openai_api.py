@@ -199,7 +199,8 @@ class Handler(BaseHTTPRequestHandler):
                     self._event({"id": ident, "object": self._object(chat, True), "created": int(time.time()),
                                  "model": endpoint.model_name, "choices": [], "usage": usage})  # fmt: skip
                 self._raw(b"data: [DONE]\n\n")
-                self._raw(b"0\r\n\r\n")
+                self.wfile.write(b"0\r\n\r\n")  # the chunked body's end
+                self.wfile.flush()
             else:
                 self._json(200, self._whole(ident, chat, tokens, finish, usage))
         except (BrokenPipeError, ConnectionResetError):
@@ -315,11 +316,8 @@ class Handler(BaseHTTPRequestHandler):
         self._raw(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
     def _raw(self, data: bytes) -> None:
-        """One HTTP chunk (the final empty one is written as is)."""
-        if data == b"0\r\n\r\n":
-            self.wfile.write(data)
-        else:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        """One HTTP chunk of the event stream."""
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         self.wfile.flush()
 
 

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from nodes.endpoints.generator import Emitted
+from nodes.endpoints.generator import Emitted, TokenText
 from nodes.serving.engine_state import IterationPlan, ServedRequest
 
 from .serving_engine import ServingEngine
@@ -26,7 +26,7 @@ WAIT_S = 0.05  # how long the idle engine waits for a request before it looks ag
 EXPECTED_TTFT_S, EXPECTED_TDS = 1.0, 1e6  # an API request states no QoE expectation: Andes' defaults
 
 
-class EngineStreams(object):
+class EngineStreams(TokenText):
     """What the HTTP endpoint calls ``generator``: ``stream`` submits a request to the engine and
     yields its tokens as the engine releases them."""
 
@@ -52,16 +52,6 @@ class EngineStreams(object):
                 index += 1
         finally:
             self.engine.cancel(key)  # a no-op once the request is done
-
-    def encode(self, text: str) -> List[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids: List[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def piece(self, before: List[int], token_id: int) -> str:
-        tail = before[-4:]
-        return self.tokenizer.decode(tail + [token_id])[len(self.tokenizer.decode(tail)):]
 
 
 class EngineEndpoint(ServingEngine):

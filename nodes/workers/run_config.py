@@ -297,11 +297,12 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
         deadline_s=None if deadline is None else float(deadline),
         target=_target(raw.get("target"), source),
         serving=_serving(raw.get("serving"), source),
-        dispatch=_dispatch(raw.get("dispatch"), source),
+        dispatch=dispatch_settings(raw.get("dispatch"), source),
     )
 
 
-def _dispatch(raw: Any, source: str) -> DispatchSettings:
+def dispatch_settings(raw: Any, source: str) -> DispatchSettings:
+    """The ``dispatch`` section checked (``source`` names where it came from in messages)."""
     if raw is None:
         return DispatchSettings()
     if not isinstance(raw, dict):

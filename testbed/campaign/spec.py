@@ -46,7 +46,7 @@ from pydantic import (
 
 from nodes.workers.methods import method_named
 from nodes.workers.methods import names as method_names
-from nodes.workers.run_config import DRAFT_LIMITS
+from nodes.workers.run_config import DISPATCH_POLICIES, DRAFT_LIMITS
 from nodes.workers.run_config import DispatchSettings as RunDispatchSettings
 from nodes.workers.run_config import DraftSettings as RunDraftSettings
 from nodes.workers.run_config import ServingSettings as RunServingSettings
@@ -165,7 +165,7 @@ class DispatchSettings(_Strict):
     the regime's energy-to-money rate: DiSCo App. E); ``regime`` forces the rate (default: the policy's,
     ``server`` for one-endpoint policies)."""
 
-    policy: Literal["server-only", "device-only", "stoch-s", "stoch-d", "disco-s", "disco-d"] = "disco-s"
+    policy: Literal[DISPATCH_POLICIES] = "disco-s"  # type: ignore[valid-type]  (the run config's list)
     budget: float = Field(_DISPATCH["budget"], ge=0, le=1)
     alpha: float = Field(_DISPATCH["alpha"], gt=0, lt=1)
     service: Literal["gpt", "deepseek", "command", "llama"] = "gpt"
