@@ -211,3 +211,18 @@ def test_devices_race_a_labs_own_endpoint_with_its_key_from_the_environment(tmp_
             assert json.loads(path.read_text())["server_url"] == "http://10.209.0.2:18080/v1"
         requests = pd.read_parquet(run / "requests.parquet")
         assert len(requests) == 10 and requests["ttft_s"].notna().all()
+
+
+def test_the_controllers_lists_match_the_node_sides_catalogues() -> None:
+    """The controller cannot import nodes.dispatch: its copies of the catalogues' names must agree."""
+    import typing
+
+    from analysis.cost_model import DEVICE_SPEED_MODELS
+    from nodes.dispatch.device_speed import DEVICE_SPEEDS
+    from nodes.dispatch.services import SERVICES
+    from testbed.campaign.spec import DispatchSettings as CampaignDispatch
+
+    fields = CampaignDispatch.model_fields
+    assert set(typing.get_args(fields["service"].annotation)) == set(SERVICES)
+    assert set(typing.get_args(fields["device_speed"].annotation)) == set(DEVICE_SPEEDS)
+    assert {name: speed.model for name, speed in DEVICE_SPEEDS.items()} == DEVICE_SPEED_MODELS
