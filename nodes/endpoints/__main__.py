@@ -12,6 +12,8 @@ import signal
 import sys
 import threading
 
+import torch
+
 from .generator import PacedGenerator
 from .openai_api import Endpoint, api_key_from_env, make_server
 from .pace import pace_named
@@ -31,6 +33,9 @@ def main(argv=None) -> int:
     parser.add_argument("--log", help="endpoint_requests.jsonl to append each finished request to")
     parser.add_argument("--port-file", help="write the bound port here once serving")
     parser.add_argument("--api-key-env", help="require the key held by this environment variable")
+    parser.add_argument("--device", default="cpu", help="where the model computes: cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", help="float32, float16, bfloat16 or auto (the checkpoint's)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
     try:
         pace = pace_named(args.pace, args.device_speed if args.pace == "device" else args.service, args.seed)
@@ -38,7 +43,9 @@ def main(argv=None) -> int:
     except ValueError as error:
         print("error: %s" % error, file=sys.stderr)
         return 2
-    generator = PacedGenerator(args.model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    generator = PacedGenerator(args.model, args.dtype, args.device)
     name = args.model_name or args.model.rstrip("/").split("/")[-1]
     endpoint = Endpoint(generator, pace, name, args.log, key)
     server, port = make_server(endpoint, args.host, args.port)

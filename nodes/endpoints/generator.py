@@ -46,11 +46,13 @@ class TokenText(object):
 
 
 class PacedGenerator(TokenText):
-    """The whole model of ``model_dir`` behind a lock (one forward pass at a time)."""
+    """The whole model of ``model_dir`` on ``device`` (``cpu`` or ``cuda[:N]``) behind a lock (one
+    forward pass at a time)."""
 
-    def __init__(self, model_dir: str, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu") -> None:
         self.model_dir = model_dir
-        self.model = load_whole(model_dir, dtype=dtype)
+        self.device = device
+        self.model = load_whole(model_dir, dtype=dtype, device=device)
         self.tokenizer = Tokenizer(model_dir)
         self.context_tokens = int(self.model.config.max_position_embeddings)
         self._lock = threading.Lock()
@@ -64,7 +66,7 @@ class PacedGenerator(TokenText):
         cache = self.model.new_cache(len(prompt_ids) + max_tokens + 1)
         eos = self.tokenizer.eos_id if stop_at_eos else None
         with self._lock, torch.inference_mode():
-            ids = torch.tensor(list(prompt_ids))
+            ids = torch.tensor(list(prompt_ids), device=self.device)
             hidden = self.model.run_layers(self.model.embed(ids), [Segment(cache, len(prompt_ids))])
             token = int(torch.argmax(self.model.logits(hidden[-1])).item())
         for index in range(max_tokens):
@@ -77,7 +79,8 @@ class PacedGenerator(TokenText):
                 return
             due += pace.gap_s()
             with self._lock, torch.inference_mode():
-                hidden = self.model.run_layers(self.model.embed(torch.tensor([token])), [Segment(cache, 1)])
+                step = self.model.embed(torch.tensor([token], device=self.device))
+                hidden = self.model.run_layers(step, [Segment(cache, 1)])
                 token = int(torch.argmax(self.model.logits(hidden[-1])).item())
 
 

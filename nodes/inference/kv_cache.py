@@ -72,8 +72,10 @@ class KVCache:
                 buffer = store.get(layer)
                 if buffer is None:
                     buffer = store[layer] = self._buffer()
+                # drawn where the generator lives (a CPU generator cannot draw on a GPU), then moved
+                where = generator.device if generator is not None else self.device
                 buffer[:, :length] = torch.randn(self.num_kv_heads, length, self.head_dim, generator=generator,
-                                                 device=self.device).to(self.dtype)  # fmt: skip
+                                                 device=where).to(self.device, self.dtype)  # fmt: skip
         self.length = length
 
     def truncate(self, length: int) -> None:
