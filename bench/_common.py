@@ -42,8 +42,9 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 
 def write(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    """``bench/results/NAME.json``, or NAME itself when it is a path ending in .json."""
+    path = Path(name) if name.endswith(".json") else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     return path
 

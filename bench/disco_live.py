@@ -87,6 +87,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens a request generates (TTFT is the point)")
     parser.add_argument("--workers", type=int, default=4, help="requests in flight at once (each is independent)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-url", help="a running trace endpoint (its base URL, .../v1) instead of one "
+                        "started here on loopback: bench/disco_phones.py runs this on a phone against the server's")
+    parser.add_argument("--out", help="the JSON to write (default bench/results/disco_live.json)")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     tokenizer = Tokenizer(str(TINY))
@@ -101,7 +104,9 @@ def main() -> None:
         directory = Path(tmp)
         server_args = ("--pace", "trace", "--service", args.service, "--seed", str(args.seed))
         device_args = ("--pace", "device", "--device-speed", args.device)
-        with endpoint(directory, "server", *server_args) as server, endpoint(directory, "device", *device_args) as dev:
+        remote = contextlib.nullcontext(EndpointAddress(args.server_url, "tiny")) if args.server_url else None
+        with remote or endpoint(directory, "server", *server_args) as server, \
+                endpoint(directory, "device", *device_args) as dev:
             addresses = {"server": server, "device": dev}
             cal_lengths = lengths(args.calibration)
             never, now = float("inf"), 0.0
@@ -160,14 +165,17 @@ def main() -> None:
                     }  # fmt: skip
                     point["p99_ttft_gap_pct"] = 100 * (point["live_p99_ttft_s"] / point["replay_p99_ttft_s"] - 1)
                     point["mean_ttft_gap_pct"] = 100 * (point["live_mean_ttft_s"] / point["replay_mean_ttft_s"] - 1)
-                    point["budget_gap_pct"] = 100 * (live_budget / max(1e-9, float(budget_r)) - 1)
+                    # equal budgets agree, also at 0 (a budget that no request's race used)
+                    point["budget_gap_pct"] = 0.0 if abs(live_budget - float(budget_r)) < 1e-12 else \
+                        100 * (live_budget / max(1e-9, float(budget_r)) - 1)
                     points.append(point)
                     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in point.items()}),
                           flush=True)  # fmt: skip
     within = all(abs(p["mean_ttft_gap_pct"]) <= 15 and abs(p["budget_gap_pct"]) <= 15 for p in points)
     command = " ".join(["python", "bench/disco_live.py", *sys.argv[1:]])
-    path = write("disco_live", {
-        "command": command, "seconds": round(time.perf_counter() - began, 1), "service": args.service,
+    path = write(args.out or "disco_live", {
+        "command": command, "server_url": args.server_url, "seconds": round(time.perf_counter() - began, 1),
+        "service": args.service,
         "device": args.device, "max_tokens": args.max_tokens, "modeled_times": True,
         "calibration": {"device_k_s_per_token": fit.seconds_per_token, "device_c_s": fit.intercept_s,
                         "device_pearson": fit.pearson, "server_pearson": server_pearson,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -20,7 +21,9 @@ from nodes.emulated.phones import PHONES, mode_of_policies, write_phone_files
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import load_inventory
 from testbed.transport import open_transport
-from tests.conftest import emulated_inventory, emulated_lab, run_cli
+from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
+
+TINY = REPO / "examples" / "models" / "tiny"
 
 PHONE_NODES = """nodes:
   - name: server
@@ -118,3 +121,37 @@ def test_a_phone_is_reached_through_adb_its_governor_moves_its_quota_and_its_bat
         assert peak[0] > 3 * idle_ua  # the phone's load shows in its battery current
         devices = json.loads((tmp_path / "state" / "adb-devices.json").read_text())
         assert devices["EMU7PRO0001"]["usb_host"] == "hub"
+        _an_app_on_the_phone_streams_from_the_server_across_the_data_plane(lab, tmp_path)
+
+
+def _an_app_on_the_phone_streams_from_the_server_across_the_data_plane(lab, tmp_path: Path) -> None:
+    """What bench/disco_phones.py does at scale: a process the phone's adb shell starts (so in the
+    phone's namespace) streams a completion from the server's trace endpoint at its data address."""
+    server, pixel = lab.node("server"), lab.node("pixel")
+    assert server.data is not None and pixel.data is not None
+    log, served = tmp_path / "endpoint.log", tmp_path / "served.jsonl"
+    start = (f"cd {REPO} && PYTHONPATH={REPO} nohup python -m nodes.endpoints --model {TINY} --pace trace "
+             f"--service gpt --host {server.data.address} --port 18401 --log {served} > {log} 2>&1 < /dev/null "
+             "& echo $!")  # fmt: skip
+    with open_transport(lab, server) as t:
+        pid = int(t.run_script(start, timeout_s=60.0).check().stdout.strip())
+    try:
+        deadline = time.monotonic() + 60
+        while "serving" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        app = ("import json, queue; from nodes.endpoints.client import CompletionStream; q = queue.Queue(); "
+               f"s = CompletionStream('app', 'http://{server.data.address}:18401/v1', [5, 6, 7], 3, q, seed=11); "
+               "s.start().join(60); print(json.dumps([e[1] for e in list(q.queue)]))")  # fmt: skip
+        with open_transport(lab, lab.node("hub")) as hub:
+            out = hub.run(["adb", "-s", "EMU7PRO0001", "shell", f"cd {REPO} && PYTHONPATH={REPO} python -c "
+                           + shlex.quote(app)], timeout_s=90.0)  # fmt: skip
+        assert out.exit_code == 0, out.stdout + out.stderr
+        kinds = json.loads(out.stdout.strip().splitlines()[-1])
+        assert kinds[-1] == "done" and "tokens" in kinds
+        row = json.loads(served.read_text().splitlines()[-1])
+        assert row["client"] == pixel.data.address  # it came from the phone, over the data plane
+        assert row["seed"] == 11 and row["completion_tokens"] == 3
+    finally:
+        with open_transport(lab, server) as t:
+            t.run(["kill", str(pid)], timeout_s=30.0)

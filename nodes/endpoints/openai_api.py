@@ -152,7 +152,8 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, "seed must be a non-negative integer", "seed")
         pace = endpoint.pace.seeded(seed) if seed is not None else endpoint.pace
         endpoint.begin()
-        row: Dict[str, Any] = {"id": ident, "route": "chat" if chat else "completions", "stream": stream,
+        row: Dict[str, Any] = {"id": ident, "client": self.client_address[0],  # which node asked
+                               "route": "chat" if chat else "completions", "stream": stream,
                                "prompt_tokens": len(prompt_ids), "max_tokens": max_tokens, "taken_s": round(taken, 6),
                                "pace": endpoint.pace.label, "modeled": endpoint.pace.modeled, "seed": seed,
                                "overrun_tokens": 0}  # fmt: skip
