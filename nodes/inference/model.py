@@ -11,7 +11,7 @@ per sequence against that sequence's own ``KVCache`` (sequences of different len
 chunks and decode steps mixed in one batch).
 """
 
-from typing import Dict, Iterable, List, NamedTuple, Sequence, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -61,20 +61,23 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-        """q [..., heads, n, d] against k/v [..., kv_heads, start + n, d]; query i sits at start + i."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                query_positions: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+        """q [..., heads, n, d] against k/v [..., kv_heads, total, d]; query i sits at start + i, or at
+        ``query_positions[i]`` (queries scattered among the keys: LLMS's interleaved recompute)."""
         groups = self.heads // self.kv_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=-3)
             v = v.repeat_interleave(groups, dim=-3)
         n, total = q.shape[-2], k.shape[-2]
-        if n == 1:
-            return F.scaled_dot_product_attention(q, k, v)
-        if start == 0 and total == n:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        query_pos = torch.arange(start, start + n, device=q.device)[:, None]
+        if query_positions is None:
+            if n == 1:
+                return F.scaled_dot_product_attention(q, k, v)
+            if start == 0 and total == n:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            query_positions = torch.arange(start, start + n, device=q.device)
         key_pos = torch.arange(total, device=q.device)[None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_pos <= query_pos)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_pos <= query_positions[:, None])
 
     def forward(
         self, x: torch.Tensor, segments: Sequence[Segment], rotations: Sequence[Tuple[torch.Tensor, torch.Tensor]]
@@ -91,6 +94,9 @@ class Attention(nn.Module):
             seg_k = apply_rotary(k[offset : offset + n].transpose(0, 1), cos, sin)
             seg_v = v[offset : offset + n].transpose(0, 1)
             all_k, all_v = segment.cache.append(self.layer, seg_k, seg_v)
+            observe = getattr(segment.cache, "observe_attention", None)  # LLMS's density (Eq. 1), when asked
+            if observe is not None:
+                observe(self.layer, seg_q, all_k, segment.cache.length)
             out = self._attend(seg_q, all_k, all_v, segment.cache.length)
             outputs.append(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
             offset += n

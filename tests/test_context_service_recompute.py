@@ -1,0 +1,128 @@
+"""LLMS on the tiny model: Eq. 1's density accumulated during forward passes, and the exact recompute
+of interleaved missing chunks (fp32, no compression: equal keys and values, the same greedy output)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from nodes.context_service.density import DensityTracker, reference_density
+from nodes.context_service.recompute import recompute_positions
+from nodes.inference.checkpoint import load_whole
+from nodes.inference.model import Segment
+from nodes.inference.rope import apply_rotary
+
+TINY = Path(__file__).resolve().parent.parent / "examples" / "models" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return load_whole(str(TINY), dtype="float32")
+
+
+def _ids(n: int, seed: int = 3) -> list[int]:
+    return torch.randint(2, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _prefill(model, ids: list[int], pieces: list[int], tracker: DensityTracker | None = None):
+    cache = model.new_cache(len(ids) + 16)
+    if tracker is not None:
+        cache.observe_attention = lambda layer, q, k, start: tracker.observe(q, k, start)
+    done = 0
+    hidden = None
+    with torch.inference_mode():
+        for size in pieces:
+            hidden = model.run_layers(model.embed(torch.tensor(ids[done : done + size])), [Segment(cache, size)])
+            done += size
+    return cache, hidden
+
+
+def test_the_paper_example_of_a_tokens_density() -> None:
+    a = torch.tensor([[1.0, 0, 0, 0], [0.7, 0.3, 0, 0], [0.2, 0.5, 0.3, 0], [0.4, 0.1, 0.2, 0.3]])  # Fig. 6a-like
+    assert float(reference_density([a[None]])[1]) == pytest.approx((0.3 + 0.5 + 0.1) / 3)
+
+
+def test_density_accumulated_in_pieces_equals_eq1_over_the_whole_attention(model) -> None:
+    ids = _ids(40)
+    whole, pieces = DensityTracker(), DensityTracker()
+    _prefill(model, ids, [40], whole)
+    _prefill(model, ids, [25, 7, 1, 1, 6], pieces)  # prefill in parts and decoding steps
+    assert torch.allclose(whole.token_density(40), pieces.token_density(40), atol=1e-6)
+    # Eq. 1 from explicitly built attention matrices (a row's softmax over the keys at or before it)
+    matrices = []
+    cache = model.new_cache(48)
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    cache.observe_attention = lambda layer, q, k, start: captured.__setitem__(layer, (q.clone(), k.clone()))
+    with torch.inference_mode():
+        model.run_layers(model.embed(torch.tensor(ids)), [Segment(cache, 40)])
+    for layer in model.layer_ids:
+        q, k = captured[layer]
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        matrix = torch.zeros(q.shape[0], 40, 40, dtype=torch.float64)
+        for row in range(40):
+            scores = (q[:, row : row + 1].double() @ k[:, : row + 1].double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            matrix[:, row, : row + 1] = torch.softmax(scores[:, 0], dim=-1)
+        matrices.append(matrix)
+    assert torch.allclose(whole.token_density(40), reference_density(matrices), atol=1e-6)
+    chunks = whole.chunk_density(40, 16)
+    assert len(chunks) == 3 and chunks[0] == pytest.approx(float(whole.token_density(40)[:16].mean()))
+
+
+def _layer_copies(model, cache, length: int):
+    keys, values = {}, {}
+    for layer in model.layer_ids:
+        k, v = cache.view(layer, length)
+        keys[layer], values[layer] = k.clone(), v.clone()
+    return keys, values
+
+
+def _greedy_from(model, keys, values, length: int, last_hidden: torch.Tensor, steps: int) -> list[int]:
+    cache = model.new_cache(length + steps + 1)
+    for layer in model.layer_ids:
+        cache.append(layer, keys[layer], values[layer])
+    cache.advance(length)
+    out = [int(torch.argmax(model.logits(last_hidden)))]
+    with torch.inference_mode():
+        for _ in range(steps - 1):
+            hidden = model.run_layers(model.embed(torch.tensor([out[-1]])), [Segment(cache, 1)])
+            out.append(int(torch.argmax(model.logits(hidden[-1]))))
+    return out
+
+
+def test_interleaved_missing_chunks_are_recomputed_exactly(model) -> None:
+    ids = _ids(70, seed=5)
+    cache, hidden = _prefill(model, ids, [70])
+    keys, values = _layer_copies(model, cache, 70)
+    original = ({k: t.clone() for k, t in keys.items()}, {k: t.clone() for k, t in values.items()})
+    missing = [*range(16, 32), *range(48, 64)]  # chunks 1 and 3 of 16 tokens: interleaved with resident ones
+    for layer in model.layer_ids:
+        keys[layer][:, missing] = 0
+        values[layer][:, missing] = 0
+    done: list[int] = []
+    recompute_positions(model, ids, keys, values, missing, after_layer=done.append)
+    assert done == list(model.layer_ids)
+    for layer in model.layer_ids:
+        assert torch.allclose(keys[layer], original[0][layer], atol=1e-5)
+        assert torch.allclose(values[layer], original[1][layer], atol=1e-5)
+    assert _greedy_from(model, keys, values, 70, hidden[-1], 8) == _greedy_from(model, *original, 70, hidden[-1], 8)
+
+
+def test_a_missing_chunk_at_the_end_and_the_rope_at_global_positions(model) -> None:
+    ids = _ids(40, seed=9)
+    cache, _ = _prefill(model, ids, [40])
+    keys, values = _layer_copies(model, cache, 40)
+    first = model.layer_ids[0]
+    expected = keys[first][:, 32:40].clone()
+    keys[first][:, 32:40] = 0
+    recompute_positions(model, ids, keys, values, list(range(32, 40)))
+    assert torch.allclose(keys[first][:, 32:40], expected, atol=1e-5)
+    # the same tokens at positions 0.. give other keys: the position is what RoPE rotates by
+    attn = model.layers[str(first)].self_attn
+    x = model.layers[str(first)].input_layernorm(model.embed(torch.tensor(ids[32:40])))
+    cos, sin = model.rotary.cos_sin(torch.arange(8), model.dtype, 8)
+    at_zero = apply_rotary(attn.k_proj(x).view(8, attn.kv_heads, attn.head_dim).transpose(0, 1), cos, sin)
+    assert not torch.allclose(at_zero, expected, atol=1e-3)
