@@ -113,3 +113,32 @@ def test_the_codec_counts_its_bytes_and_loses_more_at_fewer_bits() -> None:
     assert chunk_nbytes(4, 16, 32, 4) * 2 - chunk_nbytes(4, 16, 32, 8) == 4 * 32 * 4  # half, but metadata stays
     lower = requantize(quantize(x, 8), 4)
     assert lower.bits == 4 and requantize(lower, 8) is lower  # levels only move down
+
+
+def test_the_chunk_store_round_trip_is_bit_exact_and_paced_to_the_device_disk(tmp_path) -> None:
+    from nodes.context_service.chunk_store import ChunkStore, DiskProfile
+
+    generator = torch.Generator().manual_seed(1)
+    layers = {layer: (quantize(torch.randn(4, 16, 32, generator=generator), bits),
+                      quantize(torch.randn(4, 16, 32, generator=generator), bits))
+              for layer, bits in ((0, 4), (1, 4), (2, 4))}  # fmt: skip
+    slept: list[float] = []
+    disk = DiskProfile(read_mbps=100.0, write_mbps=50.0, io_latency_ms=2.0)
+    store = ChunkStore(str(tmp_path / "chunks"), disk, sleep=slept.append)
+    written = store.write("ctx", 3, layers)
+    assert written == 4 + len(b'{"format": 1, "bits": 4, "shape": [4, 16, 32], "layers": [0, 1, 2]}') + 3 * 2 * (
+        chunk_nbytes(4, 16, 32, 4))
+    back = store.read_layers("ctx", 3)
+    for layer, (k, v) in layers.items():
+        for original, read in ((k, back[layer][0]), (v, back[layer][1])):
+            assert torch.equal(original.packed, read.packed) and torch.equal(original.scale, read.scale)
+            assert torch.equal(original.low, read.low) and read.bits == 4
+    one = store.read_layers("ctx", 3, [2])  # one layer: one I/O at its offset
+    assert list(one) == [2] and torch.equal(one[2][1].packed, layers[2][1].packed)
+    # every I/O takes the disk's time: latency + bytes / bandwidth (the rest slept)
+    assert store.stats.writes == 1 and store.stats.reads == 4
+    assert store.stats.write_s == pytest.approx(disk.write_s(written), rel=1e-6)
+    assert store.stats.read_s == pytest.approx(4 * disk.read_s(2 * chunk_nbytes(4, 16, 32, 4)), rel=1e-6)
+    assert len(slept) == 5 and store.modeled and store.chunks_of("ctx") == [3]
+    store.delete("ctx", 3)
+    assert store.chunks_of("ctx") == []
