@@ -14,15 +14,17 @@ import torch
 from nodes.inference.model import ModelPart
 from nodes.inference.rope import apply_rotary
 
-LayerDone = Callable[[int], None]
+LayerHook = Callable[[int], None]
 
 
 def recompute_positions(model: ModelPart, token_ids: Sequence[int], keys: Dict[int, torch.Tensor],
                         values: Dict[int, torch.Tensor], positions: Sequence[int],
-                        after_layer: Optional[LayerDone] = None) -> None:  # fmt: skip
+                        after_layer: Optional[LayerHook] = None,
+                        before_layer: Optional[LayerHook] = None) -> None:  # fmt: skip
     """Fill ``keys[l][:, p]`` and ``values[l][:, p]`` ([kv_heads, length, head_dim] per layer) for every
-    p in ``positions`` from ``token_ids`` (the context's text as ids). ``after_layer(l)`` is called
-    when layer l is done (the pipeline reads layer l + 1's chunks from disk meanwhile)."""
+    p in ``positions`` from ``token_ids`` (the context's text as ids). ``before_layer(l)`` is called
+    before layer l reads the other positions' keys and values (the pipeline waits there for that
+    layer's chunks from disk); ``after_layer(l)`` when layer l is done."""
     if not positions:
         return
     device, dtype = model.device, model.dtype
@@ -32,6 +34,8 @@ def recompute_positions(model: ModelPart, token_ids: Sequence[int], keys: Dict[i
     cos, sin = model.rotary.cos_sin(where, dtype, length)
     with torch.inference_mode():
         for index in model.layer_ids:
+            if before_layer is not None:
+                before_layer(index)
             layer = model.layers[str(index)]
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
