@@ -52,7 +52,7 @@ class ContextLimit(ValueError):
 class Chunk(object):
     __slots__ = ("bits", "index", "on_disk", "resident", "tokens")
 
-    def __init__(self, index: int, tokens: int, bits: int, resident: Dict[int, LayerKV]) -> None:
+    def __init__(self, index: int, tokens: int, bits: int, resident: Optional[Dict[int, LayerKV]]) -> None:
         self.index, self.tokens, self.bits = index, tokens, bits
         self.resident: Optional[Dict[int, LayerKV]] = resident
         self.on_disk = False  # the store holds this chunk as it is now

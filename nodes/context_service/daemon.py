@@ -1,0 +1,164 @@
+"""The LLM service daemon: ``python -m nodes.context_service --model DIR --socket PATH --state-dir DIR``.
+
+It owns the model and the context memory and answers apps on a Unix socket (``protocol.py``), one
+thread per connection, one call at a time. Its chunks go to ``STATE_DIR/chunks`` (paced to
+``--disk`` on an emulated device), its contexts to ``STATE_DIR/contexts``. It writes its pid and, once
+it accepts, one JSON line on stdout; SIGTERM stops it after the call in flight.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socketserver
+import sys
+import threading
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from nodes.inference.checkpoint import load_whole
+from nodes.inference.tokenizer import Tokenizer
+
+from .chunk_store import ChunkStore, DiskProfile
+from .context_memory import ContextLimit, ContextMemory, MemorySettings
+from .load_plan import LinearCost
+from .protocol import MAX_REQUEST_BYTES, encode, error
+from .service import ALIASES, CallResult, Limits, LlmService, ServiceError
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: "_Server"
+
+    def handle(self) -> None:
+        line = self.rfile.readline(MAX_REQUEST_BYTES)
+        try:
+            request = json.loads(line.decode() or "null")
+            if not isinstance(request, dict):
+                raise ValueError("a request is a JSON object")
+        except ValueError as exc:
+            self._send(error("bad_request", "not a JSON request line: %s" % exc))
+            return
+        op = ALIASES.get(request.get("op"), request.get("op"))
+        service = self.server.service
+        try:
+            if op == "new":
+                self._send({"ok": True, "ctx": service.new_context(request.get("app"), request.get("system_prompt"))})
+            elif op == "call":
+                self._call(service, request)
+            elif op == "delete":
+                service.delete(request.get("ctx"))
+                self._send({"ok": True})
+            elif op == "list":
+                self._send({"ok": True, "contexts": service.contexts()})
+            elif op == "stats":
+                memory = service.memory
+                self._send({"ok": True, "resident_bytes": memory.resident_bytes, "budget_bytes":
+                            memory.settings.budget_bytes, "faults": memory.faults, "aot_bytes_written":
+                            memory.aot_bytes_written, "store": memory.store.stats.as_dict(),
+                            "store_modeled": memory.store.modeled})  # fmt: skip
+            else:
+                self._send(error("bad_request", "unknown op %r: new, call, delete, list or stats" % (op,), "op"))
+        except ServiceError as exc:
+            self._send(error(exc.code, exc.message, exc.field))
+        except ContextLimit as exc:
+            self._send(error("memory", str(exc), "ctx"))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client left; a call in flight was rolled back
+
+    def _call(self, service: LlmService, request: Dict[str, Any]) -> None:
+        max_tokens = request.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ServiceError("bad_request", "max_tokens must be a non-negative integer", "max_tokens")
+        results: List[CallResult] = []
+        stream = service.call(request.get("ctx"), request.get("prompt") or "", max_tokens,
+                              request.get("teacher_forced"), results)  # fmt: skip
+        out: List[int] = []
+        try:
+            for token in stream:
+                text = service.tokenizer.decode(out[-4:] + [token])[len(service.tokenizer.decode(out[-4:])):]
+                out.append(token)
+                if not request.get("teacher_forced"):
+                    self._send({"token_id": token, "text": text})
+        finally:
+            stream.close()  # a client gone mid-stream: the call rolls back
+        result = results[0]
+        self._send({"ok": True, "done": True, "output_ids": result.output_ids, "prompt_tokens": result.prompt_tokens,
+                    "context_tokens": result.context_tokens, "prefill_s": result.prefill_s,
+                    "decode_s": result.decode_s, "switch": result.switch._asdict()})  # fmt: skip
+
+    def _send(self, message: Dict[str, Any]) -> None:
+        self.wfile.write(encode(message))
+        self.wfile.flush()
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, service: LlmService) -> None:
+        self.service = service
+        super().__init__(path, _Handler)
+
+
+def _costs(text: Optional[str], default: LinearCost) -> LinearCost:
+    if not text:
+        return default
+    per_unit, fixed = (float(v) for v in text.split(","))
+    return LinearCost(per_unit, fixed)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nodes.context_service", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--model", required=True, help="checkpoint directory (config.json, weights, tokenizer.json)")
+    parser.add_argument("--socket", required=True, help="the Unix socket apps connect to")
+    parser.add_argument("--state-dir", required=True, help="where contexts and chunks persist")
+    parser.add_argument("--budget-mib", type=float, default=16.0, help="memory for contexts' chunks (MiB)")
+    parser.add_argument("--chunk-tokens", type=int, default=16)
+    parser.add_argument("--ratio", type=float, default=0.5, help="global compression ratio over INT8 (1: none)")
+    parser.add_argument("--disk", help="read_mbps,write_mbps,io_latency_ms: pace the chunk store (emulated)")
+    parser.add_argument("--recompute-cost", help="seconds a chunk,fixed seconds (T_re; default: measured)")
+    parser.add_argument("--read-cost", help="seconds a byte,fixed seconds (T_IO; default: from --disk)")
+    parser.add_argument("--no-compression", action="store_true")
+    parser.add_argument("--no-pipeline", action="store_true", help="read every missing chunk, recompute none")
+    parser.add_argument("--no-aot", action="store_true", help="write chunks at reclaim, not when a call returns")
+    parser.add_argument("--eviction", choices=("lctru", "lru"), default="lctru")
+    parser.add_argument("--contexts-per-app", type=int, default=4)
+    parser.add_argument("--context-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    disk = DiskProfile(*(float(v) for v in args.disk.split(","))) if args.disk else None
+    read_default = (LinearCost(1.0 / (disk.read_mbps * 1e6), disk.io_latency_ms / 1e3) if disk
+                    else LinearCost(1e-9, 1e-4))  # fmt: skip
+    settings = MemorySettings(int(args.budget_mib * (1 << 20)), _costs(args.recompute_cost, LinearCost(1e-3, 1e-3)),
+                              _costs(args.read_cost, read_default), args.chunk_tokens, args.ratio,
+                              not args.no_compression, not args.no_pipeline, not args.no_aot,
+                              args.eviction)  # fmt: skip
+    model = load_whole(args.model, dtype="float32")
+    store = ChunkStore(os.path.join(args.state_dir, "chunks"), disk)
+    service = LlmService(ContextMemory(model, store, settings), Tokenizer(args.model),
+                         os.path.join(args.state_dir, "contexts"),
+                         Limits(args.contexts_per_app, args.context_tokens))  # fmt: skip
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.socket)  # a socket left by a killed daemon
+    server = _Server(args.socket, service)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    print(json.dumps({"serving": args.socket, "pid": os.getpid(), "contexts": len(service.memory.contexts),
+                      "store_modeled": store.modeled}), flush=True)  # fmt: skip
+    stop.wait()
+    server.shutdown()
+    with service._turn:  # the call in flight ends first
+        server.server_close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.socket)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
