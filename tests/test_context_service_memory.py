@@ -99,3 +99,35 @@ def test_compression_holds_the_global_ratio_and_a_context_larger_than_the_budget
     with pytest.raises(ContextLimit, match="budget"):
         _call(tiny, "big", list(range(2, 80)), 4)
         _call(tiny, "big", list(range(2, 80)), 4)
+
+
+def test_the_baselines_are_settings_of_the_same_memory(model, tmp_path) -> None:
+    from nodes.context_service.context_memory import BASELINES, baseline_settings
+
+    runs = {}
+    for name in ("lmk", "swapping", "vllm-s", "vllm-sq"):
+        memory = ContextMemory(model, ChunkStore(str(tmp_path / name)), baseline_settings(name, 600_000, RECOMPUTE, READ))
+        for i in range(3):
+            memory.new_context(f"app{i}")
+        records, held = [], []
+        for ident, prompt in _trace():
+            held.append(len(memory.contexts[ident].chunks))  # the context's chunks before the call
+            records.append(_call(memory, ident, prompt, 6)[0])
+        runs[name] = (memory, records, held)
+        assert memory.faults == 0 and all(r.bytes_written == 0 or name in ("swapping", "vllm-s", "vllm-sq")
+                                          for r in records)  # fmt: skip
+    lmk, lmk_records, _ = runs["lmk"]
+    assert lmk.store.stats.writes == 0 and lmk.store.stats.reads == 0  # killed contexts are recomputed, not read
+    assert any(r.missing_chunks for r in lmk_records)
+    assert all(r.recomputed_chunks == r.missing_chunks for r in lmk_records)
+    _, swapping_records, held = runs["swapping"]
+    for record, chunks in zip(swapping_records, held, strict=True):  # a whole context goes and comes back
+        assert record.missing_chunks in (0, chunks) and record.recomputed_chunks == 0
+    assert any(record.missing_chunks for record in swapping_records)
+    vllm_s, vllm_sq = runs["vllm-s"][0], runs["vllm-sq"][0]
+    assert {c.bits for ctx in vllm_s.contexts.values() for c in ctx.chunks} == {16}
+    assert {c.bits for ctx in vllm_sq.contexts.values() for c in ctx.chunks} == {8}
+    assert vllm_s.store.stats.bytes_read > vllm_sq.store.stats.bytes_read  # float16 moves twice the bytes
+    assert len(BASELINES) == 8
+    with pytest.raises(ValueError, match="one of llms"):
+        baseline_settings("zram", 1, RECOMPUTE, READ)

@@ -123,7 +123,7 @@ def test_the_chunk_store_round_trip_is_bit_exact_and_paced_to_the_device_disk(tm
                       quantize(torch.randn(4, 16, 32, generator=generator), bits))
               for layer, bits in ((0, 4), (1, 4), (2, 4))}  # fmt: skip
     slept: list[float] = []
-    disk = DiskProfile(read_mbps=100.0, write_mbps=50.0, io_latency_ms=2.0)
+    disk = DiskProfile(read_mbps=0.1, write_mbps=0.05, io_latency_ms=500.0)  # slower than any real I/O here
     store = ChunkStore(str(tmp_path / "chunks"), disk, sleep=slept.append)
     written = store.write("ctx", 3, layers)
     assert written == 4 + len(b'{"format": 1, "bits": 4, "shape": [4, 16, 32], "layers": [0, 1, 2]}') + 3 * 2 * (

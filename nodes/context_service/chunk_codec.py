@@ -13,6 +13,7 @@ from typing import NamedTuple, Tuple
 import torch
 
 LEVELS = (8, 4, 2)
+FP16 = 16  # no quantisation: float16 as it is (vLLM's default cache, the VLLM-S baseline)
 METADATA_BYTES_PER_CHANNEL = 4  # float16 scale and float16 low
 
 
@@ -30,13 +31,16 @@ class QuantizedChunk(NamedTuple):
 
 
 def packed_bytes(elements: int, bits: int) -> int:
+    if bits == FP16:
+        return 2 * elements
     per_byte = 8 // bits
     return (elements + per_byte - 1) // per_byte
 
 
 def chunk_nbytes(heads: int, tokens: int, head_dim: int, bits: int) -> int:
     """What ``quantize`` of such a tensor holds (the accounting without the tensor)."""
-    return packed_bytes(heads * tokens * head_dim, bits) + heads * head_dim * METADATA_BYTES_PER_CHANNEL
+    metadata = 0 if bits == FP16 else heads * head_dim * METADATA_BYTES_PER_CHANNEL
+    return packed_bytes(heads * tokens * head_dim, bits) + metadata
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -64,10 +68,15 @@ def _unpack(packed: torch.Tensor, bits: int, elements: int) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, bits: int) -> QuantizedChunk:
-    """``x`` (heads, tokens, head_dim) at ``bits`` (8, 4 or 2) per element, per-channel range."""
-    if bits not in LEVELS:
-        raise ValueError("bits %d: one of %s" % (bits, LEVELS))
+    """``x`` (heads, tokens, head_dim) at ``bits`` (8, 4 or 2) per element, per-channel range; 16:
+    float16 as it is, no metadata."""
     heads, tokens, dim = x.shape
+    if bits == FP16:
+        empty = torch.zeros(0, dtype=torch.float16)
+        raw = x.detach().to(torch.float16).contiguous().reshape(-1).view(torch.uint8).clone()
+        return QuantizedChunk(raw, empty, empty, FP16, (heads, tokens, dim))
+    if bits not in LEVELS:
+        raise ValueError("bits %d: one of %s or %d" % (bits, LEVELS, FP16))
     values = x.detach().float().transpose(0, 1).reshape(tokens, heads * dim)  # rows: tokens, cols: channels
     low = values.min(dim=0).values
     high = values.max(dim=0).values
@@ -81,6 +90,8 @@ def quantize(x: torch.Tensor, bits: int) -> QuantizedChunk:
 
 def dequantize(q: QuantizedChunk, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     heads, tokens, dim = q.shape
+    if q.bits == FP16:
+        return q.packed.view(torch.float16).reshape(heads, tokens, dim).to(dtype)
     codes = _unpack(q.packed, q.bits, heads * tokens * dim).float().reshape(tokens, heads * dim)
     values = codes * q.scale.float() + q.low.float()
     return values.reshape(tokens, heads, dim).transpose(0, 1).contiguous().to(dtype)

@@ -20,7 +20,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .chunk_codec import METADATA_BYTES_PER_CHANNEL, QuantizedChunk, packed_bytes
+from .chunk_codec import FP16, QuantizedChunk, chunk_nbytes, packed_bytes
 
 FORMAT = 1
 LayerKV = Tuple[QuantizedChunk, QuantizedChunk]  # keys, values of one layer
@@ -61,10 +61,14 @@ class StoreStats(object):
                                               "overruns")}  # fmt: skip
 
 
+def _tensor(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor owning a copy of ``data`` (an empty one for no bytes: frombuffer refuses those)."""
+    return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.zeros(0, dtype=dtype)
+
+
 def _layer_block_bytes(bits: int, shape: Sequence[int]) -> int:
     heads, tokens, dim = shape
-    one = packed_bytes(heads * tokens * dim, bits) + heads * dim * METADATA_BYTES_PER_CHANNEL
-    return 2 * one
+    return 2 * chunk_nbytes(heads, tokens, dim, bits)
 
 
 class ChunkStore(object):
@@ -140,15 +144,15 @@ class ChunkStore(object):
     def _decode(raw: bytes, bits: int, shape: Tuple[int, int, int]) -> LayerKV:
         heads, tokens, dim = shape
         packed = packed_bytes(heads * tokens * dim, bits)
-        channels = heads * dim
+        channels = 0 if bits == FP16 else heads * dim
         pair = []
         offset = 0
         for _ in range(2):
-            codes = torch.frombuffer(bytearray(raw[offset : offset + packed]), dtype=torch.uint8)
+            codes = _tensor(raw[offset : offset + packed], torch.uint8)
             offset += packed
-            scale = torch.frombuffer(bytearray(raw[offset : offset + 2 * channels]), dtype=torch.float16)
+            scale = _tensor(raw[offset : offset + 2 * channels], torch.float16)
             offset += 2 * channels
-            low = torch.frombuffer(bytearray(raw[offset : offset + 2 * channels]), dtype=torch.float16)
+            low = _tensor(raw[offset : offset + 2 * channels], torch.float16)
             offset += 2 * channels
             pair.append(QuantizedChunk(codes, scale, low, bits, shape))
         return pair[0], pair[1]

@@ -43,6 +43,37 @@ class MemorySettings(NamedTuple):
     pipeline: bool = True  # recompute beside the reads; off: read every missing chunk
     ahead_of_time: bool = True  # write modified chunks when a call returns; off: at reclaim
     eviction: str = "lctru"  # or "lru": least recent first, whatever the level
+    storage_bits: int = 8  # a new chunk's level: INT8 (the LLM's own cache), or 16 (float16: VLLM-S)
+    unit: str = "chunk"  # what a reclaim takes: chunks, or a whole context (Swapping, LMK)
+    keep_on_reclaim: bool = True  # False: a reclaimed chunk is dropped, not swapped (LMK kills it)
+
+
+def baseline_settings(name: str, budget_bytes: int, recompute_cost: LinearCost, read_cost: LinearCost,
+                      chunk_tokens: int = 16) -> MemorySettings:  # fmt: skip
+    """LLMS and its baselines and ablations (LLMS Sec. 4-5) as settings of one context memory:
+    ``llms``; ``lmk`` (Android's low-memory killer: a reclaimed context is gone, recomputed in full);
+    ``swapping`` (whole contexts swapped out at reclaim and read back); ``vllm-s`` (16-token blocks in
+    float16, LRU, swapped on demand); ``vllm-sq`` (the same at INT8); ``llms-no-lifecycle`` (LRU and no
+    ahead-of-time swapping), ``llms-no-compression``, ``llms-no-pipeline`` (every missing chunk read)."""
+    base = MemorySettings(budget_bytes, recompute_cost, read_cost, chunk_tokens)
+    plain = dict(compression=False, pipeline=False, ahead_of_time=False, eviction="lru")
+    table = {
+        "llms": {},
+        "lmk": dict(plain, unit="context", keep_on_reclaim=False),
+        "swapping": dict(plain, unit="context"),
+        "vllm-s": dict(plain, storage_bits=16),
+        "vllm-sq": dict(plain),
+        "llms-no-lifecycle": dict(ahead_of_time=False, eviction="lru"),
+        "llms-no-compression": dict(compression=False),
+        "llms-no-pipeline": dict(pipeline=False),
+    }
+    if name not in table:
+        raise ValueError("memory method %r: one of %s" % (name, ", ".join(table)))
+    return base._replace(**table[name])
+
+
+BASELINES = ("llms", "lmk", "swapping", "vllm-s", "vllm-sq", "llms-no-lifecycle", "llms-no-compression",
+             "llms-no-pipeline")
 
 
 class ContextLimit(ValueError):
@@ -108,7 +139,7 @@ class ContextMemory(object):
         return {(ctx.ident, c.index): c.nbytes for ctx in self.contexts.values() for c in ctx.chunks if c.resident}
 
     def _bits(self) -> Dict:
-        level = (lambda c: c.bits) if self.settings.eviction == "lctru" else (lambda c: 8)
+        level = (lambda c: c.bits) if self.settings.eviction == "lctru" else (lambda c: 8)  # lru: one level
         return {(ctx.ident, c.index): level(c) for ctx in self.contexts.values() for c in ctx.chunks if c.resident}
 
     def _chunk_bytes_at(self, context: Context, chunk: Chunk) -> int:
@@ -144,11 +175,19 @@ class ContextMemory(object):
             missing = [c for c in context.chunks if c.resident is None]
             needed = sum(self._chunk_bytes_at(context, c) for c in missing)
             reclaimed, written = self._reclaim(needed)
-            plan = plan_load([context.disk_bytes.get(c.index, 0) for c in missing], self.settings.recompute_cost,
+            stored = [c for c in missing if c.on_disk]
+            lost = [c for c in missing if not c.on_disk]  # dropped (LMK): only the text brings them back
+            if lost and self.settings.keep_on_reclaim:
+                self.faults += len(lost)  # a swapped chunk with no copy on disk: a fault, recomputed
+            plan = plan_load([context.disk_bytes.get(c.index, 0) for c in stored], self.settings.recompute_cost,
                              self.settings.read_cost, allow_recompute=self.settings.pipeline)  # fmt: skip
-            faults = self._load(context, [missing[i] for i in plan.read], [missing[i] for i in plan.recompute])
-        return SwitchRecord(ident, time.monotonic() - started, len(missing), len(plan.read) - faults,
-                            len(plan.recompute) + faults, plan.bytes_read, reclaimed, written, plan.delay_s,
+            read = [stored[i] for i in plan.read]
+            recompute = [stored[i] for i in plan.recompute] + lost
+            read_faults = self._load(context, read, recompute)
+            planned_s = max(self.settings.recompute_cost.seconds(len(recompute)), plan.read_s)
+        faults = read_faults + (len(lost) if self.settings.keep_on_reclaim else 0)
+        return SwitchRecord(ident, time.monotonic() - started, len(missing), len(read) - read_faults,
+                            len(recompute) + read_faults, plan.bytes_read, reclaimed, written, planned_s,
                             faults)  # fmt: skip
 
     def _reclaim(self, needed: int) -> tuple:
@@ -156,11 +195,15 @@ class ContextMemory(object):
         if needed <= free:
             return 0, 0
         victims = self.queue.victims(needed - free, locked=self.locked)
+        if self.settings.unit == "context":  # the whole context of every chunk chosen goes
+            whole = [ident for ident in dict.fromkeys(ident for ident, _ in victims)]
+            victims = [(ident, c.index) for ident in whole for c in self.contexts[ident].chunks
+                       if c.resident is not None]  # fmt: skip
         written = 0
         for ident, index in victims:
             context = self.contexts[ident]
             chunk = context.chunks[index]
-            if not chunk.on_disk:  # no ahead-of-time copy: the reclaim writes it now
+            if self.settings.keep_on_reclaim and not chunk.on_disk:  # no ahead-of-time copy: written now
                 written += self._write(context, chunk)
             chunk.resident = None
             self.queue.remove((ident, index))
@@ -283,8 +326,9 @@ class ContextMemory(object):
                 resident = {}
                 for layer in self.model.layer_ids:
                     k, v = cache.view(layer, end)
-                    resident[layer] = (quantize(k[:, start:end], 8), quantize(v[:, start:end], 8))
-                context.chunks.append(Chunk(index, end - start, 8, resident))
+                    bits = self.settings.storage_bits
+                    resident[layer] = (quantize(k[:, start:end], bits), quantize(v[:, start:end], bits))
+                context.chunks.append(Chunk(index, end - start, self.settings.storage_bits, resident))
             self._plan_levels(context)
             self.queue.remove_context(ident)
             self.queue.touch([(ident, c.index) for c in context.chunks], self._bits(), self._sizes())
