@@ -126,3 +126,24 @@ def test_a_missing_chunk_at_the_end_and_the_rope_at_global_positions(model) -> N
     cos, sin = model.rotary.cos_sin(torch.arange(8), model.dtype, 8)
     at_zero = apply_rotary(attn.k_proj(x).view(8, attn.kv_heads, attn.head_dim).transpose(0, 1), cos, sin)
     assert not torch.allclose(at_zero, expected, atol=1e-3)
+
+
+def test_the_install_profile_fits_recompute_and_gives_back_the_modeled_disk(model, tmp_path) -> None:
+    from nodes.context_service.chunk_codec import chunk_nbytes
+    from nodes.context_service.chunk_store import ChunkStore, DiskProfile
+    from nodes.context_service.install_profile import install_profile
+
+    disk = DiskProfile(read_mbps=40.0, write_mbps=40.0, io_latency_ms=5.0)  # well above the real work of a read
+    store = ChunkStore(str(tmp_path / "chunks"), disk)
+    profile = install_profile(model, store, 16)
+    layers = len(model.layer_ids)
+    block = 2 * chunk_nbytes(model.config.num_key_value_heads, 16, model.config.head_dim, 8)  # one layer's read
+    one_chunk = profile["read_points"][0][0]
+    for nbytes, seconds in profile["read_points"]:
+        reads = nbytes // one_chunk * layers  # a Load reads a chunk one layer at a time
+        assert seconds == pytest.approx(reads * disk.read_s(block), rel=0.1)  # the disk's profile, given back
+        assert profile["read"].seconds(nbytes) == pytest.approx(seconds, rel=0.1)
+    recompute = profile["recompute"]  # this machine's compute: its speed is not asserted here (bench/)
+    assert [count for count, _ in profile["recompute_points"]] == [1, 2, 4, 8]
+    assert recompute.per_unit_s >= 0 and recompute.fixed_s >= 0 and recompute.seconds(1) > 0
+    assert store.chunks_of("probe") == []  # the probe's chunks are gone

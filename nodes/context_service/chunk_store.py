@@ -124,6 +124,7 @@ class ChunkStore(object):
     def read_layers(self, context: str, chunk: int, layers: Optional[Sequence[int]] = None) -> Dict[int, LayerKV]:
         """Read the chunk's ``layers`` (all by default), each one I/O at its offset in the file."""
         path = self.path(context, chunk)
+        started = time.monotonic()  # each I/O's modeled time covers all its work (the header's too)
         fd = os.open(path, os.O_RDONLY)
         try:
             size = struct.unpack("<I", os.pread(fd, 4, 0))[0]
@@ -132,10 +133,10 @@ class ChunkStore(object):
             block = _layer_block_bytes(bits, shape)
             out: Dict[int, LayerKV] = {}
             for layer in ids if layers is None else layers:
-                started = time.monotonic()
                 raw = os.pread(fd, block, 4 + size + ids.index(layer) * block)
-                self._paced("read", len(raw), started, fd)
                 out[layer] = self._decode(raw, bits, shape)
+                self._paced("read", len(raw), started, fd)
+                started = time.monotonic()
             return out
         finally:
             os.close(fd)

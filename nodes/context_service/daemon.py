@@ -18,11 +18,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from nodes.contracts.durable import write_json_atomic
 from nodes.inference.checkpoint import load_whole
 from nodes.inference.tokenizer import Tokenizer
 
 from .chunk_store import ChunkStore, DiskProfile
 from .context_memory import ContextLimit, ContextMemory, MemorySettings
+from .install_profile import install_profile
 from .load_plan import LinearCost
 from .protocol import MAX_REQUEST_BYTES, encode, error
 from .service import ALIASES, CallResult, Limits, LlmService, ServiceError
@@ -101,6 +103,17 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         super().__init__(path, _Handler)
 
 
+def profile_json(profile: Dict[str, Any]) -> Dict[str, Any]:
+    """The install profile as its file holds it, with the read:recompute ratio of one INT8 chunk."""
+    read, recompute = profile["read"], profile["recompute"]
+    one_chunk_bytes = profile["read_points"][0][0]
+    return {"t_re_s_per_chunk": recompute.per_unit_s, "t_re_fixed_s": recompute.fixed_s,
+            "t_io_s_per_byte": read.per_unit_s, "t_io_fixed_s": read.fixed_s,
+            "read_to_recompute_ratio": read.seconds(one_chunk_bytes) / max(1e-12, recompute.seconds(1)),
+            "recompute_points": profile["recompute_points"], "read_points": profile["read_points"],
+            "read_modeled": profile["read_modeled"]}  # fmt: skip
+
+
 def _costs(text: Optional[str], default: LinearCost) -> LinearCost:
     if not text:
         return default
@@ -118,8 +131,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=16)
     parser.add_argument("--ratio", type=float, default=0.5, help="global compression ratio over INT8 (1: none)")
     parser.add_argument("--disk", help="read_mbps,write_mbps,io_latency_ms: pace the chunk store (emulated)")
-    parser.add_argument("--recompute-cost", help="seconds a chunk,fixed seconds (T_re; default: measured)")
-    parser.add_argument("--read-cost", help="seconds a byte,fixed seconds (T_IO; default: from --disk)")
+    parser.add_argument("--recompute-cost", help="seconds a chunk,fixed seconds (T_re; default: fitted at start)")
+    parser.add_argument("--read-cost", help="seconds a byte,fixed seconds (T_IO; default: fitted at start)")
     parser.add_argument("--no-compression", action="store_true")
     parser.add_argument("--no-pipeline", action="store_true", help="read every missing chunk, recompute none")
     parser.add_argument("--no-aot", action="store_true", help="write chunks at reclaim, not when a call returns")
@@ -130,14 +143,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     disk = DiskProfile(*(float(v) for v in args.disk.split(","))) if args.disk else None
-    read_default = (LinearCost(1.0 / (disk.read_mbps * 1e6), disk.io_latency_ms / 1e3) if disk
-                    else LinearCost(1e-9, 1e-4))  # fmt: skip
-    settings = MemorySettings(int(args.budget_mib * (1 << 20)), _costs(args.recompute_cost, LinearCost(1e-3, 1e-3)),
-                              _costs(args.read_cost, read_default), args.chunk_tokens, args.ratio,
-                              not args.no_compression, not args.no_pipeline, not args.no_aot,
-                              args.eviction)  # fmt: skip
     model = load_whole(args.model, dtype="float32")
     store = ChunkStore(os.path.join(args.state_dir, "chunks"), disk)
+    profile = install_profile(model, store, args.chunk_tokens)  # T_re and T_IO of this device, fitted now
+    write_json_atomic(os.path.join(args.state_dir, "install_profile.json"), profile_json(profile))
+    settings = MemorySettings(int(args.budget_mib * (1 << 20)), _costs(args.recompute_cost, profile["recompute"]),
+                              _costs(args.read_cost, profile["read"]), args.chunk_tokens, args.ratio,
+                              not args.no_compression, not args.no_pipeline, not args.no_aot,
+                              args.eviction)  # fmt: skip
     service = LlmService(ContextMemory(model, store, settings), Tokenizer(args.model),
                          os.path.join(args.state_dir, "contexts"),
                          Limits(args.contexts_per_app, args.context_tokens))  # fmt: skip
@@ -150,7 +163,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     print(json.dumps({"serving": args.socket, "pid": os.getpid(), "contexts": len(service.memory.contexts),
-                      "store_modeled": store.modeled}), flush=True)  # fmt: skip
+                      "store_modeled": store.modeled, "t_re": list(settings.recompute_cost),
+                      "t_io": list(settings.read_cost)}), flush=True)  # fmt: skip
     stop.wait()
     server.shutdown()
     with service._turn:  # the call in flight ends first
