@@ -46,6 +46,7 @@ class MemorySettings(NamedTuple):
     storage_bits: int = 8  # a new chunk's level: INT8 (the LLM's own cache), or 16 (float16: VLLM-S)
     unit: str = "chunk"  # what a reclaim takes: chunks, or a whole context (Swapping, LMK)
     keep_on_reclaim: bool = True  # False: a reclaimed chunk is dropped, not swapped (LMK kills it)
+    recompute_pace: Optional[LinearCost] = None  # a target device's T_re: recompute takes that long (modeled)
 
 
 def baseline_settings(name: str, budget_bytes: int, recompute_cost: LinearCost, read_cost: LinearCost,
@@ -127,6 +128,7 @@ class ContextMemory(object):
         self.locked: set = set()
         self.faults = 0
         self.aot_bytes_written = 0
+        self.recompute_overruns = 0  # paced recomputes this machine could not finish in the target's time
         self._lock = threading.RLock()
 
     # -- accounting --------------------------------------------------------------------------------
@@ -283,7 +285,20 @@ class ContextMemory(object):
                     keys[layer][:, start : start + chunk.tokens] = dequantize(source[layer][0])
                     values[layer][:, start : start + chunk.tokens] = dequantize(source[layer][1])
 
-        recompute_positions(self.model, context.token_ids, keys, values, positions, before_layer=fill)
+        pace = self.settings.recompute_pace
+        started, layers = time.monotonic(), list(self.model.layer_ids)
+
+        def paced(layer: int) -> None:
+            """Layer l of the recompute ends at its share of the target's T_re (a late one is counted)."""
+            due = started + pace.seconds(len(chunks)) * (layers.index(layer) + 1) / len(layers)
+            left = due - time.monotonic()
+            if left > 0:
+                time.sleep(left)
+            elif layer == layers[-1]:
+                self.recompute_overruns += 1
+
+        recompute_positions(self.model, context.token_ids, keys, values, positions, before_layer=fill,
+                            after_layer=paced if pace is not None else None)  # fmt: skip
         for chunk in chunks:
             start = chunk.index * size
             chunk.resident = {layer: (quantize(keys[layer][:, start : start + chunk.tokens], chunk.bits),
