@@ -176,7 +176,11 @@ class ContextMemory(object):
             self.locked.add(ident)
             missing = [c for c in context.chunks if c.resident is None]
             needed = sum(self._chunk_bytes_at(context, c) for c in missing)
-            reclaimed, written = self._reclaim(needed)
+            try:
+                reclaimed, written = self._reclaim(needed)
+            except ContextLimit:
+                self.locked.discard(ident)  # refused: the context is not the working set after all
+                raise
             stored = [c for c in missing if c.on_disk]
             lost = [c for c in missing if not c.on_disk]  # dropped (LMK): only the text brings them back
             if lost and self.settings.keep_on_reclaim:
