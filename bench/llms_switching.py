@@ -49,11 +49,11 @@ TINY = REPO / "examples" / "models" / "tiny"
 CHUNK = 16
 
 
-def target_recompute(device: str, target_name: str) -> LinearCost:
-    """T_re(x) of the target on the device: a prefill of 16x tokens after 1K of context, fitted a x + b."""
+def target_recompute(device: str, target_name: str, chunk_tokens: int = CHUNK) -> LinearCost:
+    """T_re(x) of the target on the device: a prefill of x chunks after 1K of context, fitted a x + b."""
     rates = load_profile(REPO / "examples" / "profiles" / f"{device}.yaml").rates()
     target = builtin(target_name)._replace(dtype="q4f16")  # GPTQ 4-bit weights, as the paper runs
-    points = [(x, step_seconds(rates, target, target.layers, [(CHUNK * x, 1024)])) for x in (1, 2, 4, 8, 16)]
+    points = [(x, step_seconds(rates, target, target.layers, [(chunk_tokens * x, 1024)])) for x in (1, 2, 4, 8, 16)]
     xs, ys = np.array([p[0] for p in points], float), np.array([p[1] for p in points], float)
     slope, intercept = np.polyfit(xs, ys, 1)
     return LinearCost(float(max(slope, 0.0)), float(max(intercept, 0.0)))
@@ -66,31 +66,36 @@ def main() -> int:
     parser.add_argument("--budget-gb", type=float, default=2.0, help="context memory of the target device")
     parser.add_argument("--contexts", default="2,4,8")
     parser.add_argument("--patterns", default="random,markov,gaussian")
-    parser.add_argument("--methods", default="llms,vllm-sq,vllm-s,swapping,lmk")
+    parser.add_argument("--methods", default="llms,vllm-sq,vllm-s,swapping,lmk",
+                        help="also llms-no-lifecycle, llms-no-compression, llms-no-pipeline (Fig. 13)")
+    parser.add_argument("--chunk-tokens", type=int, default=CHUNK, help="tokens a chunk (Fig. 14: 1 to 512)")
     parser.add_argument("--calls-per-context", type=int, default=5)
     parser.add_argument("--tasks", default="sst2,samsum,agnews,wmt17", help="Table 3 tasks the contexts take")
     parser.add_argument("--max-context-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="llms_switching", help="result name under bench/results, or a .json path")
     args = parser.parse_args()
 
     model = load_whole(str(TINY), dtype="float32")
     torch.set_num_threads(1)
     config = model.config
     target = builtin(args.target)
-    tiny_chunk = len(model.layer_ids) * 2 * chunk_nbytes(config.num_key_value_heads, CHUNK, config.head_dim, 8)
-    target_chunk = target.layers * 2 * chunk_nbytes(target.kv_heads, CHUNK, target.head_dim, 8)
+    chunk = args.chunk_tokens
+    tiny_chunk = len(model.layer_ids) * 2 * chunk_nbytes(config.num_key_value_heads, chunk, config.head_dim, 8)
+    target_chunk = target.layers * 2 * chunk_nbytes(target.kv_heads, chunk, target.head_dim, 8)
     scale = target_chunk / tiny_chunk
     profile = load_profile(REPO / "examples" / "profiles" / f"{args.device}.yaml")
     disk_spec = profile.spec.disk
     disk = DiskProfile(disk_spec.read_mbps / scale, disk_spec.write_mbps / scale,
                        disk_spec.io_latency_ms * target.layers / len(model.layer_ids))  # fmt: skip
-    t_re = target_recompute(args.device, args.target)
+    t_re = target_recompute(args.device, args.target, chunk)
     read = LinearCost(1.0 / (disk.read_mbps * 1e6) + disk.io_latency_ms / 1e3 * len(model.layer_ids) / tiny_chunk, 0.0)
     budget = int(args.budget_gb * (1 << 30) / scale)
     corpus = Tokenizer(str(TINY)).encode((REPO / "nodes" / "inference" / "model.py").read_text() * 4)
+    read_per_chunk_s = disk.read_s(tiny_chunk // len(model.layer_ids)) * len(model.layer_ids)
     print(f"target chunk {target_chunk / 2**20:.2f} MiB = {scale:.0f} x tiny; budget {budget / 2**20:.1f} MiB; "
           f"T_re {t_re.per_unit_s * 1e3:.1f} ms/chunk + {t_re.fixed_s * 1e3:.1f} ms; read "
-          f"{disk.read_s(tiny_chunk // len(model.layer_ids)) * len(model.layer_ids) * 1e3:.2f} ms/chunk",
+          f"{read_per_chunk_s * 1e3:.2f} ms/chunk (read:recompute {read_per_chunk_s / t_re.per_unit_s:.2f})",
           flush=True)  # fmt: skip
     began = time.perf_counter()
     points = []
@@ -100,7 +105,7 @@ def main() -> int:
                                   tasks=tuple(args.tasks.split(",")), max_context_tokens=args.max_context_tokens,
                                   seed=args.seed)  # fmt: skip
             for method in args.methods.split(","):
-                settings = baseline_settings(method, budget, t_re, read)._replace(recompute_pace=t_re)
+                settings = baseline_settings(method, budget, t_re, read, chunk)._replace(recompute_pace=t_re)
                 with tempfile.TemporaryDirectory() as tmp:
                     memory = ContextMemory(model, ChunkStore(tmp, disk), settings)
                     latencies, missing = [], []
@@ -137,11 +142,12 @@ def main() -> int:
         base = next(p for p in points if p["pattern"] == point["pattern"] and p["contexts"] == point["contexts"]
                     and p["method"] == "llms")  # fmt: skip
         point["slower_than_llms"] = point["mean_switch_s"] / base["mean_switch_s"] if base["mean_switch_s"] else None
-    path = write("llms_switching", {
+    path = write(args.out, {
         "command": " ".join(["python", "bench/llms_switching.py", *sys.argv[1:]]),
         "seconds": round(time.perf_counter() - began, 1), "device": args.device, "target": args.target,
         "budget_gb": args.budget_gb, "scale_target_over_tiny": scale, "modeled_times": True,
-        "t_re_s_per_chunk": t_re.per_unit_s, "t_re_fixed_s": t_re.fixed_s,
+        "chunk_tokens": chunk, "t_re_s_per_chunk": t_re.per_unit_s, "t_re_fixed_s": t_re.fixed_s,
+        "read_s_per_chunk": read_per_chunk_s, "read_to_recompute_ratio": read_per_chunk_s / t_re.per_unit_s,
         "disk_tiny": disk._asdict(), "points": points,
     })  # fmt: skip
     print(f"wrote {path}")
