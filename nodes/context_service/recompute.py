@@ -47,7 +47,7 @@ def recompute_positions(model: ModelPart, token_ids: Sequence[int], keys: Dict[i
             values[index][:, where] = v.to(values[index].dtype)
             all_k = keys[index][:, :length].to(dtype)
             all_v = values[index][:, :length].to(dtype)
-            out = attn._attend(q, all_k, all_v, 0, query_positions=where)
+            out = attn.attend(q, all_k, all_v, 0, query_positions=where)
             hidden = hidden + attn.o_proj(out.transpose(0, 1).reshape(n, attn.heads * attn.head_dim))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             if after_layer is not None:

@@ -61,7 +61,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                 query_positions: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
         """q [..., heads, n, d] against k/v [..., kv_heads, total, d]; query i sits at start + i, or at
         ``query_positions[i]`` (queries scattered among the keys: LLMS's interleaved recompute)."""
@@ -97,7 +97,7 @@ class Attention(nn.Module):
             observe = getattr(segment.cache, "observe_attention", None)  # LLMS's density (Eq. 1), when asked
             if observe is not None:
                 observe(self.layer, seg_q, all_k, segment.cache.length)
-            out = self._attend(seg_q, all_k, all_v, segment.cache.length)
+            out = self.attend(seg_q, all_k, all_v, segment.cache.length)
             outputs.append(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
             offset += n
         return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
@@ -108,7 +108,7 @@ class Attention(nn.Module):
         q = apply_rotary(self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2), cos, sin)
         k = apply_rotary(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        out = self._attend(q, k, v, 0)
+        out = self.attend(q, k, v, 0)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
