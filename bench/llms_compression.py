@@ -105,7 +105,7 @@ def main() -> int:
             continue
         tracker = DensityTracker()
         cache = model.new_cache(CONTEXT + 1)
-        cache.observe_attention = lambda layer, q, k, s, tracker=tracker: tracker.observe(q, k, s)
+        cache.observe_attention = lambda layer, weights, s, tracker=tracker: tracker.observe_weights(weights, s)
         with torch.inference_mode():
             model.run_layers(model.embed(torch.tensor(ids[:CONTEXT])), [Segment(cache, CONTEXT)])
         keys = {layer: cache.view(layer, CONTEXT)[0].clone() for layer in model.layer_ids}

@@ -31,7 +31,7 @@ def _ids(n: int, seed: int = 3) -> list[int]:
 def _prefill(model, ids: list[int], pieces: list[int], tracker: DensityTracker | None = None):
     cache = model.new_cache(len(ids) + 16)
     if tracker is not None:
-        cache.observe_attention = lambda layer, q, k, start: tracker.observe(q, k, start)
+        cache.observe_attention = lambda layer, weights, start: tracker.observe_weights(weights, start)
     done = 0
     hidden = None
     with torch.inference_mode():
@@ -52,24 +52,32 @@ def test_density_accumulated_in_pieces_equals_eq1_over_the_whole_attention(model
     _prefill(model, ids, [40], whole)
     _prefill(model, ids, [25, 7, 1, 1, 6], pieces)  # prefill in parts and decoding steps
     assert torch.allclose(whole.token_density(40), pieces.token_density(40), atol=1e-6)
-    # Eq. 1 from explicitly built attention matrices (a row's softmax over the keys at or before it)
-    matrices = []
+    # Eq. 1 from each layer's whole attention matrix (one pass), against the sums kept piece by piece
     cache = model.new_cache(48)
-    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    cache.observe_attention = lambda layer, q, k, start: captured.__setitem__(layer, (q.clone(), k.clone()))
+    captured: dict[int, torch.Tensor] = {}
+    cache.observe_attention = lambda layer, weights, start: captured.__setitem__(layer, weights.clone())
     with torch.inference_mode():
         model.run_layers(model.embed(torch.tensor(ids)), [Segment(cache, 40)])
-    for layer in model.layer_ids:
-        q, k = captured[layer]
-        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
-        matrix = torch.zeros(q.shape[0], 40, 40, dtype=torch.float64)
-        for row in range(40):
-            scores = (q[:, row : row + 1].double() @ k[:, : row + 1].double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-            matrix[:, row, : row + 1] = torch.softmax(scores[:, 0], dim=-1)
-        matrices.append(matrix)
-    assert torch.allclose(whole.token_density(40), reference_density(matrices), atol=1e-6)
+    matrices = [captured[layer] for layer in model.layer_ids]
+    assert all(torch.allclose(m.sum(-1), torch.ones(m.shape[:-1])) and float(m.triu(1).abs().max()) == 0
+               for m in matrices)  # rows sum to 1, nothing above the diagonal: causal softmax  # fmt: skip
+    assert torch.allclose(pieces.token_density(40), reference_density(matrices), atol=1e-6)
     chunks = whole.chunk_density(40, 16)
     assert len(chunks) == 3 and chunks[0] == pytest.approx(float(whole.token_density(40)[:16].mean()))
+
+
+def test_density_from_queries_and_keys_equals_density_from_weights() -> None:
+    generator = torch.Generator().manual_seed(4)
+    q, k = torch.randn(8, 5, 32, generator=generator), torch.randn(4, 12, 32, generator=generator)  # GQA 2:1
+    from_qk, from_weights = DensityTracker(), DensityTracker()
+    from_qk.observe(q, k, 7)
+    keys = k.repeat_interleave(2, dim=0)
+    weights = torch.zeros(8, 5, 12)
+    for row in range(5):  # query row sits at position 7 + row and sees keys 0..7 + row
+        scores = torch.einsum("hd,htd->ht", q[:, row], keys[:, : 8 + row]) / math.sqrt(32)
+        weights[:, row, : 8 + row] = torch.softmax(scores, dim=-1)
+    from_weights.observe_weights(weights, 7)
+    assert torch.allclose(from_qk.token_density(12), from_weights.token_density(12), atol=1e-6)
 
 
 def _layer_copies(model, cache, length: int):

@@ -324,7 +324,7 @@ class ContextMemory(object):
                              torch.cat([dequantize(v, cache.dtype) for _, v in parts], dim=1))  # fmt: skip
         cache.advance(length)
         density = context.density
-        cache.observe_attention = lambda layer, q, k, start: density.observe(q, k, start)  # type: ignore
+        cache.observe_attention = lambda layer, weights, start: density.observe_weights(weights, start)  # type: ignore
         return cache
 
     def commit(self, ident: str, cache: KVCache, token_ids: Sequence[int]) -> None:

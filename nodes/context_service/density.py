@@ -2,8 +2,8 @@
 
 A token's density is the mean of its column of the attention matrix over the rows that can attend to
 it (rows at or after it), over query heads and layers; a chunk's is the mean over its tokens. SDPA
-does not return attention weights, so the forward pass hands each layer's queries and keys here
-(``observe_attention``, called by ``nodes.inference.model.Attention`` when the cache has it), and the
+does not return attention weights, so a layer whose cache asks for them (``observe_attention``)
+computes its attention written out (``Attention.attend_with_weights``) and hands the weights here; the
 column sums and the row counts are kept, so that prefill in pieces and decoding steps add up to the
 same densities as one pass over the whole sequence.
 """
@@ -36,11 +36,15 @@ class DensityTracker(object):
         groups = heads // k.shape[0]
         keys = k.repeat_interleave(groups, dim=0) if groups > 1 else k
         scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) / math.sqrt(dim)
-        rows = torch.arange(start, start + n)[:, None]
-        visible = torch.arange(total)[None, :] <= rows
-        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        visible = torch.arange(total)[None, :] <= torch.arange(start, start + n)[:, None]
+        self.observe_weights(torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1), start)
+
+    def observe_weights(self, weights: torch.Tensor, start: int) -> None:
+        """Attention weights [heads, n, total] of queries at positions start.. (causal: zero above)."""
+        heads, n, total = weights.shape
+        visible = torch.arange(total)[None, :] <= torch.arange(start, start + n)[:, None]
         self._grow(total)
-        self.column_sum[:total] += weights.sum(dim=(0, 1)).double()
+        self.column_sum[:total] += weights.sum(dim=(0, 1)).double().cpu()
         self.row_count[:total] += visible.sum(dim=0).double() * heads
 
     def truncate(self, length: int) -> None:

@@ -79,6 +79,22 @@ class Attention(nn.Module):
         key_pos = torch.arange(total, device=q.device)[None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_pos <= query_positions[:, None])
 
+    def attend_with_weights(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            start: int) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``attend`` written out, for a cache that wants the attention weights [heads, n, total] (float32)
+        as well: computed once and used for the output too, instead of a second pass beside SDPA."""
+        groups = self.heads // self.kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=-3)
+            v = v.repeat_interleave(groups, dim=-3)
+        n, total = q.shape[-2], k.shape[-2]
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (self.head_dim**-0.5)
+        if n > 1 or total != start + 1:
+            query_pos = torch.arange(start, start + n, device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(total, device=q.device)[None, :] > query_pos, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        return torch.matmul(weights.to(v.dtype), v), weights
+
     def forward(
         self, x: torch.Tensor, segments: Sequence[Segment], rotations: Sequence[Tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
@@ -95,9 +111,11 @@ class Attention(nn.Module):
             seg_v = v[offset : offset + n].transpose(0, 1)
             all_k, all_v = segment.cache.append(self.layer, seg_k, seg_v)
             observe = getattr(segment.cache, "observe_attention", None)  # LLMS's density (Eq. 1), when asked
-            if observe is not None:
-                observe(self.layer, seg_q, all_k, segment.cache.length)
-            out = self.attend(seg_q, all_k, all_v, segment.cache.length)
+            if observe is None:
+                out = self.attend(seg_q, all_k, all_v, segment.cache.length)
+            else:
+                out, weights = self.attend_with_weights(seg_q, all_k, all_v, segment.cache.length)
+                observe(self.layer, weights, segment.cache.length)
             outputs.append(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
             offset += n
         return self.o_proj(torch.cat(outputs) if len(outputs) > 1 else outputs[0])
