@@ -68,6 +68,10 @@ class _Handler(socketserver.StreamRequestHandler):
             self._send(error("memory", str(exc), "ctx"))
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client left; a call in flight was rolled back
+        except Exception as exc:  # a fault of ours: the app hears of it, the daemon serves on
+            with contextlib.suppress(OSError):
+                self._send(error("internal", "%s: %s" % (type(exc).__name__, exc)))
+            raise
 
     def _call(self, service: LlmService, request: Dict[str, Any]) -> None:
         max_tokens = request.get("max_tokens", 16)

@@ -147,6 +147,8 @@ class LlmService(object):
             raise ServiceError("limit", "the context would hold %d tokens, over the limit of %d"
                                % (total, self.limits.context_tokens), "prompt")  # fmt: skip
         with self._turn:
+            if ident not in self.memory.contexts:  # deleted by another app while this call waited its turn
+                raise ServiceError("unknown_context", "context %r was deleted" % (ident,), "ctx")
             switch = self.memory.prepare(ident)
             committed = False
             try:
