@@ -132,3 +132,17 @@ def test_the_baselines_are_settings_of_the_same_memory(model, tmp_path) -> None:
     assert len(BASELINES) == 8
     with pytest.raises(ValueError, match="one of llms"):
         baseline_settings("zram", 1, RECOMPUTE, READ)
+
+
+def test_a_context_begins_with_one_bos_whatever_is_appended_to_it(model, tmp_path) -> None:
+    from nodes.context_service.service import LlmService
+    from nodes.inference.tokenizer import Tokenizer
+
+    memory = ContextMemory(model, ChunkStore(str(tmp_path / "chunks")), MemorySettings(10**9, RECOMPUTE, READ))
+    service = LlmService(memory, Tokenizer(str(TINY)), str(tmp_path / "state"))
+    ctx = service.new_context("app", "System: be brief.")
+    list(service.call(ctx, "Hello there", 3))
+    list(service.call(ctx, "", 0, teacher_forced=" and more"))
+    ids, tokenizer = memory.contexts[ctx].token_ids, service.tokenizer
+    expected = 1 if tokenizer.add_bos and tokenizer.bos_id is not None else 0
+    assert ids.count(tokenizer.bos_id) == expected and (not expected or ids[0] == tokenizer.bos_id)

@@ -135,8 +135,9 @@ class LlmService(object):
         """Stream the output's token ids; the call's record is appended to ``results`` when it ends.
         Closing the iterator early (the client went away) leaves the context as it was."""
         context = self._context(ident)
-        prompt_ids = self.tokenizer.encode(prompt) if prompt else []
-        forced = self.tokenizer.encode(teacher_forced) if teacher_forced else None
+        first = not context.token_ids  # BOS begins a context, not every prompt appended to it
+        prompt_ids = self.tokenizer.encode(prompt, bos=None if first else False) if prompt else []
+        forced = self.tokenizer.encode(teacher_forced, bos=False) if teacher_forced else None
         new = len(forced) if forced is not None else max(0, int(max_tokens))
         if not prompt_ids and not forced:
             if new == 0:
