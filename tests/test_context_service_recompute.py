@@ -66,18 +66,22 @@ def test_density_accumulated_in_pieces_equals_eq1_over_the_whole_attention(model
     assert len(chunks) == 3 and chunks[0] == pytest.approx(float(whole.token_density(40)[:16].mean()))
 
 
-def test_density_from_queries_and_keys_equals_density_from_weights() -> None:
+def test_density_in_row_pieces_equals_one_call_and_survives_a_save_and_restore() -> None:
     generator = torch.Generator().manual_seed(4)
     q, k = torch.randn(8, 5, 32, generator=generator), torch.randn(4, 12, 32, generator=generator)  # GQA 2:1
-    from_qk, from_weights = DensityTracker(), DensityTracker()
-    from_qk.observe(q, k, 7)
     keys = k.repeat_interleave(2, dim=0)
     weights = torch.zeros(8, 5, 12)
     for row in range(5):  # query row sits at position 7 + row and sees keys 0..7 + row
         scores = torch.einsum("hd,htd->ht", q[:, row], keys[:, : 8 + row]) / math.sqrt(32)
         weights[:, row, : 8 + row] = torch.softmax(scores, dim=-1)
-    from_weights.observe_weights(weights, 7)
-    assert torch.allclose(from_qk.token_density(12), from_weights.token_density(12), atol=1e-6)
+    whole, pieces = DensityTracker(), DensityTracker()
+    whole.observe_weights(weights, 7)
+    pieces.observe_weights(weights[:, :2, :9], 7)  # rows at 7 and 8 see keys 0..8
+    pieces.observe_weights(weights[:, 2:], 9)
+    assert torch.allclose(whole.token_density(12), pieces.token_density(12), atol=1e-6)
+    restored = DensityTracker()
+    restored.restore(whole.column_sum[:12].tolist(), whole.row_count[:12].tolist())
+    assert torch.equal(restored.token_density(12), whole.token_density(12))
 
 
 def _layer_copies(model, cache, length: int):

@@ -137,14 +137,7 @@ class ContextMemory(object):
     def resident_bytes(self) -> int:
         return sum(c.nbytes for ctx in self.contexts.values() for c in ctx.chunks)
 
-    def _sizes(self) -> Dict:
-        return {(ctx.ident, c.index): c.nbytes for ctx in self.contexts.values() for c in ctx.chunks if c.resident}
-
-    def _bits(self) -> Dict:
-        level = (lambda c: c.bits) if self.settings.eviction == "lctru" else (lambda c: 8)  # lru: one level
-        return {(ctx.ident, c.index): level(c) for ctx in self.contexts.values() for c in ctx.chunks if c.resident}
-
-    def _chunk_bytes_at(self, context: Context, chunk: Chunk) -> int:
+    def _resident_bytes_of(self, chunk: Chunk) -> int:
         """A missing chunk's size once resident (its size on disk less the file's header)."""
         config = self.model.config
         per_layer = 2 * chunk_nbytes(config.num_key_value_heads, chunk.tokens, config.head_dim, chunk.bits)
@@ -175,7 +168,7 @@ class ContextMemory(object):
             context = self.contexts[ident]
             self.locked.add(ident)
             missing = [c for c in context.chunks if c.resident is None]
-            needed = sum(self._chunk_bytes_at(context, c) for c in missing)
+            needed = sum(self._resident_bytes_of(c) for c in missing)
             try:
                 reclaimed, written = self._reclaim(needed)
             except ContextLimit:
@@ -350,7 +343,10 @@ class ContextMemory(object):
                 context.chunks.append(Chunk(index, end - start, self.settings.storage_bits, resident))
             self._plan_levels(context)
             self.queue.remove_context(ident)
-            self.queue.touch([(ident, c.index) for c in context.chunks], self._bits(), self._sizes())
+            keys = [(ident, c.index) for c in context.chunks]
+            lctru = self.settings.eviction == "lctru"  # lru: one level for every chunk
+            self.queue.touch(keys, {k: c.bits if lctru else 8 for k, c in zip(keys, context.chunks)},
+                             {k: c.nbytes for k, c in zip(keys, context.chunks)})  # fmt: skip
             if self.settings.ahead_of_time:
                 for chunk in context.chunks:
                     if not chunk.on_disk:

@@ -83,7 +83,7 @@ class _Handler(socketserver.StreamRequestHandler):
         out: List[int] = []
         try:
             for token in stream:
-                text = service.tokenizer.decode(out[-4:] + [token])[len(service.tokenizer.decode(out[-4:])):]
+                text = service.tokenizer.piece(out, token)
                 out.append(token)
                 if not request.get("teacher_forced"):
                     self._send({"token_id": token, "text": text})

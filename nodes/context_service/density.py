@@ -8,7 +8,6 @@ column sums and the row counts are kept, so that prefill in pieces and decoding 
 same densities as one pass over the whole sequence.
 """
 
-import math
 from typing import List, Sequence
 
 import torch
@@ -29,16 +28,6 @@ class DensityTracker(object):
             new[: old.numel()] = old
             setattr(self, name, new)
 
-    def observe(self, q: torch.Tensor, k: torch.Tensor, start: int) -> None:
-        """Queries q [heads, n, d] at positions start.. against keys k [kv_heads, total, d] (causal)."""
-        heads, n, dim = q.shape
-        total = k.shape[-2]
-        groups = heads // k.shape[0]
-        keys = k.repeat_interleave(groups, dim=0) if groups > 1 else k
-        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) / math.sqrt(dim)
-        visible = torch.arange(total)[None, :] <= torch.arange(start, start + n)[:, None]
-        self.observe_weights(torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1), start)
-
     def observe_weights(self, weights: torch.Tensor, start: int) -> None:
         """Attention weights [heads, n, total] of queries at positions start.. (causal: zero above)."""
         heads, n, total = weights.shape
@@ -46,6 +35,12 @@ class DensityTracker(object):
         self._grow(total)
         self.column_sum[:total] += weights.sum(dim=(0, 1)).double().cpu()
         self.row_count[:total] += visible.sum(dim=0).double() * heads
+
+    def restore(self, column_sum: Sequence[float], row_count: Sequence[float]) -> None:
+        """The sums as a saved context had them (a restarted service)."""
+        self._grow(len(column_sum))
+        self.column_sum[: len(column_sum)] = torch.tensor(list(column_sum), dtype=torch.float64)
+        self.row_count[: len(row_count)] = torch.tensor(list(row_count), dtype=torch.float64)
 
     def truncate(self, length: int) -> None:
         """Forget what positions from ``length`` on were seen by (and saw): a rolled-back tail."""

@@ -100,10 +100,7 @@ class LlmService(object):
                 chunk.on_disk = bool(raw["on_disk"]) and chunk.index in on_disk
                 context.chunks.append(chunk)
             context.disk_bytes = {int(k): int(v) for k, v in saved["disk_bytes"].items()}
-            length = len(context.token_ids)
-            context.density._grow(length)
-            context.density.column_sum[:length] = torch.tensor(saved["column_sum"], dtype=torch.float64)
-            context.density.row_count[:length] = torch.tensor(saved["row_count"], dtype=torch.float64)
+            context.density.restore(saved["column_sum"], saved["row_count"])
 
     # -- the API ------------------------------------------------------------------------------------
 

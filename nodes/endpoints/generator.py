@@ -40,9 +40,7 @@ class TokenText(object):
         return self.tokenizer.decode(ids)
 
     def piece(self, before: List[int], token_id: int) -> str:
-        """The text ``token_id`` adds after ``before`` (decoding the whole tail keeps merged bytes right)."""
-        tail = before[-4:]
-        return self.tokenizer.decode(tail + [token_id])[len(self.tokenizer.decode(tail)):]
+        return self.tokenizer.piece(before, token_id)
 
 
 class PacedGenerator(TokenText):

@@ -61,14 +61,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
 
+    def _shared_kv(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each key/value head repeated for the query heads that share it (grouped-query attention)."""
+        groups = self.heads // self.kv_heads
+        if groups > 1:
+            return k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+        return k, v
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                 query_positions: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
         """q [..., heads, n, d] against k/v [..., kv_heads, total, d]; query i sits at start + i, or at
         ``query_positions[i]`` (queries scattered among the keys: LLMS's interleaved recompute)."""
-        groups = self.heads // self.kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=-3)
-            v = v.repeat_interleave(groups, dim=-3)
+        k, v = self._shared_kv(k, v)
         n, total = q.shape[-2], k.shape[-2]
         if query_positions is None:
             if n == 1:
@@ -83,10 +87,7 @@ class Attention(nn.Module):
                             start: int) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``attend`` written out, for a cache that wants the attention weights [heads, n, total] (float32)
         as well: computed once and used for the output too, instead of a second pass beside SDPA."""
-        groups = self.heads // self.kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=-3)
-            v = v.repeat_interleave(groups, dim=-3)
+        k, v = self._shared_kv(k, v)
         n, total = q.shape[-2], k.shape[-2]
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (self.head_dim**-0.5)
         if n > 1 or total != start + 1:

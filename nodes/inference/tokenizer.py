@@ -55,6 +55,11 @@ class Tokenizer:
     def decode(self, ids: List[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
+    def piece(self, before: List[int], token_id: int) -> str:
+        """The text ``token_id`` adds after ``before`` (decoding the whole tail keeps merged bytes right)."""
+        tail = before[-4:]
+        return self.decode(tail + [token_id])[len(self.decode(tail)) :]
+
 
 def _read_json(path: str) -> dict:
     try:
