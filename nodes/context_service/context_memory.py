@@ -82,18 +82,23 @@ class ContextLimit(ValueError):
 
 
 class Chunk(object):
-    __slots__ = ("bits", "index", "on_disk", "resident", "tokens")
+    __slots__ = ("_resident", "bits", "index", "nbytes", "on_disk", "tokens")
 
     def __init__(self, index: int, tokens: int, bits: int, resident: Optional[Dict[int, LayerKV]]) -> None:
         self.index, self.tokens, self.bits = index, tokens, bits
-        self.resident: Optional[Dict[int, LayerKV]] = resident
+        self.resident = resident
         self.on_disk = False  # the store holds this chunk as it is now
 
     @property
-    def nbytes(self) -> int:
-        if self.resident is None:
-            return 0
-        return sum(k.nbytes + v.nbytes for k, v in self.resident.values())
+    def resident(self) -> Optional[Dict[int, LayerKV]]:
+        """Every layer's keys and values in memory, or None (reclaimed)."""
+        return self._resident
+
+    @resident.setter
+    def resident(self, layers: Optional[Dict[int, LayerKV]]) -> None:
+        # the bytes it holds, counted once here: the budget is summed over every chunk at each call
+        self._resident = layers
+        self.nbytes = 0 if layers is None else sum(k.nbytes + v.nbytes for k, v in layers.values())
 
 
 class Context(object):
