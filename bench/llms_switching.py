@@ -32,11 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import write
-from nodes.context_service.chunk_codec import chunk_nbytes
 from nodes.context_service.chunk_store import ChunkStore, DiskProfile
 from nodes.context_service.context_memory import ContextMemory, baseline_settings
 from nodes.context_service.load_plan import LinearCost
 from nodes.contracts.compute_profile import step_seconds
+from nodes.contracts.kv_chunk_bytes import chunk_nbytes
 from nodes.contracts.target_model import builtin
 from nodes.inference.checkpoint import load_whole
 from nodes.inference.model import Segment

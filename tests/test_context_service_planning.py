@@ -9,10 +9,11 @@ import random
 import pytest
 import torch
 
-from nodes.context_service.chunk_codec import chunk_nbytes, dequantize, quantize, requantize
+from nodes.context_service.chunk_codec import dequantize, quantize, requantize
 from nodes.context_service.compression_levels import plan_levels, ratio_of, retained_information
 from nodes.context_service.lctru import LctruQueue
 from nodes.context_service.load_plan import LinearCost, plan_load
+from nodes.contracts.kv_chunk_bytes import chunk_nbytes
 
 
 def _best_by_brute_force(densities: list[float], ratio_global: float) -> float:

@@ -141,9 +141,9 @@ def test_a_missing_chunk_at_the_end_and_the_rope_at_global_positions(model) -> N
 
 
 def test_the_install_profile_fits_recompute_and_gives_back_the_modeled_disk(model, tmp_path) -> None:
-    from nodes.context_service.chunk_codec import chunk_nbytes
     from nodes.context_service.chunk_store import ChunkStore, DiskProfile
     from nodes.context_service.install_profile import install_profile
+    from nodes.contracts.kv_chunk_bytes import chunk_nbytes
 
     disk = DiskProfile(read_mbps=40.0, write_mbps=40.0, io_latency_ms=5.0)  # well above the real work of a read
     store = ChunkStore(str(tmp_path / "chunks"), disk)

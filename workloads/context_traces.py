@@ -14,10 +14,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from foundation.errors import TestbedError
+from nodes.contracts.schedules import request_id
 
 # Table 3: context growth per call (tokens), by task and dataset
 TASK_DELTAS: dict[str, tuple[int, int]] = {
@@ -87,3 +90,46 @@ def context_trace(contexts: int, calls: int, pattern: str = "random", *, tasks: 
             recency.remove(context)
         recency.insert(0, context)
     return out
+
+
+def context_schedule(
+    trace: list[TraceCall], *, device_index: int, apps: int, model_dir: str | Path, seed: int
+) -> list[dict[str, Any]]:
+    """A device's schedule for the LLM service: one row per call of ``trace`` (keys sorted by the writer),
+    with the call's token ids cut from the model's held-out text (consecutive slices from a drawn start):
+
+        {"request_id": 1000003, "arrival_s": 1.52, "context": "c2", "app": "app-0", "task": "samsum",
+         "restart": false, "prompt_ids": [...], "ground_truth_ids": [...], "prompt_tokens": 160,
+         "output_tokens": 40, "max_new_tokens": 40, "prompt_source": "context-trace:samsum:<file>:<line>"}
+
+    Context ``c<i>`` belongs to app ``app-<i mod apps>``. The ids carry no BOS: the service adds it
+    where a context begins."""
+    from workloads.corpus import held_out_corpus, held_out_every
+    from workloads.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    corpus = held_out_corpus(held_out_every(model_dir))
+    needed = sum(c.prompt_tokens + c.output_tokens for c in trace)
+    rng = np.random.default_rng(seed)
+    start = int(corpus.line_starts[corpus.nonblank_lines[int(rng.integers(len(corpus.nonblank_lines)))]])
+    chars = 6 * needed + 4096
+    ids = tokenizer.encode(corpus.window(start, chars), bos=False)
+    while len(ids) < needed + 8 and chars < 64 * len(corpus.text):
+        chars *= 2
+        ids = tokenizer.encode(corpus.window(start, chars), bos=False)
+    if len(ids) < needed:
+        raise TestbedError(f"the held-out text has {len(ids)} tokens, fewer than the trace's {needed}")
+    path, line = corpus.locate(start)
+    rows, offset = [], 0
+    for i, call in enumerate(trace):
+        prompt = ids[offset: offset + call.prompt_tokens]
+        truth = ids[offset + call.prompt_tokens: offset + call.prompt_tokens + call.output_tokens]
+        offset += call.prompt_tokens + call.output_tokens
+        rows.append({
+            "request_id": request_id(device_index, i), "arrival_s": round(call.time_s, 6),
+            "context": f"c{call.context}", "app": f"app-{call.context % apps}", "task": call.task,
+            "restart": call.restart, "prompt_ids": [int(t) for t in prompt],
+            "ground_truth_ids": [int(t) for t in truth], "prompt_tokens": len(prompt), "output_tokens": len(truth),
+            "max_new_tokens": max(1, len(truth)), "prompt_source": f"context-trace:{call.task}:{path}:{line}",
+        })  # fmt: skip
+    return rows

@@ -12,9 +12,9 @@ from typing import NamedTuple, Tuple
 
 import torch
 
+from nodes.contracts.kv_chunk_bytes import FP16, METADATA_BYTES_PER_CHANNEL
+
 LEVELS = (8, 4, 2)
-FP16 = 16  # no quantisation: float16 as it is (vLLM's default cache, the VLLM-S baseline)
-METADATA_BYTES_PER_CHANNEL = 4  # float16 scale and float16 low
 
 
 class QuantizedChunk(NamedTuple):
@@ -28,19 +28,6 @@ class QuantizedChunk(NamedTuple):
     def nbytes(self) -> int:
         """Bytes held: the packed codes and the per-channel metadata."""
         return int(self.packed.numel()) + int(self.scale.numel()) * METADATA_BYTES_PER_CHANNEL
-
-
-def packed_bytes(elements: int, bits: int) -> int:
-    if bits == FP16:
-        return 2 * elements
-    per_byte = 8 // bits
-    return (elements + per_byte - 1) // per_byte
-
-
-def chunk_nbytes(heads: int, tokens: int, head_dim: int, bits: int) -> int:
-    """What ``quantize`` of such a tensor holds (the accounting without the tensor)."""
-    metadata = 0 if bits == FP16 else heads * head_dim * METADATA_BYTES_PER_CHANNEL
-    return packed_bytes(heads * tokens * head_dim, bits) + metadata
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

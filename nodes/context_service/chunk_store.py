@@ -20,7 +20,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .chunk_codec import FP16, QuantizedChunk, chunk_nbytes, packed_bytes
+from nodes.contracts.kv_chunk_bytes import FP16, chunk_nbytes, packed_bytes
+
+from .chunk_codec import QuantizedChunk
 
 FORMAT = 1
 LayerKV = Tuple[QuantizedChunk, QuantizedChunk]  # keys, values of one layer

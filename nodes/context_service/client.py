@@ -5,6 +5,7 @@ Unix socket) and a small CLI for scripts and shells.
     python -m nodes.context_service.client --socket S call CTX "prompt" [--max-tokens 32]
     python -m nodes.context_service.client --socket S delete CTX
     python -m nodes.context_service.client --socket S list
+    python -m nodes.context_service.client --socket S stats
 """
 
 import argparse
@@ -55,6 +56,14 @@ class ContextClient(object):
         return self._lines({"op": "call", "ctx": ctx, "prompt": prompt, "max_tokens": max_tokens,
                             "teacher_forced": teacher_forced})  # fmt: skip
 
+    def call_ids(self, ctx: str, prompt_ids: List[int], teacher_forced_ids: List[int]) -> Dict[str, Any]:
+        """A teacher-forced call in token ids (a replayed trace): the service's record of it."""
+        answer = self._one({"op": "call", "ctx": ctx, "prompt_ids": prompt_ids, "max_tokens": 0,
+                            "teacher_forced_ids": teacher_forced_ids})  # fmt: skip
+        if not answer.get("done"):
+            raise ConnectionError("the service ended the call without its record")
+        return answer
+
     def call(self, ctx: str, prompt: str, max_tokens: int = 16, teacher_forced: Optional[str] = None) -> Dict[str, Any]:
         """The whole call: the output text and the service's record of it."""
         text: List[str] = []
@@ -89,6 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     delete = sub.add_parser("delete", help="delete a context (delLLMCtx)")
     delete.add_argument("ctx")
     sub.add_parser("list", help="the contexts the service holds")
+    sub.add_parser("stats", help="the memory's counters, settings and the store's bytes (a health check)")
     args = parser.parse_args(argv)
     client = ContextClient(args.socket)
     try:
@@ -104,6 +114,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     sys.stdout.flush()
         elif args.op == "delete":
             client.delete(args.ctx)
+        elif args.op == "stats":
+            print(json.dumps(client.stats(), indent=1))
         else:
             print(json.dumps(client.contexts(), indent=1))
     except ServiceRefused as refused:

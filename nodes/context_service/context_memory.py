@@ -21,10 +21,12 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
+from nodes.contracts.kv_chunk_bytes import chunk_nbytes
 from nodes.inference.kv_cache import KVCache
 from nodes.inference.model import ModelPart
+from nodes.workers.methods.llms import CONTEXT_MEMORY_METHODS
 
-from .chunk_codec import chunk_nbytes, dequantize, quantize, requantize
+from .chunk_codec import dequantize, quantize, requantize
 from .chunk_store import ChunkStore, LayerKV
 from .compression_levels import plan_levels
 from .density import DensityTracker
@@ -73,8 +75,7 @@ def baseline_settings(name: str, budget_bytes: int, recompute_cost: LinearCost, 
     return base._replace(**table[name])
 
 
-BASELINES = ("llms", "lmk", "swapping", "vllm-s", "vllm-sq", "llms-no-lifecycle", "llms-no-compression",
-             "llms-no-pipeline")
+BASELINES = CONTEXT_MEMORY_METHODS  # named once, where the controller reads them (the method's module)
 
 
 class ContextLimit(ValueError):

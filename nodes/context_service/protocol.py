@@ -3,7 +3,8 @@
 Requests (``op``; LLMS's names ``newLLMCtx``, ``callLLM``, ``delLLMCtx`` are accepted too):
 
 - ``{"op": "new", "app": "mail", "system_prompt": "..."}`` -> ``{"ok": true, "ctx": "..."}``
-- ``{"op": "call", "ctx": "...", "prompt": "...", "max_tokens": 32}`` (or ``"teacher_forced": "..."``)
+- ``{"op": "call", "ctx": "...", "prompt": "...", "max_tokens": 32}`` (or ``"teacher_forced": "..."``;
+  an app holding token ids sends ``"prompt_ids"`` and ``"teacher_forced_ids"`` instead of text)
   -> one ``{"token_id": 17, "text": "..."}`` per output token, then ``{"ok": true, "done": true, ...}``
   with the call's record (switching latency and what made it, prefill and decode seconds)
 - ``{"op": "delete", "ctx": "..."}`` -> ``{"ok": true}``

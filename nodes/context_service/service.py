@@ -128,13 +128,23 @@ class LlmService(object):
         return context
 
     def call(self, ident: str, prompt: str, max_tokens: int, teacher_forced: Optional[str] = None,
-             results: Optional[List[CallResult]] = None) -> Iterator[int]:  # fmt: skip
+             results: Optional[List[CallResult]] = None, prompt_ids: Optional[List[int]] = None,
+             teacher_forced_ids: Optional[List[int]] = None) -> Iterator[int]:  # fmt: skip
         """Stream the output's token ids; the call's record is appended to ``results`` when it ends.
-        Closing the iterator early (the client went away) leaves the context as it was."""
+        Closing the iterator early (the client went away) leaves the context as it was. An app that
+        holds token ids (a replayed trace) gives ``prompt_ids`` / ``teacher_forced_ids`` instead of text."""
         context = self._context(ident)
         first = not context.token_ids  # BOS begins a context, not every prompt appended to it
-        prompt_ids = self.tokenizer.encode(prompt, bos=None if first else False) if prompt else []
-        forced = self.tokenizer.encode(teacher_forced, bos=False) if teacher_forced else None
+        if prompt_ids is not None:
+            prompt_ids = self._checked_ids(prompt_ids, "prompt_ids")
+            if first and prompt_ids and self.tokenizer.add_bos:
+                prompt_ids = [int(self.tokenizer.bos_id)] + prompt_ids
+        else:
+            prompt_ids = self.tokenizer.encode(prompt, bos=None if first else False) if prompt else []
+        if teacher_forced_ids is not None:
+            forced: Optional[List[int]] = self._checked_ids(teacher_forced_ids, "teacher_forced_ids") or None
+        else:
+            forced = self.tokenizer.encode(teacher_forced, bos=False) if teacher_forced else None
         new = len(forced) if forced is not None else max(0, int(max_tokens))
         if not prompt_ids and not forced:
             if new == 0:
@@ -182,6 +192,13 @@ class LlmService(object):
                 if not committed:  # the context stays as it was, its densities too
                     self.memory.release(ident)
                     context.density.truncate(len(context.token_ids))
+
+    def _checked_ids(self, ids: Any, field: str) -> List[int]:
+        vocab = self.model.config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in ids):  # fmt: skip
+            raise ServiceError("bad_request", "%s must be a list of token ids from 0 to %d" % (field, vocab - 1), field)
+        return list(ids)
 
     def _forward(self, cache: Any, ids: List[int]) -> torch.Tensor:
         model = self.model

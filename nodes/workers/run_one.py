@@ -37,6 +37,10 @@ def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, An
         from .dispatch_worker import DispatchClient, DispatchServer
 
         worker = (DispatchServer if spec.role == "stage" else DispatchClient)(config, comm, rank, parts)
+    elif config.method_spec.serves_contexts:  # the device's LLM service and its apps; the server idles
+        from .context_apps import ContextApps, IdleServer
+
+        worker = (IdleServer if spec.role == "stage" else ContextApps)(config, comm, rank, parts)
     elif spec.role == "stage" and streams:
         from .serving_engine import ServingEngine
 

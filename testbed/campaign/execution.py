@@ -1,6 +1,6 @@
 """One run of a campaign, phase by phase, with everything restored whatever happens.
 
-    preflight -> (configure | telemetry | stage) -> workers -> drain -> collect -> restore -> record
+    preflight -> (configure | telemetry | stage) -> services -> workers -> drain -> collect -> restore -> record
 
 ``preflight`` reaches every node of the run, checks their provisioning records agree, makes the
 run plan with the nodes read back (``plan.json``, :mod:`testbed.campaign.plan`: every later phase
@@ -9,10 +9,12 @@ that do not hold the run's values already (read back; links measured with iperf3
 ``link.verify_s`` > 0); ``telemetry`` starts the samplers (probing the sensors and measuring clock
 offsets); ``stage`` puts the run's files on its nodes and starts the warm worker pool of its shape
 when none is up (:mod:`testbed.worker_pool`); these three touch different things and run side by
-side. ``workers`` orders the run from the pool and waits for it; ``drain`` keeps telemetry running for
-``drain_s``; ``collect`` stops the samplers and turns the rank files into parquet; ``restore`` stops
-the run's trace players and undoes shaping and power modes from the nodes' journals, except on the
-nodes the next run sets again (``keep``: they are restored after it, or by the campaign's end);
+side. ``services`` starts the devices' LLM service daemons of a context-serving method and waits
+until they answer (:mod:`testbed.context_service`). ``workers`` orders the run from the pool and
+waits for it; ``drain`` keeps telemetry running for ``drain_s``; ``collect`` stops the samplers and
+turns the rank files into parquet; ``restore`` stops the LLM services and the run's trace players and
+undoes shaping and power modes from the nodes' journals, except on the nodes the next run sets again
+(``keep``: they are restored after it, or by the campaign's end);
 ``record`` writes ``manifest.json``.
 
 A phase that fails ends the run: what exists is still collected, everything is restored (nothing
@@ -51,7 +53,8 @@ from testbed.transport.fanout import fan_out
 from testbed.worker_pool import PoolKeeper, PreparedRun, WorkerPool
 from workloads.schedule import write_schedule
 
-PHASES = ("preflight", "configure", "telemetry", "stage", "workers", "drain", "collect", "restore", "record")
+PHASES = ("preflight", "configure", "telemetry", "stage", "services", "workers", "drain", "collect", "restore",
+          "record")
 Report = Callable[[str, dict[str, Any]], None]  # (event, details) for the progress display
 
 
@@ -118,6 +121,7 @@ class _RunState:
     fidelity: dict[str, Any] = field(default_factory=dict)  # per node: paced steps that overran their target
     paced_nodes: tuple[str, ...] = ()  # emulated nodes whose CPU quota is paced for this run
     flag: str | None = None  # said of a run that is done but not faithful (over the violation limit)
+    services: tuple[Any, ...] = ()  # LLM service daemons started (testbed.context_service.ServicePlan)
     _failing: threading.Lock = field(default_factory=threading.Lock)  # phases side by side may fail at once
 
     def fail(self, phase: str, reason: str, node: str | None) -> None:
@@ -155,6 +159,7 @@ def execute_run(
         [("configure", lambda: _configure(campaign, settings, state, events)),
          ("telemetry", lambda: _start_telemetry(campaign, directory, state, carry)),
          ("stage", lambda: _stage(directory, state, pools))],
+        [("services", lambda: _start_services(campaign, directory, state))],
         [("workers", lambda: _workers(campaign, directory, state, report, pools))],
         [("drain", lambda: time.sleep(settings.drain_s))],
     ]  # fmt: skip
@@ -185,7 +190,8 @@ def execute_run(
             "record",
             lambda: manifest_mod.write_manifest(
                 directory / "manifest.json",
-                manifest_mod.build_manifest(campaign, run, attempt, outcome, state, facts, started_unix),
+                manifest_mod.build_manifest(campaign, run, attempt, outcome, state, facts, started_unix,
+                                            directory),
             ),
             state, events, report,
         )  # fmt: skip
@@ -378,6 +384,19 @@ def _stage(directory: Path, state: _RunState, pools: PoolKeeper) -> None:
     state.prepared = pools.prepare(plan.split, plan.contexts, plan.launch, on_started=started)
 
 
+def _start_services(campaign: Campaign, directory: Path, state: _RunState) -> None:
+    """The devices' LLM service daemons (a context-serving method): named in processes.json, started
+    detached, and waited for until each answers on its socket."""
+    plan = _plan(state)
+    if not plan.services:
+        return
+    from testbed.context_service import start_services
+
+    _note_processes(directory, [{"node": p.node, "host": p.node, "pidfile": p.files.pidfile} for p in plan.services])
+    state.services = plan.services  # before they start: restore stops whatever did
+    _require(start_services(campaign.inventory, plan.services, plan.contexts), "starting the LLM service")
+
+
 def _workers(campaign: Campaign, directory: Path, state: _RunState, report: Report, pools: PoolKeeper) -> None:
     lab, plan = campaign.inventory, _plan(state)
     if state.prepared is None:
@@ -467,6 +486,13 @@ def _restore(lab: Inventory, state: _RunState, keep: tuple[frozenset[str], froze
             except Exception as exc:
                 problems.append(f"{rec.node}: sampler: {exc}")
         state.recording = None
+    if state.services:  # the devices' LLM services end with their run
+        from testbed.context_service import stop_services
+
+        stopped = stop_services(lab, state.services)
+        state.restore["llm_services"] = {o.node: o.value if o.ok else f"failed: {o.error}" for o in stopped.outcomes}
+        problems += [f"{o.node}: LLM service: {o.error}" for o in stopped.failed]
+        state.services = ()
     plan = state.plan
     power = {step.node for step in plan.power} if plan else set(state.power_set)
     shaped = set(state.shaped_nodes)

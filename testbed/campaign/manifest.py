@@ -123,6 +123,24 @@ def model_config(directory: Path) -> dict[str, Any] | None:
         return None
 
 
+def _context_service(state: Any, directory: Path) -> dict[str, Any] | None:
+    """Each device's LLM service: its memory method and scale (modeled or not), the T_re and T_IO it
+    fitted at start (``install_profile.json``) and its counters at the end (from the rank's files)."""
+    plan = state.plan
+    if plan is None or not plan.services:
+        return None
+    out = {}
+    for service in plan.services:
+        entry: dict[str, Any] = {"memory": service.memory, "scale": service.scale.to_json(), "argv": list(service.argv)}
+        for rank_dir in sorted((directory / "workers" / "ranks").glob(f"device-*-{service.node}")):
+            for name in ("install_profile", "context_service_stats"):
+                path = rank_dir / f"{name}.json"
+                if path.is_file():
+                    entry[name] = json.loads(path.read_text())
+        out[service.node] = entry
+    return out
+
+
 def build_manifest(
     campaign: Campaign,
     run: PlannedRun,
@@ -131,6 +149,7 @@ def build_manifest(
     state: Any,
     facts: dict[str, Any],
     started_unix_s: float,
+    directory: Path | None = None,  # the attempt's directory (the ranks' files an LLM service left)
 ) -> dict[str, Any]:
     lab = campaign.inventory
     names = sorted({*state.records, *state.power_set, *state.shaped_nodes} or set(facts))
@@ -195,6 +214,8 @@ def build_manifest(
         "restore": state.restore,
         "target": _target(state),  # what the run emulated: model, dilation, each node's profile in its mode
         "fidelity": state.fidelity,  # per node: paced steps, overruns and their share
+        # LLMS: each device's daemon, its scale, the T_re and T_IO it fitted, its counters
+        "context_service": _context_service(state, directory) if directory is not None else None,
         "modeled": modeled_statements(lab, names, state),
     }
 

@@ -36,6 +36,7 @@ from nodes.contracts.draft import default_adapter_dir
 from nodes.workers.methods import method_named
 from testbed.campaign.plan_commands import PlannedCommand, normalised_line, plan_commands
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
+from testbed.context_service import LIFETIME_MARGIN_S, ServicePlan, run_scales, service_plans
 from testbed.inventory import DirectedLink, Inventory, links_from_file
 from testbed.links.apply import NodeProbe, plan_devices, plans_by_node, probe_nodes
 from testbed.node_context import (
@@ -156,6 +157,7 @@ class RunPlan:
     launch: MpiLaunchPlan  # the warm pool's mpiexec (testbed.worker_pool), started when none of its shape is up
     commands: tuple[PlannedCommand, ...] = field(default=())
     probes: dict[str, NodeProbe] = field(default_factory=dict)  # tc state read when planning; apply reuses it
+    services: tuple[ServicePlan, ...] = ()  # the devices' LLM service daemons (a context-serving method)
 
     def by_node(self) -> dict[str, list[PlannedCommand]]:
         out: dict[str, list[PlannedCommand]] = {}
@@ -167,7 +169,8 @@ class RunPlan:
         """Per node, what the run changes or starts there, in order (the lines that matter to a
         reader: power driver, tc, samplers, the MPI launch, and the restore), without the reads."""
         keep = ("set the power mode where it differs", "shape the links", "start the sampler (detached)",
-                "start the trace player (detached)", "undo the shaping (only what the journal says is ours)",
+                "start the trace player (detached)", "start the LLM service (detached)", "stop the LLM service",
+                "undo the shaping (only what the journal says is ours)",
                 "restore the power mode from the node's journal")  # fmt: skip
         out: dict[str, list[str]] = {name: [] for name in self.nodes}
         for c in self.commands:
@@ -201,6 +204,8 @@ class RunPlan:
             "nodes": list(self.nodes), "live": self.live, "unresolved": list(self.unresolved),
             "contexts": {n: dataclasses.asdict(c) for n, c in self.contexts.items()},
             "power": [dataclasses.asdict(p) for p in self.power],
+            "services": [{"node": p.node, "argv": list(p.argv), "memory": p.memory, "scale": p.scale.to_json()}
+                         for p in self.services],
             "mpiexec": self.mpiexec, "launch": self.launch.apply_commands()[0],
             "commands": [dataclasses.asdict(c) for c in self.commands],
         }  # fmt: skip
@@ -313,9 +318,14 @@ def plan_run(
         unresolved.append(f"the MPI launch's hosts and data-plane environment: {exc}")
         single = launch_plan(lab, split, contexts, mpiexec, data_plane=False)
     launch = pool_launch(single, contexts, pool_name(split), lifetime_s=pool_lifetime_s(campaign))
+    services: tuple[ServicePlan, ...] = ()
+    if method_named(settings.method).serves_contexts:
+        scales = run_scales(lab, campaign.base_dir, settings, devices)
+        services = service_plans(lab, settings, contexts, devices, split.run_id, split.model, scales,
+                                 campaign.spec.run_timeout_s + LIFETIME_MARGIN_S)  # fmt: skip
     plan = RunPlan(
         run.run_id, attempt, node_run_id(run, attempt), names, devices, contexts, live, (), power, links,
-        tc_plans, trace, telemetry, split, mpiexec, launch,
+        tc_plans, trace, telemetry, split, mpiexec, launch, services=services,
     )  # fmt: skip
     probes: dict[str, NodeProbe] = {}
     if live and tc_plans:
@@ -354,10 +364,13 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
 
     lab, settings = campaign.inventory, run.settings
     devices = device_names(lab, settings)
-    schedules = build_schedules(
-        workload_spec(settings), devices, seed=run.seed, model_dir=campaign.resolve(settings.model),
-        base_dir=campaign.base_dir,
-    )  # fmt: skip
+    if method_named(settings.method).serves_contexts:  # the LLM service's apps replay a context trace
+        schedules = context_schedules(settings, devices, seed=run.seed, model_dir=campaign.resolve(settings.model))
+    else:
+        schedules = build_schedules(
+            workload_spec(settings), devices, seed=run.seed, model_dir=campaign.resolve(settings.model),
+            base_dir=campaign.base_dir,
+        )  # fmt: skip
     extra: dict[str, Any] = {"draft": draft_config(campaign, settings)}
     engine_endpoint = settings.dispatch is not None and settings.dispatch.server_endpoint == "engine"
     if method_named(settings.method).streams or engine_endpoint:
@@ -382,6 +395,25 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
         timeout_s=campaign.spec.run_timeout_s, threads_per_rank=settings.threads_per_rank, extra=extra,
         device_slots=settings.device_slots,
     )  # fmt: skip
+
+
+def context_schedules(
+    settings: RunSettings, devices: tuple[str, ...], *, seed: int, model_dir: Any
+) -> dict[str, list[dict[str, Any]]]:
+    """Each device's context-switching trace (LLMS Sec. 4) as schedule rows, seeded per device."""
+    from foundation.seeds import derive_seed
+    from workloads.context_traces import context_schedule, context_trace
+
+    service = settings.context_service_or_default
+    out = {}
+    for index, device in enumerate(devices):
+        trace = context_trace(service.contexts, service.contexts * service.calls_per_context, service.pattern,
+                              tasks=tuple(service.tasks), mean_gap_s=service.mean_gap_s,
+                              output_share=service.output_share, max_context_tokens=service.max_context_tokens,
+                              seed=derive_seed(seed, device, "context-trace"))  # fmt: skip
+        out[device] = context_schedule(trace, device_index=index, apps=service.apps, model_dir=model_dir,
+                                       seed=derive_seed(seed, device, "context-text"))  # fmt: skip
+    return out
 
 
 def dilation_of(settings: RunSettings) -> float:

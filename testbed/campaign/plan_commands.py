@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from netem.plan import TcPlan
 from nodes.contracts.rank_dirs import device_glob
 from testbed.campaign.spec import Campaign
+from testbed.context_service import STOP_GRACE_S
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
 from testbed.links.apply import commands_for, plan_devices, plans_by_node, probe_script, shapeable_nodes
@@ -173,6 +174,7 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
     words = prefix_words(sudo=False, env=launch_env(plan.launch.timeout_s))
     lines.detached(server, "stage", "start the warm worker pool with mpiexec (detached)",
                    [*words, *launch_argv(plan.launch, files.status)], files.pidfile, files.log, "if-cold")  # fmt: skip
+    _service_lines(lines, plan)
     lines.store(server, "workers", "order the run from the pool", files.order)
     record = f"{run_dir_on(ctx[server], settings.run_id)}/{POOL_RECORD}"
     lines.add(server, "workers", "wait for the run to finish (or the pool to end)",
@@ -195,6 +197,9 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
         for sampler in plan.telemetry.samplers:
             pidfile = sampler_paths(ctx[sampler.node], plan.telemetry.session)[1]
             lines.add(sampler.node, "collect", "stop the sampler", _sh(background_stop_script(pidfile, 5.0)))
+    for service in plan.services:
+        lines.add(service.node, "restore", "stop the LLM service",
+                  _sh(background_stop_script(service.files.pidfile, STOP_GRACE_S)))  # fmt: skip
     # restore: the trace ends with the run; shaping, power modes and the pool stay while the next runs
     # need them, and are released after the last of them (or when a run fails, or the campaign ends)
     _trace_stop_lines(lines, plan)
@@ -212,6 +217,18 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
     lines.add(server, "restore", "end the pool if it has not", _sh(background_stop_script(files.pidfile, 5.0)),
               "at-release")  # fmt: skip
     return lines.out
+
+
+def _service_lines(lines: _Lines, plan: RunPlan) -> None:
+    """The devices' LLM service daemons, started once the run is staged (``start_services``)."""
+    for service in plan.services:
+        context = plan.contexts[service.node]
+        lines.add(service.node, "services", "make the LLM service's directory",
+                  command_line(["mkdir", "-p", service.files.directory]))  # fmt: skip
+        lines.detached(service.node, "services", "start the LLM service (detached)", service.argv,
+                       service.files.pidfile, service.files.logfile)  # fmt: skip
+        lines.add(service.node, "services", "wait until the LLM service answers",
+                  command_line(context.command(service.check_argv(context.python))), "polled")  # fmt: skip
 
 
 def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:

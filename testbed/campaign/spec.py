@@ -44,7 +44,7 @@ from pydantic import (
     model_validator,
 )
 
-from nodes.workers.methods import method_named
+from nodes.workers.methods import CONTEXT_MEMORY_METHODS, method_named
 from nodes.workers.methods import names as method_names
 from nodes.workers.run_config import DISPATCH_POLICIES, DRAFT_LIMITS
 from nodes.workers.run_config import DispatchSettings as RunDispatchSettings
@@ -180,6 +180,27 @@ class DispatchSettings(_Strict):
     regime: Literal["server", "device"] | None = None
 
 
+class ContextServiceSettings(_Strict):
+    """The on-device LLM service of method ``llms`` (LLMS): which memory method the daemon runs (LLMS, a
+    baseline or an ablation), its budget for contexts' chunks (the target device's bytes with a
+    ``target``), and the context-switching trace its apps replay (Sec. 4: Poisson calls, time
+    compressed to ``mean_gap_s``; contexts grown by Table 3's tasks; Random / Markov / Gaussian)."""
+
+    memory: Literal[CONTEXT_MEMORY_METHODS] = "llms"  # type: ignore[valid-type]  (context_memory.BASELINES)
+    budget_gb: float = Field(1.0, gt=0, le=1024)
+    chunk_tokens: StrictInt = Field(16, ge=1, le=4096)
+    ratio: float = Field(0.5, gt=0, le=1)  # the global compression ratio over INT8 (Eq. 2-3)
+    contexts: StrictInt = Field(4, ge=1, le=1024)  # N, the active contexts
+    pattern: Literal["random", "markov", "gaussian"] = "random"
+    calls_per_context: StrictInt = Field(5, ge=1, le=100_000)
+    tasks: tuple[Literal["agnews", "xsum", "samsum", "cnndm", "wmt17", "sst2"], ...] = (
+        "sst2", "samsum", "agnews", "wmt17")  # fmt: skip
+    max_context_tokens: StrictInt = Field(1024, ge=32, le=1 << 20)
+    mean_gap_s: float = Field(0.5, gt=0, le=3600)
+    output_share: float = Field(0.2, ge=0, lt=1)  # of a call's growth, its teacher-forced ground truth
+    apps: StrictInt = Field(2, ge=1, le=256)  # client processes; context i belongs to app i mod apps
+
+
 class RunSettings(_Strict):
     """One run's configuration: what a matrix key may override (``link.profile``, ``power.orin``)."""
 
@@ -204,6 +225,11 @@ class RunSettings(_Strict):
     device_slots: StrictInt = Field(1, ge=1, le=64)
     serving: ServingSettings | None = None  # a streaming method's engine; None: its defaults
     dispatch: DispatchSettings | None = None  # a dispatching method's policy; None: its defaults
+    context_service: ContextServiceSettings | None = None  # a context-serving method's daemon; None: its defaults
+
+    @property
+    def context_service_or_default(self) -> ContextServiceSettings:
+        return self.context_service or ContextServiceSettings()
 
     @field_validator("method")
     @classmethod
@@ -217,6 +243,13 @@ class RunSettings(_Strict):
         if self.dispatch is not None and not method_named(self.method).dispatches:
             raise ValueError(f"dispatch: {self.method} does not dispatch between endpoints; use method: disco, "
                              "or remove the dispatch section")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _context_service_for_llms(self) -> RunSettings:
+        if self.context_service is not None and not method_named(self.method).serves_contexts:
+            raise ValueError(f"context_service: {self.method} does not run the on-device LLM service; use method: "
+                             "llms, or remove the context_service section")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -126,6 +126,8 @@ class SettingsChecker:
             yield from self._serving_problems(s)
         if s.dispatch is not None and s.dispatch.external is not None:
             yield from self._external_problems(s.dispatch.external)
+        if method_named(s.method).serves_contexts:
+            yield from self._context_service_problems(s)
         spec = workload_spec(s)
         for field, message in spec.problems():
             yield f"workload.{field}", message, ""
@@ -194,6 +196,24 @@ class SettingsChecker:
             yield ("dispatch.external", f"endpoint {name!r} takes its key from ${variable}, which is not set",
                    f"export {variable}=... on the controller before testbed run")  # fmt: skip
 
+    def _context_service_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
+        """The service's scale must be derivable (with a target: each device's profile and its disk), and
+        the contexts must fit the model's positions."""
+        from testbed.context_service import CONTEXT_SLACK_TOKENS, run_scales
+
+        service = s.context_service_or_default
+        if not relative_path(self.source.path, s.model).is_dir():
+            return  # reported above
+        try:
+            run_scales(self.lab, self.source.path.parent, s, [n.name for n in self.lab.select(list(s.devices))])
+            positions = _model_positions(relative_path(self.source.path, s.model))
+        except (TestbedError, InputError, OSError, ValueError) as exc:
+            yield "context_service", str(exc), "give every device a compute_profile with a disk in the inventory"
+            return
+        if service.max_context_tokens + CONTEXT_SLACK_TOKENS > positions:
+            yield ("context_service.max_context_tokens", f"{service.max_context_tokens} tokens do not fit the "
+                   f"model's {positions} positions", f"use at most {positions - CONTEXT_SLACK_TOKENS}")  # fmt: skip
+
     def _serving_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
         """The serving engine's budgets must be derivable: the server's profile must hold the target's
         weights (the KV capacity is what is left)."""
@@ -237,3 +257,5 @@ def _with_role(lab: Inventory, role: str) -> str:
     return ", ".join(n.name for n in lab.nodes if role in n.roles) or "none has it"
 
 
+def _model_positions(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])

@@ -6,10 +6,11 @@ to validate campaigns; the workers use it to pick their behaviours.
 
 from typing import Dict, Tuple
 
-from . import centralized, disco, hat, serving, usarathi, ushape
+from . import centralized, disco, hat, llms, serving, usarathi, ushape
 from .base import Method, MethodCheck, default_adapter_dir
+from .llms import CONTEXT_MEMORY_METHODS
 
-MODULES = (centralized, ushape, usarathi, hat, serving, disco)  # the registration: one module per method family
+MODULES = (centralized, ushape, usarathi, hat, serving, disco, llms)  # the registration: one module per method family
 
 _REGISTRY: Dict[str, Method] = {}
 
@@ -44,4 +45,5 @@ def method_named(name: str) -> Method:
         raise ValueError("unknown method %r; known: %s" % (name, ", ".join(_REGISTRY))) from None
 
 
-__all__ = ["Method", "MethodCheck", "default_adapter_dir", "method_named", "names", "register", "unregister"]
+__all__ = ["CONTEXT_MEMORY_METHODS", "Method", "MethodCheck", "default_adapter_dir", "method_named", "names",
+           "register", "unregister"]

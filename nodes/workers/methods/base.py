@@ -13,7 +13,9 @@ The engine composes behaviours that a method names, instead of testing method na
 - ``streams``: the device is a client (prompt ids up, tokens streamed down through its token buffer)
   and the server is a serving engine that generates on its own under a KV budget and a scheduler;
 - ``dispatches``: the device runs the whole model behind its own endpoint and dispatches each request
-  between it and the server's endpoint (OpenAI-compatible HTTP over the data plane; DiSCo).
+  between it and the server's endpoint (OpenAI-compatible HTTP over the data plane; DiSCo);
+- ``serves_contexts``: the device runs the on-device LLM service, started by the run plan, and its
+  apps replay a context-switching trace against it (LLMS); the server idles.
 
 Standard library only, Python 3.8: the controller imports the registry to validate campaigns.
 """
@@ -53,6 +55,7 @@ class Method(object):
     server_state_in_replies = False
     streams = False
     dispatches = False
+    serves_contexts = False
     report_notes: Tuple[str, ...] = ()  # what the report shows for it, in words
 
     def __init__(self, **traits: object) -> None:
@@ -70,7 +73,8 @@ class Method(object):
         """The method as a run's manifest records it (the report reads its notes from there)."""
         return {"name": self.name, "summary": self.summary, "prefill": self.prefill, "decode": self.decode,
                 "token_ids_only": self.token_ids_only, "server_state_in_replies": self.server_state_in_replies,
-                "streams": self.streams, "dispatches": self.dispatches, "report_notes": list(self.report_notes)}
+                "streams": self.streams, "dispatches": self.dispatches, "serves_contexts": self.serves_contexts,
+                "report_notes": list(self.report_notes)}
 
     @property
     def drafts(self) -> bool:
@@ -94,7 +98,7 @@ class Method(object):
         """The run's settings that do not work with this method (the partition, and the draft adapter
         of a drafting method)."""
         m, stages = check.device_layers, check.stages
-        if (self.streams or self.dispatches) and stages != 1:
+        if (self.streams or self.dispatches or self.serves_contexts) and stages != 1:
             yield ("partition.stages", "%s serves the whole model from one engine rank, not %d stages"
                    % (self.name, stages), "set partition.stages: 1 (serving.tensor_parallel models several GPUs)")
             return
