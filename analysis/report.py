@@ -2,7 +2,8 @@
 
 Sections: per-method latency in the layout of HAT's Table 5, per-configuration latency, TTFT and
 TBT against the request rate, HAT's SLA compliance CDFs, Andes QoE (distribution, by rate,
-capacity), energy per token by node and power mode, DiSCo cost per request, one run's token
+capacity), energy per token by node and power mode, DiSCo cost per request, LLMS's context-switching
+latency (Fig. 9) and the contexts a method holds under a latency constraint (Fig. 10), one run's token
 delivery curves against the expected curve, one run's telemetry timeline, and the ledger's
 failures. Every number comes from :mod:`analysis.metrics`; measured and modeled energy are kept
 apart, and the report says which is which.
@@ -18,7 +19,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis import dispatch, fidelity, metrics, plots
+from analysis import context_switching, dispatch, fidelity, metrics, plots
 from analysis.cost_model import DEVICE_USD_PER_PFLOP, ModelShape
 from analysis.load import CampaignData, load
 from analysis.summary import attention_lines, write_summary
@@ -239,6 +240,51 @@ def dispatch_section(report: Report, requests: pd.DataFrame, tokens: pd.DataFram
                      digits=3)  # fmt: skip
 
 
+CONSTRAINTS_MS = (10.0, 25.0)  # LLMS Fig. 10's switching-latency constraints
+
+
+def context_service_section(report: Report, requests: pd.DataFrame, done: pd.DataFrame) -> None:
+    """LLMS's view of the context-service runs (method ``llms``): Fig. 9's mean switching latency per
+    pattern, active contexts and memory method, with what the switches read, recomputed and wrote,
+    and Fig. 10's most active contexts each method holds under 10 and 25 ms."""
+    mine = requests[requests["switch_switch_s"].notna() & requests["run_id"].isin(set(done["run_id"]))]
+    if mine.empty:
+        return
+    runs = done[done["run_id"].isin(set(mine["run_id"]))]
+    rows = context_switching.with_settings(mine, runs)
+    table = context_switching.switching_table(rows)
+    report.lines += ["## Context service (LLMS Fig. 9 and 10)", ""]
+    targets = runs["target.model"].dropna() if "target.model" in runs.columns else pd.Series(dtype=object)
+    if len(targets) == len(runs):
+        timing = (f"Times are the target's ({', '.join(sorted(set(map(str, targets))))} on the device's profile): "
+                  "modeled, not measured.")  # fmt: skip
+    elif len(targets):
+        timing = (f"Times of the runs with a target ({len(targets)} of {len(runs)}) are the target's, modeled; the "
+                  "others', this machine's, measured.")  # fmt: skip
+    else:
+        timing = "Times are this machine's, measured."
+    bytes_note = (" Bytes are the checkpoint's (a target's are the manifest's `target_over_model` times more)."
+                  if len(targets) else "")  # fmt: skip
+    report.table("context_switching", table,
+                 "Context switching (LLMS Fig. 9): per switching pattern, active contexts and memory method, over "
+                 "the calls to a context with a past (a context's first call and a restarted context left out): "
+                 "their count, the switching latency (ms, from the call until its context is resident: mean, P50, "
+                 "P99), the mean chunks per switch that were missing, recomputed and read, the MiB read and "
+                 "written at switch time and the faults (summed over the switches), and the mean latency over "
+                 f"LLMS's at the same pattern and contexts. {timing}{bytes_note}", digits=3)  # fmt: skip
+    limits = [context_switching.max_contexts_under(table, limit).rename(
+        columns={"max_contexts": f"max_contexts_{limit:g}ms"}) for limit in CONSTRAINTS_MS]  # fmt: skip
+    keys = [c for c in limits[0].columns if not c.startswith("max_contexts")]
+    held = limits[0]
+    for more in limits[1:]:
+        held = held.merge(more, on=keys, how="outer")
+    report.table("context_max_contexts", held,
+                 "The most active contexts each memory method holds (LLMS Fig. 10): the largest tested number "
+                 "of contexts whose mean switching latency is at most "
+                 + " and ".join(f"{limit:g} ms" for limit in CONSTRAINTS_MS) + " (0: none tested is). "
+                 + timing, digits=1)  # fmt: skip
+
+
 def build_report(campaign_dir: str | Path, options: ReportOptions | None = None) -> Path:
     """Compute every metric of the campaign, write the report's tables, figures and markdown into
     ``<campaign>/report/`` and return the markdown file's path."""
@@ -263,8 +309,16 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
         r += [f"Modeled telemetry (not measured): {', '.join(modeled)}. Energy figures for these nodes come from "
               "the emulated power model, and are never added to measured energy.", ""]  # fmt: skip
     r += method_lines(directory)
+    switching, switching_done = requests.iloc[:0], done
+    if "switch_switch_s" in requests.columns:  # context-service calls: their own section, no tokens or TTFT
+        calls = requests["switch_switch_s"].notna()
+        switching, requests = requests[calls & requests["run_id"].isin(set(done["run_id"]))], requests[~calls]
+        done = done[~done["run_id"].isin(set(switching["run_id"]) - set(requests["run_id"]))]
     if requests.empty or done.empty:
-        r += ["No completed run with requests: nothing to report.", ""]
+        if not switching.empty:
+            context_service_section(report, switching, switching_done)
+        else:
+            r += ["No completed run with requests: nothing to report.", ""]
         r += attention_lines(directory)
         path = out / "report.md"
         path.write_text("\n".join(r) + "\n")
@@ -342,6 +396,8 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
         serving_section(report, requests, tokens, qoe, done, axes)
     if "dispatch_winner" in requests.columns:
         dispatch_section(report, requests, tokens, done)
+    if not switching.empty:
+        context_service_section(report, switching, switching_done)
 
     power = metrics.node_power(data.telemetry[data.telemetry["run_id"].isin(ids)]) if not data.telemetry.empty \
         else pd.DataFrame()  # fmt: skip

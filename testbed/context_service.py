@@ -143,6 +143,15 @@ def contexts_per_app(service: Any) -> int:
     return math.ceil(service.contexts / service.apps)
 
 
+def longest_context_bytes(model_dir: Path, service: Any) -> int:
+    """What the longest context takes in the checkpoint's bytes at the memory method's storage level
+    (float16 for VLLM-S, else INT8; compression below it is not counted on)."""
+    model = from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()), "checkpoint")
+    bits = 16 if service.memory == "vllm-s" else 8
+    chunks = math.ceil((service.max_context_tokens + CONTEXT_SLACK_TOKENS) / service.chunk_tokens)
+    return chunks * chunk_bytes_all_layers(model.layers, model.kv_heads, model.head_dim, service.chunk_tokens, bits)
+
+
 def run_scales(inventory: Inventory, base_dir: Path, settings: Any, devices: Sequence[str]) -> dict[str, ContextScale]:
     """Each device's scale (its own profile's disk and rates when the run has a target)."""
     from testbed.compute_profiles import load_profile

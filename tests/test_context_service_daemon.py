@@ -114,3 +114,33 @@ def test_a_killed_daemon_restarts_with_every_written_context_and_loads_their_chu
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
     assert not Path(sock).exists()
+
+
+def test_an_app_with_token_ids_calls_teacher_forced_and_bad_ids_are_refused(daemon) -> None:
+    _, sock = daemon
+    client = ContextClient(sock)
+    ctx = client.new_context("trace")
+    first = client.call_ids(ctx, [100, 101, 102, 103], [104, 105])
+    assert first["output_ids"] == [104, 105] and first["prompt_tokens"] == 5  # the BOS the context begins with
+    second = client.call_ids(ctx, [106], [])
+    assert second["prompt_tokens"] == 1 and second["context_tokens"] == 8  # no BOS in the middle of a context
+    for bad in ([-1], [10**9], ["a"]):
+        with pytest.raises(ServiceRefused) as refused:
+            client.call_ids(ctx, bad, [])
+        assert refused.value.field == "prompt_ids"
+    assert {c["ctx"]: c["tokens"] for c in client.contexts()}[ctx] == 8  # refused calls changed nothing
+    stats = _cli(sock, "stats")
+    assert stats.returncode == 0 and json.loads(stats.stdout)["memory_method"] == "llms"
+
+
+def test_a_baseline_runs_in_the_same_daemon_and_max_seconds_ends_it(tmp_path: Path) -> None:
+    process, sock = _start(tmp_path, "--memory", "lmk", "--max-seconds", "20")
+    try:
+        stats = ContextClient(sock).stats()
+        assert stats["memory_method"] == "lmk" and stats["settings"]["keep_on_reclaim"] is False
+        assert stats["settings"]["unit"] == "context" and stats["settings"]["compression"] is False
+        assert process.wait(timeout=60) == 0  # ended by itself: a daemon whose controller died does not linger
+        assert not os.path.exists(sock)
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -2,11 +2,13 @@
 directory beside the run's ``run.json``, known to the controller (which starts and stops the daemon
 through the run plan) and to the device rank (whose apps connect to its socket). Built here only."""
 
+import hashlib
 import os
 from typing import NamedTuple
 
 SERVICE_DIR = "llm-service"
 SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+SHORT_SOCKET_DIR = "/tmp"  # where a socket goes whose natural path is too long for sun_path
 
 
 class ServiceFiles(NamedTuple):
@@ -14,7 +16,13 @@ class ServiceFiles(NamedTuple):
 
     @property
     def socket(self) -> str:
-        return os.path.join(self.directory, "llm.sock")
+        """In the service's directory; where that path is too long for a Unix socket (a deep home
+        directory), a name in /tmp derived from the directory, the same for the controller and the node."""
+        natural = os.path.join(self.directory, "llm.sock")
+        if len(natural.encode()) <= SOCKET_PATH_MAX:
+            return natural
+        digest = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
+        return os.path.join(SHORT_SOCKET_DIR, "hil-llm-%s.sock" % digest)
 
     @property
     def state_dir(self) -> str:

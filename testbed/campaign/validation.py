@@ -199,17 +199,25 @@ class SettingsChecker:
     def _context_service_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
         """The service's scale must be derivable (with a target: each device's profile and its disk), and
         the contexts must fit the model's positions."""
-        from testbed.context_service import CONTEXT_SLACK_TOKENS, run_scales
+        from testbed.context_service import CONTEXT_SLACK_TOKENS, longest_context_bytes, run_scales
 
         service = s.context_service_or_default
         if not relative_path(self.source.path, s.model).is_dir():
             return  # reported above
         try:
-            run_scales(self.lab, self.source.path.parent, s, [n.name for n in self.lab.select(list(s.devices))])
+            scales = run_scales(self.lab, self.source.path.parent, s,
+                                [n.name for n in self.lab.select(list(s.devices))])  # fmt: skip
             positions = _model_positions(relative_path(self.source.path, s.model))
+            longest = longest_context_bytes(relative_path(self.source.path, s.model), service)
         except (TestbedError, InputError, OSError, ValueError) as exc:
             yield "context_service", str(exc), "give every device a compute_profile with a disk in the inventory"
             return
+        smallest = min((scale.budget_bytes for scale in scales.values()), default=longest)
+        if longest > smallest:  # one context alone must fit (LLMS's budgets hold at least one 4K context)
+            need_gb = service.budget_gb * longest / smallest
+            yield ("context_service.budget_gb", f"one context of {service.max_context_tokens} tokens needs "
+                   f"{need_gb:.3g} GB with {service.memory}, over the budget of {service.budget_gb:g} GB",
+                   f"raise budget_gb to {need_gb:.3g} or lower max_context_tokens")  # fmt: skip
         if service.max_context_tokens + CONTEXT_SLACK_TOKENS > positions:
             yield ("context_service.max_context_tokens", f"{service.max_context_tokens} tokens do not fit the "
                    f"model's {positions} positions", f"use at most {positions - CONTEXT_SLACK_TOKENS}")  # fmt: skip
