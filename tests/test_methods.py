@@ -41,12 +41,14 @@ def run_config(method: str) -> dict:
 
 
 def test_the_built_in_methods_compose_hats_strategies():
-    assert names() == ("centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat", "serving", "disco")
+    assert names() == ("centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat", "serving", "disco",
+                       "llms")
     features = {name: {f for f in ("sd", "pc", "pd") if method_named(name).uses(f)} for name in names()}
     assert features == {"centralized": set(), "ushape": set(), "usarathi": set(), "sd": {"sd"}, "pc": {"pc"},
                         "sd_pc": {"sd", "pc"}, "sd_pd": {"sd", "pd"}, "hat": {"sd", "pc", "pd"},
-                        "serving": set(), "disco": set()}  # fmt: skip
-    assert [n for n in names() if method_named(n).token_ids_only] == ["centralized", "serving", "disco"]
+                        "serving": set(), "disco": set(), "llms": set()}  # fmt: skip
+    assert [n for n in names() if method_named(n).token_ids_only] == ["centralized", "serving", "disco", "llms"]
+    assert [n for n in names() if method_named(n).serves_contexts] == ["llms"]
     assert [n for n in names() if method_named(n).streams] == ["serving"]
     assert [n for n in names() if method_named(n).dispatches] == ["disco"]
     assert [n for n in names() if method_named(n).prefill == "server_chunks"] == ["usarathi"]
