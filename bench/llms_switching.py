@@ -26,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -35,13 +34,13 @@ from bench._common import write
 from nodes.context_service.chunk_store import ChunkStore, DiskProfile
 from nodes.context_service.context_memory import ContextMemory, baseline_settings
 from nodes.context_service.load_plan import LinearCost
-from nodes.contracts.compute_profile import step_seconds
-from nodes.contracts.kv_chunk_bytes import chunk_nbytes
+from nodes.contracts.kv_chunk_bytes import chunk_bytes_all_layers
 from nodes.contracts.target_model import builtin
 from nodes.inference.checkpoint import load_whole
 from nodes.inference.model import Segment
 from nodes.inference.tokenizer import Tokenizer
 from testbed.compute_profiles import load_profile
+from testbed.context_service import context_scale
 from workloads.context_traces import context_trace
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,14 +48,8 @@ TINY = REPO / "examples" / "models" / "tiny"
 CHUNK = 16
 
 
-def target_recompute(device: str, target_name: str, chunk_tokens: int = CHUNK) -> LinearCost:
-    """T_re(x) of the target on the device: a prefill of x chunks after 1K of context, fitted a x + b."""
-    rates = load_profile(REPO / "examples" / "profiles" / f"{device}.yaml").rates()
-    target = builtin(target_name)._replace(dtype="q4f16")  # GPTQ 4-bit weights, as the paper runs
-    points = [(x, step_seconds(rates, target, target.layers, [(chunk_tokens * x, 1024)])) for x in (1, 2, 4, 8, 16)]
-    xs, ys = np.array([p[0] for p in points], float), np.array([p[1] for p in points], float)
-    slope, intercept = np.polyfit(xs, ys, 1)
-    return LinearCost(float(max(slope, 0.0)), float(max(intercept, 0.0)))
+def target_chunk_bytes(target, chunk_tokens: int) -> int:
+    return chunk_bytes_all_layers(target.layers, target.kv_heads, target.head_dim, chunk_tokens)
 
 
 def main() -> int:
@@ -78,19 +71,17 @@ def main() -> int:
 
     model = load_whole(str(TINY), dtype="float32")
     torch.set_num_threads(1)
-    config = model.config
-    target = builtin(args.target)
     chunk = args.chunk_tokens
-    tiny_chunk = len(model.layer_ids) * 2 * chunk_nbytes(config.num_key_value_heads, chunk, config.head_dim, 8)
-    target_chunk = target.layers * 2 * chunk_nbytes(target.kv_heads, chunk, target.head_dim, 8)
-    scale = target_chunk / tiny_chunk
     profile = load_profile(REPO / "examples" / "profiles" / f"{args.device}.yaml")
-    disk_spec = profile.spec.disk
-    disk = DiskProfile(disk_spec.read_mbps / scale, disk_spec.write_mbps / scale,
-                       disk_spec.io_latency_ms * target.layers / len(model.layer_ids))  # fmt: skip
-    t_re = target_recompute(args.device, args.target, chunk)
+    target = builtin(args.target)._replace(dtype="q4f16")  # GPTQ 4-bit weights, as the paper runs
+    # the daemon's scale in a campaign with this target and device (testbed/context_service.py)
+    scaled = context_scale(json.loads((TINY / "config.json").read_text()), chunk, args.budget_gb, target=target,
+                           rates=profile.rates(), disk=profile.spec.disk)  # fmt: skip
+    scale, budget = scaled.target_over_model, scaled.budget_bytes
+    disk, t_re = DiskProfile(*scaled.disk), LinearCost(*scaled.recompute)
+    tiny_chunk = round(target_chunk_bytes(target, chunk) / scale)
+    target_chunk = target_chunk_bytes(target, chunk)
     read = LinearCost(1.0 / (disk.read_mbps * 1e6) + disk.io_latency_ms / 1e3 * len(model.layer_ids) / tiny_chunk, 0.0)
-    budget = int(args.budget_gb * (1 << 30) / scale)
     corpus = Tokenizer(str(TINY)).encode((REPO / "nodes" / "inference" / "model.py").read_text() * 4)
     read_per_chunk_s = disk.read_s(tiny_chunk // len(model.layer_ids)) * len(model.layer_ids)
     print(f"target chunk {target_chunk / 2**20:.2f} MiB = {scale:.0f} x tiny; budget {budget / 2**20:.1f} MiB; "

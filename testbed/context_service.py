@@ -39,6 +39,7 @@ STOP_GRACE_S = 10.0  # a call in flight ends first
 LIFETIME_MARGIN_S = 120.0  # the daemon outlives the run's timeout by this much at most
 RECOMPUTE_CONTEXT_TOKENS = 1024  # T_re is fitted for chunks recomputed after this much context
 RECOMPUTE_FIT_CHUNKS = (1, 2, 4, 8, 16)
+FLOAT16_MEMORY_METHODS = ("vllm-s", "swapping", "lmk")  # context_memory.baseline_settings' uncompressed ones
 CONTEXT_SLACK_TOKENS = 1  # the daemon's context limit over the trace's longest context: the BOS it adds
 
 
@@ -145,9 +146,9 @@ def contexts_per_app(service: Any) -> int:
 
 def longest_context_bytes(model_dir: Path, service: Any) -> int:
     """What the longest context takes in the checkpoint's bytes at the memory method's storage level
-    (float16 for VLLM-S, else INT8; compression below it is not counted on)."""
+    (float16 for the uncompressed baselines, else INT8; compression below it is not counted on)."""
     model = from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()), "checkpoint")
-    bits = 16 if service.memory == "vllm-s" else 8
+    bits = 16 if service.memory in FLOAT16_MEMORY_METHODS else 8
     chunks = math.ceil((service.max_context_tokens + CONTEXT_SLACK_TOKENS) / service.chunk_tokens)
     return chunks * chunk_bytes_all_layers(model.layers, model.kv_heads, model.head_dim, service.chunk_tokens, bits)
 

@@ -31,9 +31,9 @@ from workloads.context_traces import context_schedule, context_trace
 TINY = REPO / "examples" / "models" / "tiny"
 
 
-SMALL = ("{contexts: 2, calls_per_context: 8, apps: 2, mean_gap_s: 0.1, budget_gb: 0.375, tasks: [samsum, samsum]}")
-# 3 MiB of the tiny model's chunks hold 1,228 tokens at INT8: less than the two contexts that grow by 100-300 tokens
-# a call to 1,024 each, so switching between them reclaims and later loads chunks
+SMALL = ("{contexts: 2, calls_per_context: 8, apps: 2, mean_gap_s: 0.1, budget_gb: 0.75, tasks: [samsum, samsum]}")
+# 6 MiB of the tiny model's chunks hold 1,228 tokens at float16 (LMK's cache): less than the two contexts that
+# grow by 100-300 tokens a call to 1,024 each, so switching between them kills and recomputes contexts
 
 
 def campaign_text(inventory: Path, service: str = SMALL,
@@ -71,6 +71,10 @@ def test_a_context_service_section_needs_the_llms_method(tmp_path: Path) -> None
         load_campaign(path)
     path.write_text(campaign_text(REPO / "inventory.yaml", service="{budget_gb: 0.25}"))
     with pytest.raises(InputError, match=r"budget_gb: one context of 1024 tokens needs 0.317 GB with llms"):
+        load_campaign(path)
+    path.write_text(campaign_text(REPO / "inventory.yaml", service="{budget_gb: 0.5}", memories="[swapping]")
+                    .replace("  context_service: {budget_gb: 0.5}", "  context_service: {budget_gb: 0.5, memory: swapping}"))
+    with pytest.raises(InputError, match=r"needs 0.508 GB with swapping"):
         load_campaign(path)
 
 
