@@ -28,6 +28,7 @@ from nodes.contracts.compute_profile import ModeRates, step_seconds
 from nodes.contracts.kv_chunk_bytes import chunk_bytes_all_layers
 from nodes.contracts.service_files import ServiceFiles, service_files, socket_problem
 from nodes.contracts.target_model import TargetModel, from_hf_config
+from nodes.workers.methods import FLOAT16_CONTEXT_MEMORY
 from testbed.inventory import Inventory
 from testbed.node_context import NodeContext, transport_for
 from testbed.split_run import run_dir_on
@@ -39,7 +40,6 @@ STOP_GRACE_S = 10.0  # a call in flight ends first
 LIFETIME_MARGIN_S = 120.0  # the daemon outlives the run's timeout by this much at most
 RECOMPUTE_CONTEXT_TOKENS = 1024  # T_re is fitted for chunks recomputed after this much context
 RECOMPUTE_FIT_CHUNKS = (1, 2, 4, 8, 16)
-FLOAT16_MEMORY_METHODS = ("vllm-s", "swapping", "lmk")  # context_memory.baseline_settings' uncompressed ones
 CONTEXT_SLACK_TOKENS = 1  # the daemon's context limit over the trace's longest context: the BOS it adds
 
 
@@ -148,17 +148,20 @@ def longest_context_bytes(model_dir: Path, service: Any) -> int:
     """What the longest context takes in the checkpoint's bytes at the memory method's storage level
     (float16 for the uncompressed baselines, else INT8; compression below it is not counted on)."""
     model = from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()), "checkpoint")
-    bits = 16 if service.memory in FLOAT16_MEMORY_METHODS else 8
+    bits = 16 if service.memory in FLOAT16_CONTEXT_MEMORY else 8
     chunks = math.ceil((service.max_context_tokens + CONTEXT_SLACK_TOKENS) / service.chunk_tokens)
     return chunks * chunk_bytes_all_layers(model.layers, model.kv_heads, model.head_dim, service.chunk_tokens, bits)
 
 
-def run_scales(inventory: Inventory, base_dir: Path, settings: Any, devices: Sequence[str]) -> dict[str, ContextScale]:
-    """Each device's scale (its own profile's disk and rates when the run has a target)."""
+def run_scales(
+    inventory: Inventory, base_dir: Path, settings: Any, devices: Sequence[str], model_dir: Path
+) -> dict[str, ContextScale]:
+    """Each device's scale (its own profile's disk and rates when the run has a target); ``model_dir``:
+    the run's checkpoint, resolved against the campaign file."""
     from testbed.compute_profiles import load_profile
 
     service = settings.context_service_or_default
-    config = json.loads((Path(_resolve(base_dir, settings.model)) / "config.json").read_text())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     if settings.target is None:
         return {d: context_scale(config, service.chunk_tokens, service.budget_gb) for d in devices}
     from testbed.target_emulation import resolve_target
@@ -171,11 +174,6 @@ def run_scales(inventory: Inventory, base_dir: Path, settings: Any, devices: Seq
         out[name] = context_scale(config, service.chunk_tokens, service.budget_gb, target=target.model,
                                   rates=node.rates, disk=disk)  # fmt: skip
     return out
-
-
-def _resolve(base_dir: Path, relative: str) -> Path:
-    path = Path(relative).expanduser()
-    return path if path.is_absolute() else (base_dir / path).resolve()
 
 
 # -- applying ------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 from nodes.contracts.kv_chunk_bytes import chunk_nbytes
 from nodes.inference.kv_cache import KVCache
 from nodes.inference.model import ModelPart
-from nodes.workers.methods.llms import CONTEXT_MEMORY_METHODS
+from nodes.workers.methods.llms import CONTEXT_MEMORY_METHODS, FLOAT16_CONTEXT_MEMORY
 
 from .chunk_codec import dequantize, quantize, requantize
 from .chunk_store import ChunkStore, LayerKV
@@ -64,9 +64,9 @@ def baseline_settings(name: str, budget_bytes: int, recompute_cost: LinearCost, 
     plain = dict(compression=False, pipeline=False, ahead_of_time=False, eviction="lru")
     table = {
         "llms": {},
-        "lmk": dict(plain, unit="context", keep_on_reclaim=False, storage_bits=16),
-        "swapping": dict(plain, unit="context", storage_bits=16),
-        "vllm-s": dict(plain, storage_bits=16),
+        "lmk": dict(plain, unit="context", keep_on_reclaim=False),
+        "swapping": dict(plain, unit="context"),
+        "vllm-s": dict(plain),
         "vllm-sq": dict(plain),
         "llms-no-lifecycle": dict(ahead_of_time=False, eviction="lru"),
         "llms-no-compression": dict(compression=False),
@@ -74,7 +74,7 @@ def baseline_settings(name: str, budget_bytes: int, recompute_cost: LinearCost, 
     }
     if name not in table:
         raise ValueError("memory method %r: one of %s" % (name, ", ".join(table)))
-    return base._replace(**table[name])
+    return base._replace(**table[name], storage_bits=16 if name in FLOAT16_CONTEXT_MEMORY else 8)
 
 
 BASELINES = CONTEXT_MEMORY_METHODS  # named once, where the controller reads them (the method's module)

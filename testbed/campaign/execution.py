@@ -39,6 +39,7 @@ from foundation.errors import NodeError, TestbedError
 from foundation.jsonable import jsonable
 from nodes.contracts.durable import SyncedLines, write_json_atomic
 from nodes.contracts.rank_dirs import device_glob
+from nodes.workers.methods import method_named
 from testbed.campaign import manifest as manifest_mod
 from testbed.campaign.carryover import Carryover
 from testbed.campaign.plan import RunPlan, plan_run
@@ -159,7 +160,8 @@ def execute_run(
         [("configure", lambda: _configure(campaign, settings, state, events)),
          ("telemetry", lambda: _start_telemetry(campaign, directory, state, carry)),
          ("stage", lambda: _stage(directory, state, pools))],
-        [("services", lambda: _start_services(campaign, directory, state))],
+        *([[("services", lambda: _start_services(campaign, directory, state))]]
+          if method_named(settings.method).serves_contexts else []),
         [("workers", lambda: _workers(campaign, directory, state, report, pools))],
         [("drain", lambda: time.sleep(settings.drain_s))],
     ]  # fmt: skip

@@ -320,7 +320,7 @@ def plan_run(
     launch = pool_launch(single, contexts, pool_name(split), lifetime_s=pool_lifetime_s(campaign))
     services: tuple[ServicePlan, ...] = ()
     if method_named(settings.method).serves_contexts:
-        scales = run_scales(lab, campaign.base_dir, settings, devices)
+        scales = run_scales(lab, campaign.base_dir, settings, devices, campaign.resolve(settings.model))
         services = service_plans(lab, settings, contexts, devices, split.run_id, split.model, scales,
                                  campaign.spec.run_timeout_s + LIFETIME_MARGIN_S)  # fmt: skip
     plan = RunPlan(

@@ -202,13 +202,14 @@ class SettingsChecker:
         from testbed.context_service import CONTEXT_SLACK_TOKENS, longest_context_bytes, run_scales
 
         service = s.context_service_or_default
-        if not relative_path(self.source.path, s.model).is_dir():
+        model_dir = relative_path(self.source.path, s.model)
+        if not model_dir.is_dir():
             return  # reported above
         try:
-            scales = run_scales(self.lab, self.source.path.parent, s,
-                                [n.name for n in self.lab.select(list(s.devices))])  # fmt: skip
-            positions = _model_positions(relative_path(self.source.path, s.model))
-            longest = longest_context_bytes(relative_path(self.source.path, s.model), service)
+            devices = [n.name for n in self.lab.select(list(s.devices))]
+            scales = run_scales(self.lab, self.source.path.parent, s, devices, model_dir)
+            positions = _model_positions(model_dir)
+            longest = longest_context_bytes(model_dir, service)
         except (TestbedError, InputError, OSError, ValueError) as exc:
             yield "context_service", str(exc), "give every device a compute_profile with a disk in the inventory"
             return

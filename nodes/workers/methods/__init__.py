@@ -8,7 +8,7 @@ from typing import Dict, Tuple
 
 from . import centralized, disco, hat, llms, serving, usarathi, ushape
 from .base import Method, MethodCheck, default_adapter_dir
-from .llms import CONTEXT_MEMORY_METHODS
+from .llms import CONTEXT_MEMORY_METHODS, FLOAT16_CONTEXT_MEMORY
 
 MODULES = (centralized, ushape, usarathi, hat, serving, disco, llms)  # the registration: one module per method family
 
@@ -45,5 +45,5 @@ def method_named(name: str) -> Method:
         raise ValueError("unknown method %r; known: %s" % (name, ", ".join(_REGISTRY))) from None
 
 
-__all__ = ["CONTEXT_MEMORY_METHODS", "Method", "MethodCheck", "default_adapter_dir", "method_named", "names",
-           "register", "unregister"]
+__all__ = ["CONTEXT_MEMORY_METHODS", "FLOAT16_CONTEXT_MEMORY", "Method", "MethodCheck", "default_adapter_dir",
+           "method_named", "names", "register", "unregister"]
