@@ -178,6 +178,33 @@ def test_a_step_whose_sleep_wakes_late_overran_too(tmp_path, monkeypatch):
     assert shares[["overruns", "computed_over", "woke_late"]].iloc[0].tolist() == [1, 0, 1]
 
 
+def test_a_rank_throttled_for_a_while_still_waits_out_its_next_steps(tmp_path, monkeypatch):
+    """Sleeps made late by throttling are overruns and teach the pacer nothing: once the throttling
+    stops, a 3 ms step still lasts its 3 ms (a pacer that learned 15 ms of lateness would skip the sleep
+    and end it at once, which is how a loaded CI machine once made ``testbed profile`` fit nonsense)."""
+    import types
+
+    import nodes.workers.pacing as pacing
+
+    pacer = Pacer(rates("agx-orin", "MAXN"), VICUNA_7B)
+    pacer.start(str(tmp_path / "steps.csv"), {"role": "test"}, time.monotonic())
+    throttled = types.SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: time.sleep(s + 0.015))
+    monkeypatch.setattr(pacing, "time", throttled)
+    for _ in range(5):
+        pacer.unchain()
+        pacer.pace("device_layers", time.monotonic(), 0.003, 2, [(1, 50)])
+    monkeypatch.setattr(pacing, "time", time)
+    lasted = []
+    for _ in range(5):
+        pacer.unchain()
+        started = time.monotonic()
+        pacer.pace("device_layers", started, 0.003, 2, [(1, 50)])
+        lasted.append(time.monotonic() - started)
+    pacer.close()
+    assert pacer.overruns >= 5  # the throttled ones
+    assert min(lasted) >= 0.003 - pacing.MAX_ADVANCE_S
+
+
 def test_the_pacing_thread_asks_linux_for_prompt_wake_ups(tmp_path):
     """A paced thread's sleeps end within 1 us of their due time (timer slack), and on Linux 6.12 or
     later it gets a 0.1 ms scheduler slice, so that a rank whose sleep ends preempts one computing.

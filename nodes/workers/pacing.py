@@ -16,8 +16,10 @@ the step lasted longer than modeled just the same).
 Steps that follow each other directly (the device's shallow layers, then the adapter, then the LM
 head) are chained: the next one starts at the previous one's due time, not at the moment the sleep
 returned, so a sleep's lateness (tens of microseconds) does not add up over a request; and each
-sleep asks to wake that much early (the median of how late the last sleeps returned, so that one
-preempted sleep does not make the next steps end early). The rank's timer slack is set to 1 us on
+sleep asks to wake that much early (the median of how late the last on-time sleeps returned, at most
+:data:`MAX_ADVANCE_S`: sleeps that a CPU quota's throttling or a preemption made late are overruns and
+teach nothing, so a rank throttled for a while does not then end its steps early, or skip their
+sleeps altogether). The rank's timer slack is set to 1 us on
 Linux, so the kernel does not round its wake-ups by its default 50 us, and on Linux 6.12 or later its
 scheduler slice to the shortest there is (0.1 ms), so that EEVDF lets a rank whose sleep ends preempt
 one that is computing rather than wait for it to use up its slice (a late wake-up overruns the step).
@@ -41,6 +43,7 @@ CHAIN_S = 0.002  # a step that starts this soon after the last one's due time co
 LATE_FLOOR_S = 0.0005  # a step may always end this late (a wake-up's scheduling noise)
 LATE_SHARE = 0.05  # a step that ends later than this share of its target past its due time overran
 LATENESS_SAMPLES = 32  # sleeps whose lateness the next wake-up's advance is the median of
+MAX_ADVANCE_S = 0.00025  # the most a sleep asks to wake before its due time (half of LATE_FLOOR_S)
 SCHED_SLICE_NS = 100_000  # the paced thread's scheduler slice: EEVDF's shortest
 SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # the syscall's number: x86-64's, and arm64's (the Jetsons')
 
@@ -117,10 +120,13 @@ class Pacer:
         if now < wake:
             time.sleep(wake - now)
             ended = time.monotonic()
-            self._late_samples = (self._late_samples + [ended - wake])[-LATENESS_SAMPLES:]
-            self._lateness_s = sorted(self._late_samples)[len(self._late_samples) // 2]
         late_s = max(0.0, ended - due)
-        overrun = overrun or late_s > late_tolerance_s(target_s)
+        woke_late = late_s > late_tolerance_s(target_s)
+        if now < wake and not woke_late:  # an on-time sleep: learn how late sleeps return
+            self._late_samples = (self._late_samples + [ended - wake])[-LATENESS_SAMPLES:]
+            median = sorted(self._late_samples)[len(self._late_samples) // 2]
+            self._lateness_s = min(MAX_ADVANCE_S, max(0.0, median))
+        overrun = overrun or woke_late
         self._due = max(due, now)
         self.steps += 1
         self.overruns += overrun
