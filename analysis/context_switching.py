@@ -17,6 +17,7 @@ import pandas as pd
 MIB = 1 << 20
 SETTINGS = {"pattern": "random", "contexts": 4, "memory": "llms", "budget_gb": 1.0, "chunk_tokens": 16}
 KEYS = ["pattern", "contexts", "memory"]
+SWEPT = ["budget_gb", "chunk_tokens"]  # settings that key the tables too where the requests carry them (Fig. 10, 14)
 
 
 def with_settings(requests: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
@@ -49,12 +50,14 @@ def _order(table: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def switching_table(requests: pd.DataFrame) -> pd.DataFrame:
-    """LLMS Fig. 9: per pattern, active contexts and memory method (and budget where the requests
-    carry ``budget_gb``), over the switches (:func:`switch_rows`): their count; the mean, P50 and
-    P99 switching latency (ms); the mean chunks missing, recomputed and read per switch; the MiB read
+    """LLMS Fig. 9: per pattern, active contexts and memory method (and budget and chunk size where the
+    requests carry ``budget_gb`` and ``chunk_tokens``: Fig. 10 and 14; Fig. 13's ablations are memory
+    methods), over the switches (:func:`switch_rows`): their count; the mean, P50 and P99 switching
+    latency (ms); the mean chunks missing, recomputed and read per switch; the MiB read
     and written at switch time and the faults, summed over the switches; and ``slower_than_llms``,
-    the mean latency over LLMS's at the same pattern, contexts and budget (NaN without an LLMS row)."""
-    keys = [*KEYS, *(["budget_gb"] if "budget_gb" in requests.columns else [])]
+    the mean latency over LLMS's at the same pattern, contexts, budget and chunk size (NaN without an
+    LLMS row)."""
+    keys = [*KEYS, *[k for k in SWEPT if k in requests.columns]]
     switches = switch_rows(requests).assign(_ms=lambda f: f["switch_switch_s"] * 1e3)
     columns = [*keys, "switches", "mean_switch_ms", "p50_switch_ms", "p99_switch_ms", "mean_missing_chunks",
                "mean_recomputed_chunks", "mean_read_chunks", "read_mib", "written_at_switch_mib", "faults",
@@ -80,10 +83,30 @@ def switching_table(requests: pd.DataFrame) -> pd.DataFrame:
 
 
 def max_contexts_under(table: pd.DataFrame, constraint_ms: float) -> pd.DataFrame:
-    """LLMS Fig. 10: per pattern and memory method (and budget where ``table`` has ``budget_gb``),
+    """LLMS Fig. 10: per pattern and memory method (and budget and chunk size where ``table`` has them),
     ``max_contexts``, the largest tested number of active contexts whose mean switching latency
-    (``mean_switch_ms`` of :func:`switching_table`) is at most ``constraint_ms``; 0 if none is."""
-    keys = ["pattern", *(["budget_gb"] if "budget_gb" in table.columns else []), "memory"]
+    (``mean_switch_ms`` of :func:`switching_table`) is at most ``constraint_ms``, 0 if none is; and
+    ``interpolated_contexts`` where the latency reaches it (:func:`contexts_under`), with
+    ``every_tested_within`` when the sweep never got there."""
+    keys = ["pattern", *[k for k in SWEPT if k in table.columns], "memory"]
     within = table["contexts"].where(table["mean_switch_ms"] <= constraint_ms)
     out = within.groupby([table[k] for k in keys]).max().fillna(0).astype(np.int64).rename("max_contexts")
+    between = table.groupby(keys).apply(
+        lambda g: pd.Series(contexts_under(g["contexts"].tolist(), g["mean_switch_ms"].tolist(), constraint_ms),
+                            index=["interpolated_contexts", "every_tested_within"]), include_groups=False)  # fmt: skip
+    out = out.to_frame().join(between)
+    out["every_tested_within"] = out["every_tested_within"].astype(bool)
     return _order(out.reset_index(), keys).reset_index(drop=True)
+
+
+def contexts_under(contexts: list[int], mean_switch_ms: list[float], constraint_ms: float) -> tuple[float, bool]:
+    """The active contexts at which the mean switching latency reaches ``constraint_ms`` (the paper's
+    fractional counts, e.g. 4.32): linear between the last tested count within the constraint and the
+    first over it, from one context at 0 ms (a single context is never switched away from). With every
+    tested count within, the largest one and ``True`` (the real limit lies beyond the sweep)."""
+    below_n, below_ms = 1.0, 0.0
+    for n, ms in sorted(zip(contexts, mean_switch_ms, strict=True)):
+        if ms > constraint_ms:
+            return below_n + (constraint_ms - below_ms) / (ms - below_ms) * (n - below_n), False
+        below_n, below_ms = float(n), ms
+    return below_n, True

@@ -126,6 +126,34 @@ def test_max_contexts_under_a_constraint() -> None:
     assert held(5.0) == {"llms": 2, "swapping": 0}
     assert held(40.0) == {"llms": 4, "swapping": 4}
     assert held(1.0) == {"llms": 0, "swapping": 0}
+    # where the latency reaches the constraint, linear in contexts from one context at 0 ms
+    out = context_switching.max_contexts_under(table, 25.0).set_index("memory")
+    assert out.loc["swapping", "interpolated_contexts"] == pytest.approx(2 + (25 - 9) / (40 - 9) * 2)
+    assert out.loc["llms", "interpolated_contexts"] == 4 and out.loc["llms", "every_tested_within"]
+    assert not out.loc["swapping", "every_tested_within"]
+    assert context_switching.max_contexts_under(table, 1.0).set_index("memory").loc[
+        "swapping", "interpolated_contexts"] == pytest.approx(1 + 1 / 9)  # fmt: skip
+
+
+def test_contexts_under_a_constraint_between_the_tested_counts() -> None:
+    assert context_switching.contexts_under([2, 4, 8], [4.0, 8.0, 16.0], 10.0) == (pytest.approx(5.0), False)
+    assert context_switching.contexts_under([8, 2, 4], [16.0, 4.0, 8.0], 10.0) == (pytest.approx(5.0), False)
+    assert context_switching.contexts_under([2, 4], [1.0, 2.0], 10.0) == (4.0, True)
+    assert context_switching.contexts_under([2, 4], [20.0, 30.0], 10.0) == (pytest.approx(1.5), False)
+
+
+def test_chunk_sizes_and_budgets_are_rows_of_their_own() -> None:
+    """Fig. 14 (chunk size) and Fig. 10 (budget): the same pattern, contexts and method at another chunk
+    size or budget is another row, its slowdown against LLMS at that chunk size and budget."""
+    base = requests_with_settings().assign(chunk_tokens=16, budget_gb=1.0)
+    big = base.assign(chunk_tokens=256, switch_switch_s=base["switch_switch_s"] * 2)
+    table = context_switching.switching_table(pd.concat([base, big], ignore_index=True))
+    assert len(table) == 2 * len(RUNS)
+    row = table.set_index(["memory", "contexts", "chunk_tokens"])
+    assert row.loc[("llms", 2, 256), "mean_switch_ms"] == pytest.approx(2 * row.loc[("llms", 2, 16), "mean_switch_ms"])
+    assert row.loc[("swapping", 4, 256), "slower_than_llms"] == pytest.approx(5.0)
+    held = context_switching.max_contexts_under(table, 10.0).set_index(["memory", "chunk_tokens"])
+    assert held.loc[("llms", 16), "max_contexts"] == 4 and held.loc[("llms", 256), "max_contexts"] == 2
 
 
 def test_settings_come_from_the_runs_and_default_to_the_spec() -> None:
@@ -179,6 +207,8 @@ def test_report_of_a_context_switching_campaign(tmp_path: Path) -> None:
     held = pd.read_csv(campaign / "report" / "context_max_contexts.csv").set_index("memory")
     assert held.loc["llms", ["max_contexts_10ms", "max_contexts_25ms"]].tolist() == [4, 4]
     assert held.loc["swapping", ["max_contexts_10ms", "max_contexts_25ms"]].tolist() == [2, 2]
+    assert held.loc["swapping", "contexts_at_25ms"] == pytest.approx(2 + (25 - 9) / (40 - 9) * 2)
+    assert held.loc["llms", "beyond_sweep_25ms"] and not held.loc["swapping", "beyond_sweep_25ms"]
     assert "context_switching.csv" in text and "context_max_contexts.csv" in text
 
 
