@@ -129,7 +129,14 @@ def test_the_baselines_are_settings_of_the_same_memory(model, tmp_path) -> None:
     assert {c.bits for ctx in vllm_s.contexts.values() for c in ctx.chunks} == {16}
     assert {c.bits for ctx in vllm_sq.contexts.values() for c in ctx.chunks} == {8}
     assert vllm_s.store.stats.bytes_read > vllm_sq.store.stats.bytes_read  # float16 moves twice the bytes
-    assert len(BASELINES) == 8
+    assert len(BASELINES) == 9
+    # the ablations change one technique each; llms-lru is half of llms-no-lifecycle
+    ablated = {name: baseline_settings(name, 1, RECOMPUTE, READ) for name in BASELINES if name.startswith("llms-")}
+    llms = baseline_settings("llms", 1, RECOMPUTE, READ)
+    assert (llms.eviction, llms.ahead_of_time) == ("lctru", True)
+    assert (ablated["llms-lru"].eviction, ablated["llms-lru"].ahead_of_time) == ("lru", True)
+    assert (ablated["llms-no-lifecycle"].eviction, ablated["llms-no-lifecycle"].ahead_of_time) == ("lru", False)
+    assert not ablated["llms-no-compression"].compression and not ablated["llms-no-pipeline"].pipeline
     with pytest.raises(ValueError, match="one of llms"):
         baseline_settings("zram", 1, RECOMPUTE, READ)
 

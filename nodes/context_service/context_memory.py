@@ -57,7 +57,8 @@ def baseline_settings(name: str, budget_bytes: int, recompute_cost: LinearCost, 
     ``llms``; ``lmk`` (Android's low-memory killer: a reclaimed context is gone, recomputed in full);
     ``swapping`` (whole contexts swapped out at reclaim and read back); ``vllm-s`` (16-token blocks in
     float16, LRU, swapped on demand); ``vllm-sq`` (the same at INT8); ``llms-no-lifecycle`` (LRU and no
-    ahead-of-time swapping), ``llms-no-compression``, ``llms-no-pipeline`` (every missing chunk read).
+    ahead-of-time swapping), ``llms-lru`` (half of that: LRU instead of LCTRU, ahead-of-time swapping
+    kept), ``llms-no-compression``, ``llms-no-pipeline`` (every missing chunk read).
     The paper quantizes only in VLLM-SQ ("VLLM-S ... without compression"; SmoothQuant INT8 added in
     VLLM-SQ) and LLMS, so the vanilla LMK and Swapping hold float16 caches like VLLM-S (our reading)."""
     base = MemorySettings(budget_bytes, recompute_cost, read_cost, chunk_tokens)
@@ -69,6 +70,7 @@ def baseline_settings(name: str, budget_bytes: int, recompute_cost: LinearCost, 
         "vllm-s": dict(plain),
         "vllm-sq": dict(plain),
         "llms-no-lifecycle": dict(ahead_of_time=False, eviction="lru"),
+        "llms-lru": dict(eviction="lru"),
         "llms-no-compression": dict(compression=False),
         "llms-no-pipeline": dict(pipeline=False),
     }

@@ -9,7 +9,7 @@ baselines, or LLMS without one of its techniques (Fig. 13)."""
 from .base import Method
 
 # LLMS and its baselines and ablations as settings of one context memory (context_memory.baseline_settings)
-CONTEXT_MEMORY_METHODS = ("llms", "lmk", "swapping", "vllm-s", "vllm-sq", "llms-no-lifecycle",
+CONTEXT_MEMORY_METHODS = ("llms", "lmk", "swapping", "vllm-s", "vllm-sq", "llms-no-lifecycle", "llms-lru",
                           "llms-no-compression", "llms-no-pipeline")  # fmt: skip
 # the uncompressed ones hold float16 caches (the paper quantizes only in VLLM-SQ and LLMS)
 FLOAT16_CONTEXT_MEMORY = ("lmk", "swapping", "vllm-s")
