@@ -54,21 +54,27 @@ def target_chunk_bytes(target, chunk_tokens: int) -> int:
     return chunk_bytes_all_layers(target.layers, target.kv_heads, target.head_dim, chunk_tokens)
 
 
-def scale_for(profile, target, budget_gb: float, chunk: int) -> dict:
+def scale_for(profile, target, budget_gb: float, chunk: int, disk_slowdown: float = 1.0) -> dict:
     """The daemon's scale in a campaign with this target, device, budget and chunk size
-    (testbed/context_service.py), and the read:recompute ratio of a chunk it keeps."""
+    (testbed/context_service.py), and the read:recompute ratio of a chunk it keeps; ``disk_slowdown``
+    divides the disk's bandwidths and multiplies its per-I/O latency (a slower disk than the profile's:
+    the brief's sweep of the read:recompute ratio)."""
     tiny_config = json.loads((TINY / "config.json").read_text())
-    scaled = context_scale(tiny_config, chunk, budget_gb, target=target, rates=profile.rates(),
-                           disk=profile.spec.disk)  # fmt: skip
+    disk = profile.spec.disk
+    disk = disk.model_copy(update={"read_mbps": disk.read_mbps / disk_slowdown, "io_latency_ms":
+                                   disk.io_latency_ms * disk_slowdown, "write_mbps": disk.write_mbps / disk_slowdown})
+    scaled = context_scale(tiny_config, chunk, budget_gb, target=target, rates=profile.rates(), disk=disk)
     disk, t_re, layers = DiskProfile(*scaled.disk), LinearCost(*scaled.recompute), tiny_config["num_hidden_layers"]
     tiny_chunk = round(target_chunk_bytes(target, chunk) / scaled.target_over_model)
     read = LinearCost(1.0 / (disk.read_mbps * 1e6) + disk.io_latency_ms / 1e3 * layers / tiny_chunk, 0.0)
     read_per_chunk_s = disk.read_s(tiny_chunk // layers) * layers
-    print(f"{budget_gb:g} GB, {chunk}-token chunks: target chunk {target_chunk_bytes(target, chunk) / 2**20:.2f} MiB"
+    print(f"{budget_gb:g} GB, {chunk}-token chunks, disk {disk_slowdown:g}x slower: target chunk "
+          f"{target_chunk_bytes(target, chunk) / 2**20:.2f} MiB"
           f" = {scaled.target_over_model:.0f} x tiny; budget {scaled.budget_bytes / 2**20:.1f} MiB; T_re "
           f"{t_re.per_unit_s * 1e3:.1f} ms/chunk + {t_re.fixed_s * 1e3:.1f} ms; read {read_per_chunk_s * 1e3:.2f} "
           f"ms/chunk (read:recompute {read_per_chunk_s / t_re.per_unit_s:.2f})", flush=True)  # fmt: skip
-    return {"budget_gb": budget_gb, "chunk_tokens": chunk, "scale": scaled.target_over_model,
+    return {"budget_gb": budget_gb, "chunk_tokens": chunk, "disk_slowdown": disk_slowdown,
+            "scale": scaled.target_over_model,
             "budget_bytes": scaled.budget_bytes, "disk": disk, "t_re": t_re, "read": read,
             "read_per_chunk_s": read_per_chunk_s, "read_to_recompute": read_per_chunk_s / t_re.per_unit_s}
 
@@ -85,8 +91,9 @@ def sweep(args: argparse.Namespace, model, corpus: list[int], scaled: dict) -> l
                 settings = baseline_settings(method, scaled["budget_bytes"], scaled["t_re"], scaled["read"],
                                              scaled["chunk_tokens"])._replace(recompute_pace=scaled["t_re"])
                 point = replay(model, corpus, trace, ChunkStore, scaled["disk"], settings)
-                point = {"budget_gb": scaled["budget_gb"], "chunk_tokens": scaled["chunk_tokens"], "pattern": pattern,
-                         "contexts": contexts, "method": method, **point}  # fmt: skip
+                point = {"budget_gb": scaled["budget_gb"], "chunk_tokens": scaled["chunk_tokens"],
+                         "disk_slowdown": scaled["disk_slowdown"], "read_to_recompute": scaled["read_to_recompute"],
+                         "pattern": pattern, "contexts": contexts, "method": method, **point}  # fmt: skip
                 points.append(point)
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in point.items()}),
                       flush=True)  # fmt: skip
@@ -126,26 +133,25 @@ def replay(model, corpus: list[int], trace, store_class, disk, settings) -> dict
 
 
 def max_contexts(points: list[dict], constraints_ms) -> list[dict]:
-    """LLMS Fig. 10: per budget, chunk size, method and latency constraint, the active contexts at which
-    the mean switching latency reaches the constraint (analysis.context_switching.contexts_under), per
-    pattern and their mean, and how many times LLMS's mean that is over the best other method's."""
+    """LLMS Fig. 10: per budget, chunk size, disk, method and latency constraint, the active contexts at
+    which the mean switching latency reaches the constraint (analysis.context_switching.contexts_under),
+    per pattern and their mean, and how many times LLMS's mean that is over the best other method's."""
+    setting = ("budget_gb", "chunk_tokens", "disk_slowdown")
     rows = []
-    keys = sorted({(p["budget_gb"], p["chunk_tokens"], p["method"]) for p in points})
     for limit in constraints_ms:
-        for budget_gb, chunk, method in keys:
+        for key in sorted({(*(p[k] for k in setting), p["method"]) for p in points}):
             per_pattern = {}
             for pattern in dict.fromkeys(p["pattern"] for p in points):
-                mine = [p for p in points if (p["budget_gb"], p["chunk_tokens"], p["method"], p["pattern"]) == (
-                    budget_gb, chunk, method, pattern)]  # fmt: skip
+                mine = [p for p in points if (*(p[k] for k in setting), p["method"]) == key and p["pattern"] == pattern]
                 n, beyond = contexts_under([p["contexts"] for p in mine], [p["mean_switch_s"] * 1e3 for p in mine],
                                            limit)  # fmt: skip
                 per_pattern[pattern] = {"contexts": round(n, 2), "beyond_sweep": beyond}
-            rows.append({"constraint_ms": limit, "budget_gb": budget_gb, "chunk_tokens": chunk, "method": method,
+            rows.append({"constraint_ms": limit, **dict(zip(setting, key[:-1], strict=True)), "method": key[-1],
                          "per_pattern": per_pattern,
                          "mean_contexts": statistics.fmean(v["contexts"] for v in per_pattern.values())})  # fmt: skip
     for row in rows:
         others = [r["mean_contexts"] for r in rows if r["method"] != "llms" and all(
-            r[k] == row[k] for k in ("constraint_ms", "budget_gb", "chunk_tokens"))]  # fmt: skip
+            r[k] == row[k] for k in ("constraint_ms", *setting))]  # fmt: skip
         if row["method"] == "llms" and others:
             row["over_best_other"] = row["mean_contexts"] / max(others) if max(others) else None
     return rows
@@ -161,6 +167,8 @@ def main() -> int:
     parser.add_argument("--methods", default="llms,vllm-sq,vllm-s,swapping,lmk",
                         help="also llms-no-lifecycle, llms-no-compression, llms-no-pipeline (Fig. 13)")
     parser.add_argument("--chunk-tokens", default=str(CHUNK), help="tokens a chunk (a list: Fig. 14, 1 to 512)")
+    parser.add_argument("--disk-slowdown", default="1", help="a list of factors the device's disk is made slower by "
+                        "(bandwidth divided, per-I/O latency multiplied): sweeps the read:recompute ratio (Fig. 13)")
     parser.add_argument("--calls-per-context", type=int, default=5)
     parser.add_argument("--tasks", default="sst2,samsum,agnews,wmt17", help="Table 3 tasks the contexts take")
     parser.add_argument("--max-context-tokens", type=int, default=1024)
@@ -177,12 +185,14 @@ def main() -> int:
     points, scales = [], []
     for budget_gb in [float(b) for b in args.budget_gb.split(",")]:
         for chunk in [int(c) for c in args.chunk_tokens.split(",")]:
-            scaled = scale_for(profile, target, budget_gb, chunk)
-            scales.append(scaled)
-            points += sweep(args, model, corpus, scaled)
+            for slowdown in [float(x) for x in args.disk_slowdown.split(",")]:
+                scaled = scale_for(profile, target, budget_gb, chunk, slowdown)
+                scales.append(scaled)
+                points += sweep(args, model, corpus, scaled)
     for point in points:
         base = next((p for p in points if p["method"] == "llms" and all(
-            p[k] == point[k] for k in ("pattern", "contexts", "budget_gb", "chunk_tokens"))), None)  # fmt: skip
+            p[k] == point[k] for k in ("pattern", "contexts", "budget_gb", "chunk_tokens", "disk_slowdown"))),
+            None)  # fmt: skip
         point["slower_than_llms"] = point["mean_switch_s"] / base["mean_switch_s"] if base and base[
             "mean_switch_s"] else None  # fmt: skip
     first = scales[0]
@@ -193,8 +203,9 @@ def main() -> int:
         "scale_target_over_tiny": first["scale"], "modeled_times": True,
         "t_re_s_per_chunk": first["t_re"].per_unit_s, "t_re_fixed_s": first["t_re"].fixed_s,
         "read_s_per_chunk": first["read_per_chunk_s"], "read_to_recompute_ratio": first["read_to_recompute"],
-        "scales": [{k: v for k, v in s.items() if k in ("budget_gb", "chunk_tokens", "scale", "budget_bytes",
-                                                         "read_per_chunk_s", "read_to_recompute")} for s in scales],
+        "scales": [{k: v for k, v in s.items() if k in ("budget_gb", "chunk_tokens", "disk_slowdown", "scale",
+                                                         "budget_bytes", "read_per_chunk_s", "read_to_recompute")}
+                   for s in scales],
         "disk_tiny": first["disk"]._asdict(), "points": points,
         "max_contexts": max_contexts(points, CONSTRAINTS_MS),
     })  # fmt: skip
