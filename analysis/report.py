@@ -245,15 +245,16 @@ CONSTRAINTS_MS = (10.0, 25.0)  # LLMS Fig. 10's switching-latency constraints
 
 def context_service_section(report: Report, requests: pd.DataFrame, done: pd.DataFrame) -> None:
     """LLMS's view of the context-service runs (method ``llms``): Fig. 9's mean switching latency per
-    pattern, active contexts and memory method, with what the switches read, recomputed and wrote,
-    and Fig. 10's most active contexts each method holds under 10 and 25 ms."""
+    pattern, active contexts and memory method (the ablations of Fig. 13 are methods; budgets and chunk
+    sizes, Fig. 10 and 14, are keys), with what the switches read, recomputed and wrote, and Fig. 10's
+    most active contexts each method holds under 10 and 25 ms."""
     mine = requests[requests["switch_switch_s"].notna() & requests["run_id"].isin(set(done["run_id"]))]
     if mine.empty:
         return
     runs = done[done["run_id"].isin(set(mine["run_id"]))]
     rows = context_switching.with_settings(mine, runs)
     table = context_switching.switching_table(rows)
-    report.lines += ["## Context service (LLMS Fig. 9 and 10)", ""]
+    report.lines += ["## Context service (LLMS Fig. 9, 10, 13 and 14)", ""]
     targets = runs["target.model"].dropna() if "target.model" in runs.columns else pd.Series(dtype=object)
     if len(targets) == len(runs):
         timing = (f"Times are the target's ({', '.join(sorted(set(map(str, targets))))} on the device's profile): "
@@ -266,7 +267,8 @@ def context_service_section(report: Report, requests: pd.DataFrame, done: pd.Dat
     bytes_note = (" Bytes are the checkpoint's (a target's are the manifest's `target_over_model` times more)."
                   if len(targets) else "")  # fmt: skip
     report.table("context_switching", table,
-                 "Context switching (LLMS Fig. 9): per switching pattern, active contexts and memory method, over "
+                 "Context switching (LLMS Fig. 9; budget and chunk size for Fig. 10 and 14; the ablations of "
+                 "Fig. 13 as memory methods): per switching pattern, active contexts and memory method, over "
                  "the calls to a context with a past (a context's first call and a restarted context left out): "
                  "their count, the switching latency (ms, from the call until its context is resident: mean, P50, "
                  "P99), the mean chunks per switch that were missing, recomputed and read, the MiB read and "
