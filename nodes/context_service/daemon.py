@@ -65,6 +65,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 self._send({"ok": True, "memory_method": self.server.memory_method,
                             "settings": memory.settings._asdict(), "resident_bytes": memory.resident_bytes,
                             "budget_bytes": memory.settings.budget_bytes, "faults": memory.faults,
+                            "recompute_overruns": memory.recompute_overruns,
                             "aot_bytes_written": memory.aot_bytes_written, "store": memory.store.stats.as_dict(),
                             "store_modeled": memory.store.modeled, "contexts": len(memory.contexts)})  # fmt: skip
             else:
