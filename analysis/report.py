@@ -273,7 +273,8 @@ def context_service_section(report: Report, requests: pd.DataFrame, done: pd.Dat
                  "their count, the switching latency (ms, from the call until its context is resident: mean, P50, "
                  "P99), the mean chunks per switch that were missing, recomputed and read, the MiB read and "
                  "written at switch time and the faults (summed over the switches), and the mean latency over "
-                 f"LLMS's at the same pattern, contexts, budget and chunk size. {timing}{bytes_note}", digits=3)  # fmt: skip
+                 "LLMS's at the same pattern, contexts, budget and chunk size. "
+                 f"{timing}{bytes_note}", digits=3)  # fmt: skip
     limits = [context_switching.max_contexts_under(table, limit).rename(columns={
         "max_contexts": f"max_contexts_{limit:g}ms", "interpolated_contexts": f"contexts_at_{limit:g}ms",
         "every_tested_within": f"beyond_sweep_{limit:g}ms"}) for limit in CONSTRAINTS_MS]  # fmt: skip
