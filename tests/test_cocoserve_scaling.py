@@ -1,0 +1,232 @@
+"""CoCoServe's scaling decisions (nodes/scaling) against hand-computed fixtures: the speedup model
+(Eq. 1-4 and gamma), Algorithm 1 (scale-up) and Algorithm 2 (scale-down)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from nodes.scaling import scale_down as down
+from nodes.scaling.placement import GpuMemory, Placement, available_bytes
+from nodes.scaling.scale_up import by_continuity, eligible, scale_up
+from nodes.scaling.speedup_model import (
+    communication_s,
+    computation_s,
+    fit_gamma,
+    gamma_from_times,
+    homogeneous_speedup,
+    identical,
+    shares,
+    speedup,
+    transitions,
+)
+
+GB = 1 << 30
+GPUS = ("g0", "g1", "g2", "g3")
+
+
+def room(**free_layers: int) -> dict[str, GpuMemory]:
+    """GPU memories with room for this many more 1 GB layers than they hold (g0 holds the model)."""
+    return {g: GpuMemory(capacity_bytes=(n + (8 if g == "g0" else 0)) * GB) for g, n in free_layers.items()}
+
+
+def eq4(gamma: float):
+    return lambda placement: homogeneous_speedup(placement.degrees(), gamma)
+
+
+def eq3(compute: dict[str, float], transfer: dict[str, float]):
+    return lambda placement: speedup(placement, compute, transfer)
+
+
+# -- the speedup model --------------------------------------------------------------------------------
+
+
+def test_eq3_on_identical_gpus_is_eq4_with_gamma_from_the_times() -> None:
+    compute, transfer = identical(GPUS, 2.0), identical(GPUS, 0.5)
+    base = Placement.single(8, "g0")
+    for layers, replicas in [(range(0, 8), ("g1",)), (range(2, 6), ("g1", "g2")), (range(0, 3), ("g1", "g2", "g3"))]:
+        placement = base
+        for layer, gpu in itertools.product(layers, replicas):
+            placement = placement.add_replica(layer, gpu)
+        gamma = gamma_from_times(2.0, 0.5, len(layers))
+        assert speedup(placement, compute, transfer) == pytest.approx(homogeneous_speedup(placement.degrees(), gamma))
+    # every layer on two GPUs, no transfer: Amdahl's perfect 2x; a run of 8 pays one scatter and gather
+    everything = Placement(tuple(("g0", "g1") for _ in range(8)))
+    assert speedup(everything, compute, identical(GPUS, 0.0)) == pytest.approx(2.0)
+    assert communication_s(everything, compute, transfer) == pytest.approx(0.5 * (0.5 + 0.5))
+    assert transitions(everything) == 1
+
+
+def test_eq1_splits_a_layer_by_speed_and_eq2_counts_runs_not_layers() -> None:
+    compute = {"g0": 1.0, "g1": 0.5}  # g1 twice as fast
+    placement = Placement.single(4, "g0").add_replica(1, "g1")
+    assert shares(placement, 1, compute) == pytest.approx({"g0": 1 / 3, "g1": 2 / 3})
+    assert computation_s(placement, compute) == pytest.approx(3 * 1.0 + 1 / 3)
+    # layers 0-1 and 3 on g1: two runs, so two scatters and two gathers of g1's share (2/3)
+    split = placement.add_replica(0, "g1").add_replica(3, "g1")
+    assert transitions(split) == 2
+    assert communication_s(split, compute, {"g0": 0.0, "g1": 0.3}) == pytest.approx(2 * 0.3 * (2 / 3 + 2 / 3))
+
+
+def test_eq4_and_the_gamma_fit() -> None:
+    assert homogeneous_speedup([1, 1, 1, 1], 0.3) == pytest.approx(1.0)
+    assert homogeneous_speedup([2, 2, 2, 2], 0.0) == pytest.approx(2.0)
+    assert homogeneous_speedup([2, 2, 1, 1], 0.2) == pytest.approx(1 / (0.2 + 0.8 / 4 * 3))
+    with pytest.raises(ValueError):
+        homogeneous_speedup([], 0.1)
+    truth = 0.27
+    measured = [(p, homogeneous_speedup(p, truth)) for p in ([2, 2, 1, 1], [2, 2, 2, 2], [4, 4, 4, 1], [1, 1, 1, 1])]
+    assert fit_gamma(measured) == pytest.approx(truth)
+    with pytest.raises(ValueError, match="with a replica"):
+        fit_gamma([([1, 1], 1.0)])
+
+
+# -- Algorithm 1 --------------------------------------------------------------------------------------
+
+
+def test_scale_up_replicates_every_layer_when_it_pays_and_none_once_gamma_reaches_one() -> None:
+    start = Placement.single(4, "g0")
+    full = scale_up(start, room(g0=0, g1=4), {"g1": 0.9}, 0.2, GB, eq4(0.0))
+    assert full.placement.degrees() == [2, 2, 2, 2] and full.speedup == pytest.approx(2.0)
+    assert full.added == tuple((i, "g1") for i in range(4))
+    for gamma in (1.0, 1.5):  # Eq. 4: S never rises above 1 (1.0) or falls (1.5): no replica
+        none = scale_up(start, room(g0=0, g1=4), {"g1": 0.9}, 0.2, GB, eq4(gamma))
+        assert none.placement == start and none.added == ()
+
+
+def test_scale_up_takes_as_many_replicas_as_the_memory_holds() -> None:
+    result = scale_up(Placement.single(4, "g0"), room(g0=0, g1=2), {"g1": 0.9}, 0.2, GB, eq4(0.1))
+    assert result.placement.degrees() == [2, 2, 1, 1]  # floor(2.0 GB / 1 GB) = 2, the run from layer 0
+    half = {"g0": GpuMemory(8 * GB), "g1": GpuMemory(int(2.5 * GB))}
+    assert scale_up(Placement.single(4, "g0"), half, {"g1": 0.9}, 0.2, GB, eq4(0.1)).placement.degrees() == [2, 2, 1, 1]
+
+
+def test_scale_up_prefers_the_longest_run_of_free_layers() -> None:
+    start = Placement.single(8, "g0").add_replica(2, "g1")  # g1 already holds layer 2
+    assert by_continuity(start, "g1", 10) == [3, 4, 5, 6, 7, 0, 1]
+    result = scale_up(start, room(g0=0, g1=4), {"g1": 0.9}, 0.2, GB, eq4(0.1))
+    assert result.placement.degrees() == [1, 1, 2, 2, 2, 2, 1, 1]  # 1 GB of the 4 held layer 2 already
+    assert [layer for layer, _ in result.added] == [3, 4, 5]
+
+
+def test_scale_up_goes_to_the_emptiest_eligible_gpu_first_and_a_second_covers_what_the_first_did_not() -> None:
+    vacancy = {"g1": 0.5, "g2": 0.9, "g3": 0.2}  # g3 at the threshold: not eligible (strictly above)
+    result = scale_up(Placement.single(4, "g0"), room(g0=0, g1=2, g2=2, g3=4), vacancy, 0.2, GB, eq4(0.0))
+    assert eligible(vacancy, 0.2) == ["g2", "g1"]
+    assert result.added == ((0, "g2"), (1, "g2"), (2, "g1"), (3, "g1"))
+    assert result.placement.degrees() == [2, 2, 2, 2] and "g3" not in result.placement.replica_gpus()
+
+
+def test_scale_up_judges_a_run_whole_when_its_ends_pay_the_transfer() -> None:
+    """Eq. 3 with w = 1 s and t = 0.6 s: one replica alone gives 4 / 4.1 < 1, two give 4 / 3.6 > 1, the
+    whole run 4 / 2.6. The paper's one-at-a-time test would add none."""
+    compute, transfer = identical(GPUS, 1.0), identical(GPUS, 0.6)
+    result = scale_up(Placement.single(4, "g0"), room(g0=0, g1=4), {"g1": 0.9}, 0.2, GB, eq3(compute, transfer))
+    assert result.added == tuple((i, "g1") for i in range(4))
+    assert result.speedup == pytest.approx(4 / 2.6)
+    # a transfer dearer than anything replication saves: nothing
+    dear = scale_up(Placement.single(4, "g0"), room(g0=0, g1=4), {"g1": 0.9}, 0.2, GB, eq3(compute, identical(GPUS, 5)))
+    assert dear.added == ()
+
+
+def test_scale_up_on_a_faster_gpu_splits_by_speed() -> None:
+    compute, transfer = {"g0": 1.0, "g1": 0.5}, {"g0": 0.0, "g1": 0.0}
+    result = scale_up(Placement.single(2, "g0"), room(g0=0, g1=2), {"g1": 0.9}, 0.2, GB, eq3(compute, transfer))
+    assert result.speedup == pytest.approx(2 / (2 / 3))  # each layer 1/3 s: g0 a third of the batch, g1 two
+
+
+def test_scale_up_never_lowers_the_speedup_nor_overfills_a_gpu() -> None:
+    rng = random.Random(7)
+    for _ in range(40):
+        layers = rng.randint(2, 10)
+        start = Placement.single(layers, "g0")
+        for layer in rng.sample(range(layers), rng.randint(0, layers // 2)):
+            start = start.add_replica(layer, rng.choice(("g1", "g2")))
+        memory = {"g0": GpuMemory(64 * GB), **{g: GpuMemory(rng.randint(0, 6) * GB + rng.randint(0, GB))
+                                                 for g in ("g1", "g2", "g3")}}  # fmt: skip
+        memory = {g: m if available_bytes(start, memory, GB, g) >= 0 else GpuMemory(
+            len(start.layers_on(g)) * GB) for g, m in memory.items()}  # fmt: skip
+        compute = {g: rng.uniform(0.5, 2.0) for g in GPUS}
+        transfer = {g: rng.uniform(0.0, 1.0) for g in GPUS}
+        predict = eq3(compute, transfer)
+        result = scale_up(start, memory, {g: rng.random() for g in ("g1", "g2", "g3")}, 0.3, GB, predict)
+        assert result.speedup >= predict(start) and result.speedup == pytest.approx(predict(result.placement))
+        assert all(available_bytes(result.placement, memory, GB, g) >= 0 for g in memory)
+        assert all(len(set(hosts)) == len(hosts) for hosts in result.placement.hosts)  # one copy per GPU
+
+
+def test_scale_up_is_within_ten_percent_of_the_best_enumerated_placement() -> None:
+    """Every way to replicate layers of a 6-layer model on g1 (room for 3) and g2 (room for 2): the
+    algorithm's pick is within 10% of the best, under Eq. 3 with a transfer of 0.3 s per 1 s layer."""
+    compute, transfer = identical(GPUS, 1.0), identical(GPUS, 0.3)
+    predict = eq3(compute, transfer)
+    start = Placement.single(6, "g0")
+    best = 0.0
+    for on_g1 in itertools.chain.from_iterable(itertools.combinations(range(6), k) for k in range(4)):
+        for on_g2 in itertools.chain.from_iterable(itertools.combinations(range(6), k) for k in range(3)):
+            placement = start
+            for layer in on_g1:
+                placement = placement.add_replica(layer, "g1")
+            for layer in on_g2:
+                placement = placement.add_replica(layer, "g2")
+            best = max(best, predict(placement))
+    result = scale_up(start, room(g0=0, g1=3, g2=2), {"g1": 0.9, "g2": 0.8}, 0.2, GB, predict)
+    assert result.speedup >= 0.9 * best
+
+
+# -- Algorithm 2 --------------------------------------------------------------------------------------
+
+
+def scaled_instance() -> down.Instance:
+    """Layers 0-3 on g0 with replicas of 2-3 on g1; g0 also holds a replica of g2's layer 4."""
+    placement = Placement.split(["g0", "g0", "g0", "g0", "g2"]).add_replica(2, "g1").add_replica(3, "g1")
+    return down.Instance(placement.add_replica(4, "g0"), batch_size=32)
+
+
+MEMORY = {"g0": GpuMemory(8 * GB), "g1": GpuMemory(3 * GB), "g2": GpuMemory(6 * GB)}
+
+
+def test_scale_down_runs_its_phases_in_order_until_nothing_is_left() -> None:
+    instance, actions = down.scale_down(scaled_instance(), "g0", MEMORY, GB, eq4(0.1), lambda _: True,
+                                        max_migrations=2, delta_batch=5)  # fmt: skip
+    assert [a.phase for a in actions] == [1, 1, 2] + [3] * 7
+    # phase 1: the last layers g0 is primary for go to the GPU with the most room (g2: 5 GB free, then 4)
+    assert [(a.layer, a.destination) for a in actions[:2]] == [(3, "g2"), (2, "g2")]
+    # phase 2: g0's own replica (of layer 4); phase 3: batch 32 down by 5 to 1, offloading KV first
+    assert (actions[2].kind, actions[2].layer) == ("evict", 4)
+    assert [a.batch_size for a in actions[3:]] == [27, 22, 17, 12, 7, 2, 1]
+    assert [a.offload for a in actions[3:]] == ["kv"] + ["kv+weights"] * 6
+    assert instance.batch_size == 1 and instance.offload == "kv+weights" and instance.migrations == 2
+    assert down.next_action(instance, "g0", MEMORY, GB, eq4(0.1), 2, 5) is None
+
+
+def test_scale_down_stops_as_soon_as_the_slo_holds() -> None:
+    after_one, actions = down.scale_down(scaled_instance(), "g0", MEMORY, GB, eq4(0.1),
+                                         lambda i: i.migrations < 1, max_migrations=2)  # fmt: skip
+    assert [a.kind for a in actions] == ["migrate"] and after_one.placement.primary(3) == "g2"
+    _, actions = down.scale_down(scaled_instance(), "g0", MEMORY, GB, eq4(0.1),
+                                 lambda i: 4 in i.placement.replicas_on("g0"), max_migrations=0)  # fmt: skip
+    assert [a.kind for a in actions] == ["evict"]  # no migration allowed: phase 2 at once, then it holds
+    _, actions = down.scale_down(scaled_instance(), "g0", MEMORY, GB, eq4(0.1), lambda i: i.batch_size > 20,
+                                 max_migrations=0)  # fmt: skip
+    assert [a.batch_size for a in actions if a.phase == 3] == [27, 22, 17]
+
+
+def test_scale_down_skips_migration_without_a_destination_and_evicts_the_cheapest_replica_first() -> None:
+    # every other GPU full: nothing can migrate; g0 holds replicas of layer 1 (on 3 GPUs) and 3 (on 2)
+    placement = Placement.split(["g1", "g2", "g0", "g2"]).add_replica(1, "g0").add_replica(1, "g3")
+    placement = placement.add_replica(3, "g0")
+    full = {"g0": GpuMemory(8 * GB), "g1": GpuMemory(1 * GB), "g2": GpuMemory(2 * GB), "g3": GpuMemory(1 * GB)}
+    action = down.next_action(down.Instance(placement, 8), "g0", full, GB, eq4(0.1), 2, 5)
+    assert action is not None and (action.phase, action.layer) == (2, 1)  # 1/3 -> 1/2 costs less than 1/2 -> 1
+    assert down.evictees(placement, "g0", eq4(0.1)) == [1, 3]
+    assert down.destination_for(placement, full, GB, 2, "g0") is None
+
+
+def test_scale_down_never_takes_the_batch_below_one() -> None:
+    instance = down.Instance(Placement.single(2, "g0"), batch_size=3)
+    _, actions = down.scale_down(instance, "g0", {"g0": GpuMemory(4 * GB)}, GB, eq4(0.1), lambda _: True,
+                                 max_migrations=2, delta_batch=5)  # fmt: skip
+    assert [(a.batch_size, a.offload) for a in actions] == [(1, "kv"), (1, "kv+weights")]
