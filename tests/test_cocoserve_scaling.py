@@ -230,3 +230,37 @@ def test_scale_down_never_takes_the_batch_below_one() -> None:
     _, actions = down.scale_down(instance, "g0", {"g0": GpuMemory(4 * GB)}, GB, eq4(0.1), lambda _: True,
                                  max_migrations=2, delta_batch=5)  # fmt: skip
     assert [(a.batch_size, a.offload) for a in actions] == [(1, "kv"), (1, "kv+weights")]
+
+
+# -- the controller on a step trace ------------------------------------------------------------------
+
+
+def test_the_controller_on_a_step_trace_low_high_low() -> None:
+    """Low load (0-60 s): replicas added one a tick, a cooldown apart. High load (60-160 s): the SLO is
+    violated until the batch is down to 22: migrations, then batch steps, in Algorithm 2's order, and
+    no replica added. Low again: once calm, phase 3 undone, then replicas again; no scale-down."""
+    from nodes.scaling.controller import ScalingController, Snapshot, Thresholds
+
+    memory = {"g0": GpuMemory(12 * GB), **{g: GpuMemory(8 * GB) for g in ("g1", "g2", "g3")}}
+    thresholds = Thresholds(max_migrations=2)
+    controller = ScalingController(down.Instance(Placement.single(8, "g0"), 32), "g0", memory, GB, eq4(0.1),
+                                   thresholds)  # fmt: skip
+    actions = []
+    for tick in range(0, 300, 2):
+        high = 60 <= tick < 160
+        violation = 0.2 if high and controller.instance.batch_size > 22 else 0.0
+        vacancy = {"g0": 0.05 if high else 0.4, **{g: (0.1 if high else 0.8) for g in ("g1", "g2", "g3")}}
+        action = controller.tick(Snapshot(float(tick), vacancy, violation))
+        if action is not None:
+            actions.append((tick, action))
+    low, high, after = ([a for t, a in actions if lo <= t < hi] for lo, hi in ((0, 60), (60, 160), (160, 300)))
+    assert [a.kind for a in low] == ["replicate"] * 6
+    assert [t for t, _ in actions[:6]] == [0, 10, 20, 30, 40, 50]  # one a cooldown
+    assert [(a.kind, a.phase) for a in high] == [("migrate", 1), ("migrate", 1), ("reduce", 3), ("reduce", 3)]
+    assert [a.batch_size for a in high if a.kind == "reduce"] == [27, 22]
+    assert [a.kind for a in after[:2]] == ["restore", "restore"] and [a.batch_size for a in after[:2]] == [27, 32]
+    assert after[1].offload == "none" and after[2:] and {a.kind for a in after[2:]} == {"replicate"}
+    last_down = max(t for t, a in actions if a.phase in (1, 2, 3))
+    assert min(t for t, a in actions if t > last_down) - last_down >= thresholds.calm_s  # calm before scale-up
+    assert controller.instance.batch_size == 32 and controller.instance.offload == "none"
+    assert all(row["decision"] != "scale-down" for row in controller.log if row["time_s"] >= 160)

@@ -12,7 +12,7 @@ changes nothing: every replica pays alone when gamma < 1 and none does when gamm
 never decreases and no GPU goes over its capacity.
 """
 
-from typing import Callable, Dict, List, Mapping, NamedTuple, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .placement import GpuMemory, Placement, _runs, available_bytes
 
@@ -44,14 +44,14 @@ def by_continuity(placement: Placement, gpu: str, max_replicas: int) -> List[int
 
 
 def scale_up(placement: Placement, memory: Dict[str, GpuMemory], vacancy: Mapping[str, float], threshold: float,
-             layer_bytes: int, predict: Speedup, gpus: Sequence[str] = ()) -> ScaleUp:  # fmt: skip
+             layer_bytes: int, predict: Speedup, gpus: Optional[Sequence[str]] = None) -> ScaleUp:  # fmt: skip
     """Algorithm 1 over the GPUs of ``vacancy`` (only ``gpus`` where given): the placement P*, its
     predicted speedup and the replicas added."""
     if layer_bytes <= 0:
         raise ValueError("a layer takes memory")
     best, best_speedup = placement, predict(placement)
     added: List[Tuple[int, str]] = []
-    for gpu in eligible({g: v for g, v in vacancy.items() if not gpus or g in gpus}, threshold):
+    for gpu in eligible({g: v for g, v in vacancy.items() if gpus is None or g in gpus}, threshold):
         max_replicas = available_bytes(best, memory, layer_bytes, gpu) // layer_bytes
         trial, pending, previous = best, [], -2
         for layer in by_continuity(best, gpu, max_replicas):
