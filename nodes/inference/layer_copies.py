@@ -1,0 +1,155 @@
+"""A model whose decoder layers are module copies on several GPUs (CoCoServe Sec. 3): a layer has a
+primary copy and may have replicas, each serving a share of the batch; a layer may migrate, with its
+sequences' keys and values, from one GPU to another while requests are being served.
+
+Each sequence's KV for a layer lives on the copy that serves it, chosen when the sequence is admitted
+(:meth:`LayerCopies.admit`, round robin over the layer's copies) and kept until the sequence ends, so
+that a replica added mid-generation serves only sequences admitted after it, and a replica evicted
+or a layer migrated mid-generation takes its sequences' KV along. One step runs every layer on the
+packed batch: the rows of each copy's sequences go to it (scatter), and come back in place (gather).
+The tokens are those of the model without copies, whatever the placement and whenever it changed.
+
+Here every GPU is a torch device of this process (copies on the same device on a machine without
+GPUs); the server's ranks move the same tensors over MPI.
+"""
+
+import copy
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .kv_cache import KVCache
+from .model import DecoderLayer, ModelPart, Segment
+
+
+class SequenceKV(object):
+    """One sequence's keys and values, per GPU the layers it is served on there."""
+
+    def __init__(self, serving: Dict[int, str]) -> None:
+        self.serving = dict(serving)  # layer -> the GPU whose copy serves this sequence
+        self.caches: Dict[str, KVCache] = {}
+        self.length = 0
+
+    def cache_on(self, gpu: str, make: "LayerCopies") -> KVCache:
+        if gpu not in self.caches:
+            cache = make.new_cache(gpu)
+            cache.length = self.length
+            self.caches[gpu] = cache
+        return self.caches[gpu]
+
+
+class LayerCopies(object):
+    def __init__(self, part: ModelPart, gpu: str, devices: Optional[Dict[str, torch.device]] = None) -> None:
+        """``part``: the whole model on ``gpu`` (embedding, every layer, head), the primary of each layer."""
+        if part.embed_tokens is None or part.lm_head is None or len(part.layer_ids) != part.config.num_hidden_layers:
+            raise ValueError("layer copies start from the whole model")
+        self.part, self.config = part, part.config
+        self.devices = dict(devices or {})
+        self.devices.setdefault(gpu, part.device)
+        self.hosts: Dict[int, List[str]] = {i: [gpu] for i in part.layer_ids}  # primary first
+        self.copies: Dict[Tuple[int, str], DecoderLayer] = {(i, gpu): part.layers[str(i)] for i in part.layer_ids}
+        self._turn: Dict[int, int] = {i: 0 for i in part.layer_ids}
+
+    def device(self, gpu: str) -> torch.device:
+        return self.devices.get(gpu, self.part.device)
+
+    def new_cache(self, gpu: str) -> KVCache:
+        c = self.config
+        return KVCache(self.part.layer_ids, c.num_key_value_heads, c.head_dim, self.part.dtype, self.device(gpu))
+
+    def layer_bytes(self, layer: int) -> int:
+        module = self.copies[(layer, self.hosts[layer][0])]
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def admit(self) -> SequenceKV:
+        """A new sequence, each layer served by its copies in turn (the KV stays where it is served)."""
+        serving = {}
+        for layer, hosts in self.hosts.items():
+            serving[layer] = hosts[self._turn[layer] % len(hosts)]
+            self._turn[layer] += 1
+        return SequenceKV(serving)
+
+    # -- module operations (each returns the bytes it moved) -----------------------------------
+
+    def replicate(self, layer: int, gpu: str) -> int:
+        """A copy of ``layer`` on ``gpu`` (its weights sent there); it serves sequences admitted from now."""
+        if gpu in self.hosts[layer]:
+            raise ValueError("layer %d is already on %s" % (layer, gpu))
+        self.copies[(layer, gpu)] = copy.deepcopy(self.copies[(layer, self.hosts[layer][0])]).to(self.device(gpu))
+        self.hosts[layer].append(gpu)
+        return self.layer_bytes(layer)
+
+    def evict(self, layer: int, gpu: str, sequences: Sequence[SequenceKV]) -> int:
+        """Drop ``gpu``'s replica of ``layer``; its sequences' KV for the layer moves to the primary."""
+        if gpu not in self.hosts[layer][1:]:
+            raise ValueError("%s holds no replica of layer %d" % (gpu, layer))
+        moved = self._move_kv(layer, gpu, self.hosts[layer][0], sequences)
+        self.hosts[layer].remove(gpu)
+        del self.copies[(layer, gpu)]
+        return moved
+
+    def migrate(self, layer: int, source: str, destination: str, sequences: Sequence[SequenceKV]) -> int:
+        """Move ``layer``'s copy on ``source`` to ``destination``: its weights and its sequences' KV."""
+        hosts = self.hosts[layer]
+        if source not in hosts or destination in hosts:
+            raise ValueError("layer %d: not on %s, or already on %s" % (layer, source, destination))
+        module = self.copies.pop((layer, source))
+        self.copies[(layer, destination)] = module.to(self.device(destination))
+        hosts[hosts.index(source)] = destination
+        return self.layer_bytes(layer) + self._move_kv(layer, source, destination, sequences)
+
+    def _move_kv(self, layer: int, source: str, destination: str, sequences: Sequence[SequenceKV]) -> int:
+        moved = 0
+        for sequence in sequences:
+            if sequence.serving.get(layer) != source:
+                continue
+            sequence.serving[layer] = destination
+            if sequence.length == 0 or source not in sequence.caches:
+                continue
+            keys, values = sequence.caches[source].view(layer, sequence.length)
+            target = sequence.cache_on(destination, self)
+            target.length = 0  # append writes at the committed length: write the whole history
+            target.append(layer, keys.to(self.device(destination)), values.to(self.device(destination)))
+            target.length = sequence.length
+            moved += keys.numel() * keys.element_size() * 2
+        return moved
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def run_layers(self, hidden: torch.Tensor, steps: Sequence[Tuple[SequenceKV, int]]) -> torch.Tensor:
+        """Every layer on a packed batch [sum of tokens, hidden]: each layer's copies run the rows of the
+        sequences they serve; every sequence then advances by its tokens."""
+        starts, offset = [], 0
+        for _, tokens in steps:
+            starts.append(offset)
+            offset += tokens
+        if offset != hidden.shape[0]:
+            raise ValueError("the steps cover %d tokens, hidden has %d" % (offset, hidden.shape[0]))
+        rotary, dtype = self.part.rotary, self.part.dtype
+        for layer in self.part.layer_ids:
+            out = torch.empty_like(hidden)
+            for gpu in self.hosts[layer]:
+                mine = [k for k, (sequence, _) in enumerate(steps) if sequence.serving[layer] == gpu]
+                if not mine:
+                    continue
+                device = self.device(gpu)
+                rows = torch.cat([hidden[starts[k] : starts[k] + steps[k][1]] for k in mine]).to(device)
+                segments, rotations = [], []
+                for k in mine:
+                    sequence, tokens = steps[k]
+                    segments.append(Segment(sequence.cache_on(gpu, self), tokens))
+                    positions = torch.arange(sequence.length, sequence.length + tokens, device=device)
+                    rotations.append(rotary.cos_sin(positions, dtype, sequence.length + tokens))
+                result = self.copies[(layer, gpu)](rows, segments, rotations).to(hidden.device)
+                at = 0
+                for k in mine:
+                    out[starts[k] : starts[k] + steps[k][1]] = result[at : at + steps[k][1]]
+                    at += steps[k][1]
+            hidden = out
+        for sequence, tokens in steps:
+            sequence.length += tokens
+            for cache in sequence.caches.values():
+                cache.length = sequence.length
+        return hidden
