@@ -106,6 +106,12 @@ def isend(comm: "MPI.Comm", frame: bytearray, dest: int, tag: int) -> "MPI.Reque
 
 def recv(comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> Tuple[wire.Frame, int, int]:
     """Wait for a frame; returns (frame, source rank, bytes)."""
+    buffer, source, size = recv_bytes(comm, source, tag)
+    return wire.decode(buffer), source, size
+
+
+def recv_bytes(comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> Tuple[bytearray, int, int]:
+    """Wait for a message of any format; returns (its bytes, source rank, size)."""
     status = MPI.Status()
     matched: List["MPI.Message"] = []
 
@@ -119,12 +125,12 @@ def recv(comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG)
     return _receive(matched[0], status)
 
 
-def _receive(message: "MPI.Message", status: "MPI.Status") -> Tuple[wire.Frame, int, int]:
+def _receive(message: "MPI.Message", status: "MPI.Status") -> Tuple[bytearray, int, int]:
     """Receive a matched message into a buffer of its size (a large one streams in while we sleep)."""
     size = status.Get_count(MPI.BYTE)
     buffer = bytearray(size)
     wait(message.Irecv([buffer, MPI.BYTE]))
-    return wire.decode(buffer), status.Get_source(), size
+    return buffer, status.Get_source(), size
 
 
 class Outbox:
