@@ -64,11 +64,10 @@ class ScalingController(object):
             if action is not None:
                 self.last_down_s = snapshot.time_s
         elif snapshot.violation_rate == 0 and self._calm(snapshot.time_s):
+            self.instance = self.instance._replace(migrations=0)  # calm: the next violation starts a new episode
             spare = snapshot.vacancy.get(self.source, 0.0) > t.t_up  # phase 3 undone only with room to spare
             action = (self._restore() if spare else None) or self._replicate(snapshot)
             why = "scale-up" if action else "calm"
-            if action is not None and self.instance.migrations and action.kind == "replicate":
-                self.instance = self.instance._replace(migrations=0)  # a new scale-down episode next time
         if action is not None:
             self.instance = _apply(self.instance, action)
             self.last_action_s = snapshot.time_s
