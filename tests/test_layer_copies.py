@@ -41,10 +41,11 @@ def reference(model, prompts: list[list[int]]) -> list[list[int]]:
     return outputs
 
 
-def with_copies(model, prompts: list[list[int]], operations) -> tuple[list[list[int]], LayerCopies, list[int]]:
+def with_copies(model, prompts: list[list[int]], operations,
+                copies: LayerCopies | None = None) -> tuple[list[list[int]], LayerCopies, list[int]]:  # fmt: skip
     """The same generation on layer copies; ``operations[step](copies, sequences)`` runs before ``step``
     and returns the bytes it moved. The third prompt is admitted at step 3 (after the first changes)."""
-    copies = LayerCopies(model, "g0")
+    copies = copies if copies is not None else LayerCopies(model, "g0")
     sequences, news, outputs, moved = [], [], [[] for _ in prompts], []
     with torch.inference_mode():
         for step in range(STEPS + 3):
@@ -114,3 +115,72 @@ def test_admission_alternates_over_a_layers_copies_and_kv_stays_where_it_was_ser
         copies.replicate(1, "g1")
     with pytest.raises(ValueError, match="no replica"):
         copies.evict(0, "g1", [a, b])
+
+
+RANKS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from mpi4py import MPI
+from nodes.inference.checkpoint import load_whole
+from nodes.inference.layer_copies import LayerCopies
+from nodes.inference.tokenizer import Tokenizer
+from nodes.workers.layer_ranks import CopyServer, RemoteGpu
+from tests.test_layer_copies import PROMPTS, TINY, reference, with_copies
+
+comm = MPI.COMM_WORLD
+if comm.Get_rank() > 0:
+    server = CopyServer(comm, TINY)
+    server.serve()
+    print(json.dumps({"rank": comm.Get_rank(), "runs": server.runs, "layers": sorted(server.modules)}), flush=True)
+else:
+    model = load_whole(TINY, dtype="float32")
+    tokenizer = Tokenizer(TINY)
+    prompts = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in PROMPTS]
+    copies = LayerCopies(model, "g0")
+    remotes = {"r1": RemoteGpu(comm, 1), "r2": RemoteGpu(comm, 2)}
+    for name, remote in remotes.items():
+        copies.add_remote(name, remote)
+    last = model.config.num_hidden_layers - 1
+
+    def before(copies, sequences):  # layers 2-5 replicated on rank 1: half the sequences run there
+        return sum(copies.replicate(i, "r1") for i in range(2, 6))
+
+    def mid(copies, sequences):  # with KV on the ranks: layer 7 to rank 2, layer 3's replica back
+        return copies.migrate(last, "g0", "r2", sequences) + copies.evict(3, "r1", sequences)
+
+    def later(copies, sequences):
+        return copies.replicate(0, "r2")  # serves the third sequence, admitted after it
+
+    outputs, copies, moved = with_copies(model, prompts, {0: before, 2: mid, 1: later}, copies)
+    same = outputs == reference(model, prompts)
+    for remote in remotes.values():
+        remote.stop()
+    print(json.dumps({"rank": 0, "same": same, "moved": moved, "hosts": {str(k): v for k, v in copies.hosts.items()},
+                      "layer_bytes": copies.layer_bytes(1)}), flush=True)
+"""
+
+
+def test_gpu_ranks_serve_replicas_and_migrated_layers_with_the_same_tokens(tmp_path) -> None:
+    """Three real ranks: the instance's (all layers) and two GPU ranks. Replicas on rank 1 before
+    admission; mid-generation, the last layer migrates with its KV to rank 2 and a replica on rank 1
+    is evicted with its KV coming back. The greedy tokens are the plain model's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_mpi_link import LOOPBACK_TCP, MPIEXEC
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    done = subprocess.run([str(MPIEXEC), "-n", "3", sys.executable, str(script), str(REPO)], capture_output=True,
+                          text=True, timeout=180, env=dict(os.environ, **LOOPBACK_TCP))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = {r["rank"]: r for r in map(json.loads, done.stdout.strip().splitlines())}
+    assert said[0]["same"]
+    hosts = said[0]["hosts"]
+    assert hosts["7"] == ["r2"] and hosts["3"] == ["g0"] and hosts["2"] == ["g0", "r1"] and hosts["0"] == ["g0", "r2"]
+    assert said[1]["layers"] == [2, 4, 5] and said[2]["layers"] == [0, 7]
+    assert said[1]["runs"] > 0 and said[2]["runs"] > 0  # both ranks computed rows
+    assert said[0]["moved"][0] == 4 * said[0]["layer_bytes"]  # four replicas' weights

@@ -9,12 +9,13 @@ or a layer migrated mid-generation takes its sequences' KV along. One step runs 
 packed batch: the rows of each copy's sequences go to it (scatter), and come back in place (gather).
 The tokens are those of the model without copies, whatever the placement and whenever it changed.
 
-Here every GPU is a torch device of this process (copies on the same device on a machine without
-GPUs); the server's ranks move the same tensors over MPI.
+A GPU is a torch device of this process (copies on the same device on a machine without GPUs), or
+another rank (:meth:`LayerCopies.add_remote`: ``nodes.workers.layer_ranks``), which holds its copies and
+the KV of the sequences they serve, and runs its rows when sent them.
 """
 
 import copy
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,7 +26,8 @@ from .model import DecoderLayer, ModelPart, Segment
 class SequenceKV(object):
     """One sequence's keys and values, per GPU the layers it is served on there."""
 
-    def __init__(self, serving: Dict[int, str]) -> None:
+    def __init__(self, ident: int, serving: Dict[int, str]) -> None:
+        self.ident = ident
         self.serving = dict(serving)  # layer -> the GPU whose copy serves this sequence
         self.caches: Dict[str, KVCache] = {}
         self.length = 0
@@ -48,7 +50,13 @@ class LayerCopies(object):
         self.devices.setdefault(gpu, part.device)
         self.hosts: Dict[int, List[str]] = {i: [gpu] for i in part.layer_ids}  # primary first
         self.copies: Dict[Tuple[int, str], DecoderLayer] = {(i, gpu): part.layers[str(i)] for i in part.layer_ids}
+        self.remote: Dict[str, Any] = {}  # GPUs that are other ranks (nodes.workers.layer_ranks.RemoteGpu)
         self._turn: Dict[int, int] = {i: 0 for i in part.layer_ids}
+        self._admitted = 0
+
+    def add_remote(self, gpu: str, remote: Any) -> None:
+        """A GPU that is another rank: ``remote`` installs, evicts and runs its copies there."""
+        self.remote[gpu] = remote
 
     def device(self, gpu: str) -> torch.device:
         return self.devices.get(gpu, self.part.device)
@@ -57,9 +65,16 @@ class LayerCopies(object):
         c = self.config
         return KVCache(self.part.layer_ids, c.num_key_value_heads, c.head_dim, self.part.dtype, self.device(gpu))
 
+    def local_module(self, layer: int) -> DecoderLayer:
+        """A copy of ``layer`` held in this process (the model starts whole here, and remote GPUs
+        receive copies of local ones)."""
+        for gpu in self.hosts[layer]:
+            if (layer, gpu) in self.copies:
+                return self.copies[(layer, gpu)]
+        raise ValueError("no copy of layer %d is held here" % layer)
+
     def layer_bytes(self, layer: int) -> int:
-        module = self.copies[(layer, self.hosts[layer][0])]
-        return sum(p.numel() * p.element_size() for p in module.parameters())
+        return _module_bytes(self.local_module(layer))
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -69,7 +84,8 @@ class LayerCopies(object):
         for layer, hosts in self.hosts.items():
             serving[layer] = hosts[self._turn[layer] % len(hosts)]
             self._turn[layer] += 1
-        return SequenceKV(serving)
+        self._admitted += 1
+        return SequenceKV(self._admitted - 1, serving)
 
     # -- module operations (each returns the bytes it moved) -----------------------------------
 
@@ -77,17 +93,31 @@ class LayerCopies(object):
         """A copy of ``layer`` on ``gpu`` (its weights sent there); it serves sequences admitted from now."""
         if gpu in self.hosts[layer]:
             raise ValueError("layer %d is already on %s" % (layer, gpu))
-        self.copies[(layer, gpu)] = copy.deepcopy(self.copies[(layer, self.hosts[layer][0])]).to(self.device(gpu))
+        if gpu in self.remote:
+            moved = self.remote[gpu].install(layer, self.local_module(layer), [])
+        else:
+            self.copies[(layer, gpu)] = copy.deepcopy(self.local_module(layer)).to(self.device(gpu))
+            moved = _module_bytes(self.copies[(layer, gpu)])
         self.hosts[layer].append(gpu)
-        return self.layer_bytes(layer)
+        return moved
 
     def evict(self, layer: int, gpu: str, sequences: Sequence[SequenceKV]) -> int:
         """Drop ``gpu``'s replica of ``layer``; its sequences' KV for the layer moves to the primary."""
         if gpu not in self.hosts[layer][1:]:
             raise ValueError("%s holds no replica of layer %d" % (gpu, layer))
-        moved = self._move_kv(layer, gpu, self.hosts[layer][0], sequences)
+        primary = self.hosts[layer][0]
+        if gpu in self.remote:
+            served = [q for q in sequences if q.serving.get(layer) == gpu]
+            moved = 0
+            for ident, keys, values in self.remote[gpu].evict(layer, [q.ident for q in served]):
+                sequence = next(q for q in served if q.ident == ident)
+                moved += self._write_kv(sequence, layer, primary, keys, values)
+            for sequence in served:
+                sequence.serving[layer] = primary
+        else:
+            moved = self._move_kv(layer, gpu, primary, sequences)
+            del self.copies[(layer, gpu)]
         self.hosts[layer].remove(gpu)
-        del self.copies[(layer, gpu)]
         return moved
 
     def migrate(self, layer: int, source: str, destination: str, sequences: Sequence[SequenceKV]) -> int:
@@ -95,10 +125,21 @@ class LayerCopies(object):
         hosts = self.hosts[layer]
         if source not in hosts or destination in hosts:
             raise ValueError("layer %d: not on %s, or already on %s" % (layer, source, destination))
-        module = self.copies.pop((layer, source))
-        self.copies[(layer, destination)] = module.to(self.device(destination))
+        if source in self.remote:
+            raise ValueError("a layer migrates from a GPU of this rank (%s is another rank)" % source)
+        if destination in self.remote:
+            served = [q for q in sequences if q.serving.get(layer) == source]
+            kv = [(q.ident,) + q.caches[source].view(layer, q.length) for q in served
+                  if q.length and source in q.caches]  # fmt: skip
+            moved = self.remote[destination].install(layer, self.copies.pop((layer, source)), kv)
+            for sequence in served:
+                sequence.serving[layer] = destination
+        else:
+            module = self.copies.pop((layer, source))
+            self.copies[(layer, destination)] = module.to(self.device(destination))
+            moved = _module_bytes(module) + self._move_kv(layer, source, destination, sequences)
         hosts[hosts.index(source)] = destination
-        return self.layer_bytes(layer) + self._move_kv(layer, source, destination, sequences)
+        return moved
 
     def _move_kv(self, layer: int, source: str, destination: str, sequences: Sequence[SequenceKV]) -> int:
         moved = 0
@@ -109,12 +150,16 @@ class LayerCopies(object):
             if sequence.length == 0 or source not in sequence.caches:
                 continue
             keys, values = sequence.caches[source].view(layer, sequence.length)
-            target = sequence.cache_on(destination, self)
-            target.length = 0  # append writes at the committed length: write the whole history
-            target.append(layer, keys.to(self.device(destination)), values.to(self.device(destination)))
-            target.length = sequence.length
-            moved += keys.numel() * keys.element_size() * 2
+            moved += self._write_kv(sequence, layer, destination, keys, values)
         return moved
+
+    def _write_kv(self, sequence: SequenceKV, layer: int, gpu: str, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Put a layer's whole history of ``sequence`` on local ``gpu``; the bytes it holds."""
+        target = sequence.cache_on(gpu, self)
+        target.length = 0  # append writes at the committed length: write the whole history
+        target.append(layer, keys.to(self.device(gpu)), values.to(self.device(gpu)))
+        target.length = sequence.length
+        return keys.numel() * keys.element_size() * 2
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -130,9 +175,15 @@ class LayerCopies(object):
         rotary, dtype = self.part.rotary, self.part.dtype
         for layer in self.part.layer_ids:
             out = torch.empty_like(hidden)
-            for gpu in self.hosts[layer]:
-                mine = [k for k, (sequence, _) in enumerate(steps) if sequence.serving[layer] == gpu]
-                if not mine:
+            groups = {gpu: [k for k, (sequence, _) in enumerate(steps) if sequence.serving[layer] == gpu]
+                      for gpu in self.hosts[layer]}  # fmt: skip
+            away = [gpu for gpu in self.hosts[layer] if gpu in self.remote and groups[gpu]]
+            for gpu in away:  # scatter first, so that the other ranks compute while this one does
+                rows = torch.cat([hidden[starts[k] : starts[k] + steps[k][1]] for k in groups[gpu]])
+                items = [(steps[k][0].ident, steps[k][1], steps[k][0].length) for k in groups[gpu]]
+                self.remote[gpu].start_run(layer, rows, items)
+            for gpu, mine in groups.items():
+                if not mine or gpu in self.remote:
                     continue
                 device = self.device(gpu)
                 rows = torch.cat([hidden[starts[k] : starts[k] + steps[k][1]] for k in mine]).to(device)
@@ -143,13 +194,25 @@ class LayerCopies(object):
                     positions = torch.arange(sequence.length, sequence.length + tokens, device=device)
                     rotations.append(rotary.cos_sin(positions, dtype, sequence.length + tokens))
                 result = self.copies[(layer, gpu)](rows, segments, rotations).to(hidden.device)
-                at = 0
-                for k in mine:
-                    out[starts[k] : starts[k] + steps[k][1]] = result[at : at + steps[k][1]]
-                    at += steps[k][1]
+                _place(out, result, [(starts[k], steps[k][1]) for k in mine])
+            for gpu in away:  # gather
+                _place(out, self.remote[gpu].finish_run().to(hidden.device, hidden.dtype),
+                       [(starts[k], steps[k][1]) for k in groups[gpu]])  # fmt: skip
             hidden = out
         for sequence, tokens in steps:
             sequence.length += tokens
             for cache in sequence.caches.values():
                 cache.length = sequence.length
         return hidden
+
+
+def _place(out: torch.Tensor, rows: torch.Tensor, spans: Sequence[Tuple[int, int]]) -> None:
+    """Rows of a group (in its order) back at their sequences' places in the packed batch."""
+    at = 0
+    for start, tokens in spans:
+        out[start : start + tokens] = rows[at : at + tokens]
+        at += tokens
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())

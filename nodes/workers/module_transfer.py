@@ -9,7 +9,7 @@ on a shaped link is then the target's, labelled modeled by whoever asked for the
 
 import json
 import struct
-from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,11 +42,8 @@ def _raw(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def encode(layer: int, module: DecoderLayer, kv: Sequence[LayerKV] = (), pad_bytes: int = 0) -> bytearray:
-    """The message that moves ``module`` (layer ``layer``) and ``kv`` to another rank."""
-    tensors: List[Tuple[str, torch.Tensor]] = list(module.state_dict().items())
-    tensors += [("kv.%d.%s" % (item.sequence, part), t) for item in kv for part, t in (("k", item.keys),
-                                                                                      ("v", item.values))]  # fmt: skip
+def pack(header: Dict[str, Any], tensors: Sequence[Tuple[str, torch.Tensor]], pad_bytes: int = 0) -> bytearray:
+    """One message: ``header`` (JSON) and ``tensors`` by name, raw, then ``pad_bytes`` of zeros."""
     body: List[bytes] = []
     entries: List[List[Any]] = []
     offset = 0
@@ -55,36 +52,57 @@ def encode(layer: int, module: DecoderLayer, kv: Sequence[LayerKV] = (), pad_byt
         entries.append([name, str(tensor.dtype).replace("torch.", ""), list(tensor.shape), offset, len(raw)])
         body.append(raw)
         offset += len(raw)
-    header = json.dumps({"layer": layer, "tensors": entries, "pad": pad_bytes}).encode()
-    message = bytearray(_HEADER.pack(len(header)) + header)
+    text = json.dumps(dict(header, tensors=entries, pad=pad_bytes)).encode()
+    message = bytearray(_HEADER.pack(len(text)) + text)
     for raw in body:
         message += raw
     message += bytes(pad_bytes)
     return message
 
 
-def decode(message: bytearray, config: LlamaConfig, device: torch.device) -> LayerMessage:
-    """The layer (a module on ``device``) and the KV a message carries."""
+def unpack(message: bytearray, device: torch.device) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """The header and the tensors (on ``device``, in order) of a :func:`pack` message."""
     (length,) = _HEADER.unpack_from(message, 0)
     header = json.loads(bytes(message[_HEADER.size : _HEADER.size + length]))
     start = _HEADER.size + length
-    weights: Dict[str, torch.Tensor] = {}
-    kv: Dict[int, Dict[str, torch.Tensor]] = {}
-    weight_bytes = kv_bytes = 0
+    tensors: Dict[str, torch.Tensor] = {}
     for name, dtype, shape, offset, nbytes in header["tensors"]:
-        raw = torch.frombuffer(message, dtype=torch.uint8, count=nbytes, offset=start + offset)
-        tensor = raw.clone().view(getattr(torch, dtype)).reshape(shape).to(device)
+        raw = torch.frombuffer(message, dtype=torch.uint8, count=nbytes, offset=start + offset) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)  # fmt: skip
+        tensors[name] = raw.clone().view(getattr(torch, dtype)).reshape(shape).to(device)
+    return header, tensors
+
+
+def encode(layer: int, module: DecoderLayer, kv: Sequence[LayerKV] = (), pad_bytes: int = 0,
+           header: Optional[Dict[str, Any]] = None) -> bytearray:  # fmt: skip
+    """The message that moves ``module`` (layer ``layer``) and ``kv`` to another rank."""
+    tensors: List[Tuple[str, torch.Tensor]] = list(module.state_dict().items())
+    tensors += [("kv.%d.%s" % (item.sequence, part), t) for item in kv for part, t in (("k", item.keys),
+                                                                                      ("v", item.values))]  # fmt: skip
+    return pack(dict(header or {}, layer=layer), tensors, pad_bytes)
+
+
+def decode(message: bytearray, config: LlamaConfig, device: torch.device) -> LayerMessage:
+    """The layer (a module on ``device``) and the KV a message carries."""
+    header, tensors = unpack(message, device)
+    return layer_of(header, tensors, config, device)
+
+
+def layer_of(header: Dict[str, Any], tensors: Dict[str, torch.Tensor], config: LlamaConfig,
+             device: torch.device) -> LayerMessage:  # fmt: skip
+    """The layer and KV of an unpacked :func:`encode` message."""
+    weights = {n: t for n, t in tensors.items() if not n.startswith("kv.")}
+    kv: Dict[int, Dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
         if name.startswith("kv."):
             _, sequence, part = name.split(".")
             kv.setdefault(int(sequence), {})[part] = tensor
-            kv_bytes += nbytes
-        else:
-            weights[name] = tensor
-            weight_bytes += nbytes
     module = DecoderLayer(config, header["layer"])
     module.load_state_dict(weights)
     module.to(device=device, dtype=next(iter(weights.values())).dtype)
     items = [LayerKV(s, parts["k"], parts["v"]) for s, parts in sorted(kv.items())]
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    kv_bytes = sum(2 * i.keys.numel() * i.keys.element_size() for i in items)
     return LayerMessage(header["layer"], module, items, weight_bytes, kv_bytes, header["pad"])
 
 

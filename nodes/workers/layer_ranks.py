@@ -1,0 +1,155 @@
+"""GPUs that are other ranks, for layer copies (``nodes.inference.layer_copies``): the instance's rank
+keeps a :class:`RemoteGpu` per other GPU rank, which runs a :class:`CopyServer` until told to stop.
+
+Messages (``module_transfer.pack``) go to the copy server with ``TAG_MODULE`` and come back with
+``TAG_REPLY``:
+
+- ``install``: a layer's weights, and the KV of the sequences it will serve (a replica: none; a
+  migrated layer: those its old copy served);
+- ``evict``: drop a layer; the reply carries the KV of the sequences it served, back to the primary;
+- ``run``: the rows of the sequences a layer's copy there serves, with each sequence's new tokens and
+  length; the reply carries the rows out (the KV stays there);
+- ``stop``.
+
+Every wait polls and sleeps (``mpi_link``), so an idle GPU rank takes no CPU from the busy ones.
+"""
+
+import sys
+import traceback
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from nodes.inference.config import LlamaConfig
+from nodes.inference.kv_cache import KVCache
+from nodes.inference.model import DecoderLayer, Segment
+from nodes.inference.rope import RotaryEmbedding
+
+from . import module_transfer, mpi_link
+
+TAG_MODULE = module_transfer.TAG_MODULE
+TAG_REPLY = 15
+
+
+class RemoteGpu(object):
+    """The instance's handle on another GPU rank (``LayerCopies.add_remote``)."""
+
+    def __init__(self, comm: Any, rank: int) -> None:
+        self.comm, self.rank = comm, rank
+        self.outbox = mpi_link.Outbox()
+
+    def install(self, layer: int, module: DecoderLayer, kv: Sequence[Tuple[int, torch.Tensor, torch.Tensor]]) -> int:
+        """Send ``layer`` (and the KV it serves); the bytes of weights and KV moved."""
+        items = [module_transfer.LayerKV(ident, keys, values) for ident, keys, values in kv]
+        mpi_link.send(self.comm, module_transfer.encode(layer, module, items, header={"op": "install"}), self.rank,
+                      TAG_MODULE)  # fmt: skip
+        weights = sum(p.numel() * p.element_size() for p in module.parameters())
+        return weights + sum(2 * i.keys.numel() * i.keys.element_size() for i in items)
+
+    def evict(self, layer: int, sequences: Sequence[int]) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+        """Drop the rank's copy of ``layer``; the KV of ``sequences`` it served, as (id, keys, values)."""
+        self._request({"op": "evict", "layer": layer, "sequences": list(sequences)}, [])
+        header, tensors = self._reply()
+        return [(ident, tensors["k%d" % ident], tensors["v%d" % ident]) for ident in header["sequences"]]
+
+    def start_run(self, layer: int, rows: torch.Tensor, items: Sequence[Tuple[int, int, int]]) -> None:
+        """Send ``rows`` of the sequences ``items`` (id, new tokens, length before) to ``layer``'s copy."""
+        self.outbox.send(self.comm, module_transfer.pack({"op": "run", "layer": layer, "items": list(items)},
+                                                         [("rows", rows)]), self.rank, TAG_MODULE)  # fmt: skip
+
+    def finish_run(self) -> torch.Tensor:
+        _, tensors = self._reply()
+        return tensors["rows"]
+
+    def stop(self) -> None:
+        self._request({"op": "stop"}, [])
+        self.outbox.wait_all()
+
+    def _request(self, header: Dict[str, Any], tensors: List[Tuple[str, torch.Tensor]]) -> None:
+        mpi_link.send(self.comm, module_transfer.pack(header, tensors), self.rank, TAG_MODULE)
+
+    def _reply(self) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+        buffer, _, _ = mpi_link.recv_bytes(self.comm, self.rank, TAG_REPLY)
+        return module_transfer.unpack(buffer, torch.device("cpu"))
+
+
+class CopyServer(object):
+    """A GPU rank's copies of layers and the KV of the sequences they serve."""
+
+    def __init__(self, comm: Any, model_dir: str, device: str = "cpu", primary: int = 0) -> None:
+        self.comm, self.primary = comm, primary
+        self.config = LlamaConfig.load(model_dir)
+        self.device = torch.device(device)
+        self.rotary = RotaryEmbedding(self.config)
+        self.modules: Dict[int, DecoderLayer] = {}
+        self.caches: Dict[int, KVCache] = {}
+        self.lengths: Dict[int, int] = {}
+        self.runs = 0
+
+    def serve(self) -> None:
+        """Answer the instance's rank until it says stop. A failure here ends the whole job (the
+        instance's rank would otherwise wait for a reply forever)."""
+        try:
+            self._serve()
+        except Exception:
+            traceback.print_exc()
+            sys.stderr.flush()
+            self.comm.Abort(1)
+
+    def _serve(self) -> None:
+        while True:
+            buffer, _, _ = mpi_link.recv_bytes(self.comm, self.primary, TAG_MODULE)
+            header, tensors = module_transfer.unpack(buffer, self.device)
+            op = header["op"]
+            if op == "stop":
+                return
+            if op == "install":
+                self._install(module_transfer.layer_of(header, tensors, self.config, self.device))
+            elif op == "evict":
+                self._evict(header["layer"], header["sequences"])
+            elif op == "run":
+                self._run(header["layer"], tensors["rows"], header["items"])
+            else:
+                raise ValueError("unknown op %r from the instance's rank" % (op,))
+
+    def _cache(self, ident: int, dtype: torch.dtype) -> KVCache:
+        if ident not in self.caches:
+            c = self.config
+            self.caches[ident] = KVCache(range(c.num_hidden_layers), c.num_key_value_heads, c.head_dim, dtype,
+                                         self.device)  # fmt: skip
+        return self.caches[ident]
+
+    def _install(self, message: module_transfer.LayerMessage) -> None:
+        self.modules[message.layer] = message.module
+        for item in message.kv:
+            cache = self._cache(item.sequence, item.keys.dtype)
+            cache.length = 0
+            cache.append(message.layer, item.keys, item.values)
+            cache.length = self.lengths[item.sequence] = item.keys.shape[1]
+
+    def _evict(self, layer: int, sequences: Sequence[int]) -> None:
+        del self.modules[layer]
+        tensors: List[Tuple[str, torch.Tensor]] = []
+        for ident in sequences:
+            cache = self.caches[ident]
+            cache.length = self.lengths[ident]  # a run leaves it where the step began
+            keys, values = cache.view(layer, cache.length)
+            tensors += [("k%d" % ident, keys), ("v%d" % ident, values)]
+        reply = module_transfer.pack({"op": "evicted", "layer": layer, "sequences": list(sequences)}, tensors)
+        mpi_link.send(self.comm, reply, self.primary, TAG_REPLY)
+
+    def _run(self, layer: int, rows: torch.Tensor, items: Sequence[Sequence[int]]) -> None:
+        segments, rotations = [], []
+        dtype = rows.dtype
+        for ident, tokens, length in items:
+            cache = self._cache(ident, dtype)
+            cache.length = length  # every copy on this rank writes its layer at the sequence's length
+            segments.append(Segment(cache, tokens))
+            positions = torch.arange(length, length + tokens, device=self.device)
+            rotations.append(self.rotary.cos_sin(positions, dtype, length + tokens))
+            self.lengths[ident] = length + tokens
+        with torch.inference_mode():
+            out = self.modules[layer](rows, segments, rotations)
+        self.runs += 1
+        mpi_link.send(self.comm, module_transfer.pack({"op": "ran", "layer": layer}, [("rows", out)]), self.primary,
+                      TAG_REPLY)  # fmt: skip
