@@ -265,3 +265,26 @@ def test_the_controller_on_a_step_trace_low_high_low() -> None:
     assert controller.instance.batch_size == 32 and controller.instance.offload == "none"
     assert controller.instance.migrations == 0  # calm again: a new high load may migrate anew
     assert all(row["decision"] != "scale-down" for row in controller.log if row["time_s"] >= 160)
+
+
+# -- memory budgets and out-of-memory ----------------------------------------------------------------
+
+
+def test_out_of_memory_fails_the_newest_requests_until_every_gpu_fits() -> None:
+    from nodes.scaling.memory_budget import MemoryCosts, SequenceUse, fits, out_of_memory, used_bytes
+
+    hosts = {0: ["g0"], 1: ["g0", "g1"]}
+    costs = MemoryCosts(layer_bytes=100, kv_bytes_per_token_layer=1, fixed_bytes={"g0": 50})
+    old = SequenceUse(0, {0: "g0", 1: "g0"}, tokens=10, new_tokens=1)
+    new = SequenceUse(1, {0: "g0", 1: "g1"}, tokens=20, new_tokens=1)
+    # g0: 50 fixed + 2 layers + old's 2 x 11 + new's 1 x 21; g1: 1 layer + new's 21
+    assert used_bytes(hosts, [old, new], costs, with_new_tokens=True) == {"g0": 293, "g1": 121}
+    assert out_of_memory(hosts, [old, new], costs, {"g0": 300}) == ([], {"g0": 293, "g1": 121})
+    assert out_of_memory(hosts, [old, new], costs, {"g0": 280})[0] == [1]  # the newest goes: 272 fits
+    assert out_of_memory(hosts, [new, old], costs, {"g0": 260})[0] == [1, 0]  # then the next: 250
+    assert out_of_memory(hosts, [old, new], costs, {"g0": 240})[0] == [1, 0]  # weights alone overfill it
+    assert out_of_memory(hosts, [old, new], costs, {"g1": 110})[0] == [1]  # only the one with KV on g1
+    # a copy goes where its weights (and the KV it brings) fit
+    assert fits(hosts, [old, new], costs, {"g1": 250}, 0, "g1", kv_tokens=30)  # 120 + 100 + 30
+    assert not fits(hosts, [old, new], costs, {"g1": 200}, 0, "g1")
+    assert fits(hosts, [old, new], costs, {}, 0, "g2")  # no budget: no limit
