@@ -179,6 +179,15 @@ else:
     for name, remote in remotes.items():
         copies.add_remote(name, remote)
     last = model.config.num_hidden_layers - 1
+    copies.transfer_s = lambda gpu, tokens: 1e-5 * tokens  # modeled: paid where a run of copies begins and ends
+    ends = set()
+    run = remotes["r1"].start_run
+
+    def logged(layer, rows, items, scatter_s=0.0, gather_s=0.0):
+        ends.add((layer, scatter_s > 0, gather_s > 0))
+        run(layer, rows, items, scatter_s, gather_s)
+
+    remotes["r1"].start_run = logged
 
     def before(copies, sequences):  # layers 2-5 replicated on rank 1: half the sequences run there
         return sum(copies.replicate(i, "r1") for i in range(2, 6))
@@ -194,7 +203,7 @@ else:
     for remote in remotes.values():
         remote.stop()
     said = {"rank": 0, "same": same, "moved": moved, "hosts": {str(k): v for k, v in copies.hosts.items()},
-            "layer_bytes": copies.layer_bytes(1)}
+            "layer_bytes": copies.layer_bytes(1), "ends": sorted(ends)}
     open("%s/rank0.json" % sys.argv[2], "w").write(json.dumps(said))
 """
 
@@ -222,3 +231,8 @@ def test_gpu_ranks_serve_replicas_and_migrated_layers_with_the_same_tokens(tmp_p
     assert said[1]["layers"] == [2, 4, 5] and said[2]["layers"] == [0, 7]
     assert said[1]["runs"] > 0 and said[2]["runs"] > 0  # both ranks computed rows
     assert said[0]["moved"][0] == 4 * said[0]["layer_bytes"]  # four replicas' weights
+    # rank 1's copies of layers 2-5, then 2 and 4-5 once layer 3's went: the modeled scatter where a run
+    # begins, the gather where it ends, nothing in between (layer, scatter paid, gather paid)
+    before = {(2, True, False), (3, False, False), (4, False, False), (5, False, True)}
+    after = {(2, True, True), (4, True, False), (5, False, True)}
+    assert {tuple(end) for end in said[0]["ends"]} == before | after

@@ -15,7 +15,8 @@ the KV of the sequences they serve, and runs its rows when sent them.
 """
 
 import copy
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -51,6 +52,10 @@ class LayerCopies(object):
         self.hosts: Dict[int, List[str]] = {i: [gpu] for i in part.layer_ids}  # primary first
         self.copies: Dict[Tuple[int, str], DecoderLayer] = {(i, gpu): part.layers[str(i)] for i in part.layer_ids}
         self.remote: Dict[str, Any] = {}  # GPUs that are other ranks (nodes.workers.layer_ranks.RemoteGpu)
+        # optional: pace(gpu, layer, [(tokens, context)], started) after a local copy computed its rows (a
+        # target's time); transfer_s(gpu, tokens) the modeled time to move that many rows' hidden states
+        self.pace: Optional[Callable[[str, int, List[Tuple[int, int]], float], None]] = None
+        self.transfer_s: Optional[Callable[[str, int], float]] = None
         self._turn: Dict[int, int] = {i: 0 for i in part.layer_ids}
         self._admitted = 0
 
@@ -181,10 +186,12 @@ class LayerCopies(object):
             for gpu in away:  # scatter first, so that the other ranks compute while this one does
                 rows = torch.cat([hidden[starts[k] : starts[k] + steps[k][1]] for k in groups[gpu]])
                 items = [(steps[k][0].ident, steps[k][1], steps[k][0].length) for k in groups[gpu]]
-                self.remote[gpu].start_run(layer, rows, items)
+                scatter_s, gather_s = self._run_ends(layer, gpu, rows.shape[0])
+                self.remote[gpu].start_run(layer, rows, items, scatter_s, gather_s)
             for gpu, mine in groups.items():
                 if not mine or gpu in self.remote:
                     continue
+                started = time.monotonic()
                 device = self.device(gpu)
                 rows = torch.cat([hidden[starts[k] : starts[k] + steps[k][1]] for k in mine]).to(device)
                 segments, rotations = [], []
@@ -194,6 +201,8 @@ class LayerCopies(object):
                     positions = torch.arange(sequence.length, sequence.length + tokens, device=device)
                     rotations.append(rotary.cos_sin(positions, dtype, sequence.length + tokens))
                 result = self.copies[(layer, gpu)](rows, segments, rotations).to(hidden.device)
+                if self.pace is not None:
+                    self.pace(gpu, layer, [(steps[k][1], steps[k][0].length) for k in mine], started)
                 _place(out, result, [(starts[k], steps[k][1]) for k in mine])
             for gpu in away:  # gather
                 _place(out, self.remote[gpu].finish_run().to(hidden.device, hidden.dtype),
@@ -204,6 +213,17 @@ class LayerCopies(object):
             for cache in sequence.caches.values():
                 cache.length = sequence.length
         return hidden
+
+
+    def _run_ends(self, layer: int, gpu: str, tokens: int) -> Tuple[float, float]:
+        """The modeled scatter and gather times of ``gpu``'s rows at ``layer``: paid where a run of
+        layers copied on ``gpu`` begins and where it ends (CoCoServe Sec. 3.2), none in between."""
+        if self.transfer_s is None:
+            return 0.0, 0.0
+        begins = layer - 1 not in self.hosts or gpu not in self.hosts[layer - 1]
+        ends = layer + 1 not in self.hosts or gpu not in self.hosts[layer + 1]
+        each = self.transfer_s(gpu, tokens)
+        return (each if begins else 0.0), (each if ends else 0.0)
 
 
 def _place(out: torch.Tensor, rows: torch.Tensor, spans: Sequence[Tuple[int, int]]) -> None:

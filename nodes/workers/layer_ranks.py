@@ -15,8 +15,9 @@ Every wait polls and sleeps (``mpi_link``), so an idle GPU rank takes no CPU fro
 """
 
 import sys
+import time
 import traceback
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,10 +53,12 @@ class RemoteGpu(object):
         header, tensors = self._reply()
         return [(ident, tensors["k%d" % ident], tensors["v%d" % ident]) for ident in header["sequences"]]
 
-    def start_run(self, layer: int, rows: torch.Tensor, items: Sequence[Tuple[int, int, int]]) -> None:
-        """Send ``rows`` of the sequences ``items`` (id, new tokens, length before) to ``layer``'s copy."""
-        self.outbox.send(self.comm, module_transfer.pack({"op": "run", "layer": layer, "items": list(items)},
-                                                         [("rows", rows)]), self.rank, TAG_MODULE)  # fmt: skip
+    def start_run(self, layer: int, rows: torch.Tensor, items: Sequence[Tuple[int, int, int]], scatter_s: float = 0.0,
+                  gather_s: float = 0.0) -> None:  # fmt: skip
+        """Send ``rows`` of the sequences ``items`` (id, new tokens, length before) to ``layer``'s copy;
+        ``scatter_s`` and ``gather_s``: modeled transfer times the rank waits before and after computing."""
+        header = {"op": "run", "layer": layer, "items": list(items), "scatter_s": scatter_s, "gather_s": gather_s}
+        self.outbox.send(self.comm, module_transfer.pack(header, [("rows", rows)]), self.rank, TAG_MODULE)
 
     def finish_run(self) -> torch.Tensor:
         _, tensors = self._reply()
@@ -76,8 +79,10 @@ class RemoteGpu(object):
 class CopyServer(object):
     """A GPU rank's copies of layers and the KV of the sequences they serve."""
 
-    def __init__(self, comm: Any, model_dir: str, device: str = "cpu", primary: int = 0) -> None:
-        self.comm, self.primary = comm, primary
+    def __init__(self, comm: Any, model_dir: str, device: str = "cpu", primary: int = 0,
+                 pace: Optional[Callable[[int, List[Tuple[int, int]], float], None]] = None) -> None:  # fmt: skip
+        """``pace(layer, [(tokens, context)], started)``: wait out a target's time after a copy computed."""
+        self.comm, self.primary, self.pace = comm, primary, pace
         self.config = LlamaConfig.load(model_dir)
         self.device = torch.device(device)
         self.rotary = RotaryEmbedding(self.config)
@@ -108,7 +113,8 @@ class CopyServer(object):
             elif op == "evict":
                 self._evict(header["layer"], header["sequences"])
             elif op == "run":
-                self._run(header["layer"], tensors["rows"], header["items"])
+                time.sleep(header.get("scatter_s", 0.0))  # the rows' modeled way here
+                self._run(header["layer"], tensors["rows"], header["items"], header.get("gather_s", 0.0))
             else:
                 raise ValueError("unknown op %r from the instance's rank" % (op,))
 
@@ -138,7 +144,8 @@ class CopyServer(object):
         reply = module_transfer.pack({"op": "evicted", "layer": layer, "sequences": list(sequences)}, tensors)
         mpi_link.send(self.comm, reply, self.primary, TAG_REPLY)
 
-    def _run(self, layer: int, rows: torch.Tensor, items: Sequence[Sequence[int]]) -> None:
+    def _run(self, layer: int, rows: torch.Tensor, items: Sequence[Sequence[int]], gather_s: float) -> None:
+        started = time.monotonic()
         segments, rotations = [], []
         dtype = rows.dtype
         for ident, tokens, length in items:
@@ -150,6 +157,9 @@ class CopyServer(object):
             self.lengths[ident] = length + tokens
         with torch.inference_mode():
             out = self.modules[layer](rows, segments, rotations)
+        if self.pace is not None:
+            self.pace(layer, [(int(tokens), int(length)) for _, tokens, length in items], started)
+        time.sleep(gather_s)  # and their modeled way back
         self.runs += 1
         mpi_link.send(self.comm, module_transfer.pack({"op": "ran", "layer": layer}, [("rows", out)]), self.primary,
                       TAG_REPLY)  # fmt: skip
