@@ -1,5 +1,7 @@
 """LLMS Fig. 9 at small scale: mean context-switching latency against the number of active contexts, per
-switching pattern and memory method, in the target device's time.
+switching pattern and memory method, in the target device's time; with lists of budgets, Fig. 10 (the
+contexts held under 10 and 25 ms, ``max_contexts`` in the JSON); with the ablations as methods and
+``--disk-slowdown``, Fig. 13; with a list of chunk sizes, Fig. 14.
 
 The tiny model computes every token; time and bytes are the target's (labelled modeled): a chunk of
 the target model (Llama-2-7B by default: 16 tokens x 32 layers of INT8 keys and values, 5 MiB with
@@ -12,6 +14,7 @@ tasks); the switching latency is from a call's arrival until its context is resi
 
     python bench/llms_switching.py                                 # orin-nx, 2 GB, 2/4/8 contexts
     python bench/llms_switching.py --contexts 2,4,8,16 --calls-per-context 6 --budget-gb 1
+    python bench/llms_switching.py --methods llms,vllm-sq --contexts 4,8,12,16,24,32 --budget-gb 1,2,3
 
 Writes bench/results/llms_switching.json.
 """
