@@ -175,7 +175,7 @@ else:
     tokenizer = Tokenizer(TINY)
     prompts = [[tokenizer.bos_id, *tokenizer.encode(p)] for p in PROMPTS]
     copies = LayerCopies(model, "g0")
-    remotes = {"r1": RemoteGpu(comm, 1), "r2": RemoteGpu(comm, 2)}
+    remotes = {"r1": RemoteGpu(comm, 1, model.config), "r2": RemoteGpu(comm, 2, model.config)}
     for name, remote in remotes.items():
         copies.add_remote(name, remote)
     last = model.config.num_hidden_layers - 1
@@ -198,7 +198,10 @@ else:
     def later(copies, sequences):
         return copies.replicate(0, "r2")  # serves the third sequence, admitted after it
 
-    outputs, copies, moved = with_copies(model, prompts, {0: before, 2: mid, 1: later}, copies)
+    def away(copies, sequences):  # from the ranks: layer 4's replica rank 1 -> 2, the last layer rank 2 -> here
+        return copies.migrate(4, "r1", "r2", sequences) + copies.migrate(last, "r2", "g0", sequences)
+
+    outputs, copies, moved = with_copies(model, prompts, {0: before, 2: mid, 1: later, 7: away}, copies)
     same = outputs == reference(model, prompts)
     for remote in remotes.values():
         remote.stop()
@@ -211,7 +214,8 @@ else:
 def test_gpu_ranks_serve_replicas_and_migrated_layers_with_the_same_tokens(tmp_path) -> None:
     """Three real ranks: the instance's (all layers) and two GPU ranks. Replicas on rank 1 before
     admission; mid-generation, the last layer migrates with its KV to rank 2 and a replica on rank 1
-    is evicted with its KV coming back. The greedy tokens are the plain model's."""
+    is evicted with its KV coming back; later a replica moves from rank 1 to rank 2 and the last layer
+    comes back from rank 2, each with its KV. The greedy tokens are the plain model's."""
     import json
     import os
     import subprocess
@@ -227,12 +231,15 @@ def test_gpu_ranks_serve_replicas_and_migrated_layers_with_the_same_tokens(tmp_p
     said = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)}  # each rank's own file
     assert said[0]["same"]
     hosts = said[0]["hosts"]
-    assert hosts["7"] == ["r2"] and hosts["3"] == ["g0"] and hosts["2"] == ["g0", "r1"] and hosts["0"] == ["g0", "r2"]
-    assert said[1]["layers"] == [2, 4, 5] and said[2]["layers"] == [0, 7]
+    assert hosts["7"] == ["g0"] and hosts["3"] == ["g0"] and hosts["2"] == ["g0", "r1"] and hosts["0"] == ["g0", "r2"]
+    assert hosts["4"] == ["g0", "r2"]  # migrated between the ranks mid-generation, and the last layer back here
+    assert said[1]["layers"] == [2, 5] and said[2]["layers"] == [0, 4]
     assert said[1]["runs"] > 0 and said[2]["runs"] > 0  # both ranks computed rows
     assert said[0]["moved"][0] == 4 * said[0]["layer_bytes"]  # four replicas' weights
-    # rank 1's copies of layers 2-5, then 2 and 4-5 once layer 3's went: the modeled scatter where a run
-    # begins, the gather where it ends, nothing in between (layer, scatter paid, gather paid)
+    # rank 1's copies of layers 2-5, then 2 and 4-5 once layer 3's went, then 2 and 5 once layer 4's
+    # moved: the modeled scatter where a run begins, the gather where it ends, nothing in between
+    # (layer, scatter paid, gather paid)
     before = {(2, True, False), (3, False, False), (4, False, False), (5, False, True)}
     after = {(2, True, True), (4, True, False), (5, False, True)}
-    assert {tuple(end) for end in said[0]["ends"]} == before | after
+    last = {(2, True, True), (5, True, True)}
+    assert {tuple(end) for end in said[0]["ends"]} == before | after | last

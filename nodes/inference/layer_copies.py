@@ -130,9 +130,22 @@ class LayerCopies(object):
         hosts = self.hosts[layer]
         if source not in hosts or destination in hosts:
             raise ValueError("layer %d: not on %s, or already on %s" % (layer, source, destination))
-        if source in self.remote:
-            raise ValueError("a layer migrates from a GPU of this rank (%s is another rank)" % source)
-        if destination in self.remote:
+        if source in self.remote:  # through this rank: the module and its sequences' KV come here first
+            served = [q for q in sequences if q.serving.get(layer) == source]
+            module, kv = self.remote[source].extract(layer, [q.ident for q in served])
+            if destination in self.remote:
+                moved = self.remote[destination].install(layer, module, kv)
+                for sequence in served:
+                    sequence.serving[layer] = destination
+            else:
+                self.copies[(layer, destination)] = module.to(self.device(destination))
+                moved = _module_bytes(module)
+                for ident, keys, values in kv:
+                    moved += self._write_kv(next(q for q in served if q.ident == ident), layer, destination, keys,
+                                            values)  # fmt: skip
+                for sequence in served:
+                    sequence.serving[layer] = destination
+        elif destination in self.remote:
             served = [q for q in sequences if q.serving.get(layer) == source]
             kv = [(q.ident,) + q.caches[source].view(layer, q.length) for q in served
                   if q.length and source in q.caches]  # fmt: skip

@@ -7,6 +7,7 @@ Messages (``module_transfer.pack``) go to the copy server with ``TAG_MODULE`` an
 - ``install``: a layer's weights, and the KV of the sequences it will serve (a replica: none; a
   migrated layer: those its old copy served);
 - ``evict``: drop a layer; the reply carries the KV of the sequences it served, back to the primary;
+- ``extract``: the same with the layer's weights too (a migration away from this rank);
 - ``run``: the rows of the sequences a layer's copy there serves, with each sequence's new tokens and
   length; the reply carries the rows out (the KV stays there);
 - ``stop``.
@@ -30,14 +31,20 @@ from . import module_transfer, mpi_link
 
 TAG_MODULE = module_transfer.TAG_MODULE
 TAG_REPLY = 15
+KvItems = List[Tuple[int, torch.Tensor, torch.Tensor]]  # (sequence id, keys, values) of one layer
 
 
 class RemoteGpu(object):
     """The instance's handle on another GPU rank (``LayerCopies.add_remote``)."""
 
-    def __init__(self, comm: Any, rank: int) -> None:
-        self.comm, self.rank = comm, rank
+    def __init__(self, comm: Any, rank: int, config: Optional[LlamaConfig] = None) -> None:
+        self.comm, self.rank, self.config = comm, rank, config
         self.outbox = mpi_link.Outbox()
+
+    def _config(self) -> LlamaConfig:
+        if self.config is None:
+            raise ValueError("a layer taken from rank %d needs the model's config (RemoteGpu(config=...))" % self.rank)
+        return self.config
 
     def install(self, layer: int, module: DecoderLayer, kv: Sequence[Tuple[int, torch.Tensor, torch.Tensor]]) -> int:
         """Send ``layer`` (and the KV it serves); the bytes of weights and KV moved."""
@@ -47,11 +54,18 @@ class RemoteGpu(object):
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
         return weights + sum(2 * i.keys.numel() * i.keys.element_size() for i in items)
 
-    def evict(self, layer: int, sequences: Sequence[int]) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+    def evict(self, layer: int, sequences: Sequence[int]) -> KvItems:
         """Drop the rank's copy of ``layer``; the KV of ``sequences`` it served, as (id, keys, values)."""
         self._request({"op": "evict", "layer": layer, "sequences": list(sequences)}, [])
         header, tensors = self._reply()
         return [(ident, tensors["k%d" % ident], tensors["v%d" % ident]) for ident in header["sequences"]]
+
+    def extract(self, layer: int, sequences: Sequence[int]) -> Tuple[DecoderLayer, KvItems]:
+        """Take the rank's copy of ``layer`` away: its module and the KV of ``sequences`` it served."""
+        self._request({"op": "extract", "layer": layer, "sequences": list(sequences)}, [])
+        header, tensors = self._reply()
+        message = module_transfer.layer_of(header, tensors, self._config(), torch.device("cpu"))
+        return message.module, [(item.sequence, item.keys, item.values) for item in message.kv]
 
     def start_run(self, layer: int, rows: torch.Tensor, items: Sequence[Tuple[int, int, int]], scatter_s: float = 0.0,
                   gather_s: float = 0.0) -> None:  # fmt: skip
@@ -112,6 +126,8 @@ class CopyServer(object):
                 self._install(module_transfer.layer_of(header, tensors, self.config, self.device))
             elif op == "evict":
                 self._evict(header["layer"], header["sequences"])
+            elif op == "extract":
+                self._extract(header["layer"], header["sequences"])
             elif op == "run":
                 time.sleep(header.get("scatter_s", 0.0))  # the rows' modeled way here
                 self._run(header["layer"], tensors["rows"], header["items"], header.get("gather_s", 0.0))
@@ -137,12 +153,22 @@ class CopyServer(object):
         del self.modules[layer]
         tensors: List[Tuple[str, torch.Tensor]] = []
         for ident in sequences:
-            cache = self.caches[ident]
-            cache.length = self.lengths[ident]  # a run leaves it where the step began
-            keys, values = cache.view(layer, cache.length)
+            keys, values = self._history(ident, layer)
             tensors += [("k%d" % ident, keys), ("v%d" % ident, values)]
         reply = module_transfer.pack({"op": "evicted", "layer": layer, "sequences": list(sequences)}, tensors)
         mpi_link.send(self.comm, reply, self.primary, TAG_REPLY)
+
+    def _extract(self, layer: int, sequences: Sequence[int]) -> None:
+        """The copy of ``layer`` and its sequences' KV to the instance's rank, dropped here (a migration
+        away from this rank)."""
+        kv = [module_transfer.LayerKV(ident, *self._history(ident, layer)) for ident in sequences]
+        reply = module_transfer.encode(layer, self.modules.pop(layer), kv, header={"op": "extracted"})
+        mpi_link.send(self.comm, reply, self.primary, TAG_REPLY)
+
+    def _history(self, ident: int, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        cache = self.caches[ident]
+        cache.length = self.lengths[ident]  # a run leaves it where the step began
+        return cache.view(layer, cache.length)
 
     def _run(self, layer: int, rows: torch.Tensor, items: Sequence[Sequence[int]], gather_s: float) -> None:
         started = time.monotonic()
