@@ -110,66 +110,42 @@ class LayerCopies(object):
         """Drop ``gpu``'s replica of ``layer``; its sequences' KV for the layer moves to the primary."""
         if gpu not in self.hosts[layer][1:]:
             raise ValueError("%s holds no replica of layer %d" % (gpu, layer))
-        primary = self.hosts[layer][0]
+        served = [q for q in sequences if q.serving.get(layer) == gpu]
         if gpu in self.remote:
-            served = [q for q in sequences if q.serving.get(layer) == gpu]
-            moved = 0
-            for ident, keys, values in self.remote[gpu].evict(layer, [q.ident for q in served]):
-                sequence = next(q for q in served if q.ident == ident)
-                moved += self._write_kv(sequence, layer, primary, keys, values)
-            for sequence in served:
-                sequence.serving[layer] = primary
+            kv = self.remote[gpu].evict(layer, [q.ident for q in served])
         else:
-            moved = self._move_kv(layer, gpu, primary, sequences)
             del self.copies[(layer, gpu)]
+            kv = _local_kv(layer, gpu, served)
         self.hosts[layer].remove(gpu)
-        return moved
+        return self._put_kv(layer, self.hosts[layer][0], served, kv)
 
     def migrate(self, layer: int, source: str, destination: str, sequences: Sequence[SequenceKV]) -> int:
-        """Move ``layer``'s copy on ``source`` to ``destination``: its weights and its sequences' KV."""
+        """Move ``layer``'s copy on ``source`` to ``destination``: its weights and its sequences' KV (a
+        move between two other ranks passes through this one)."""
         hosts = self.hosts[layer]
         if source not in hosts or destination in hosts:
             raise ValueError("layer %d: not on %s, or already on %s" % (layer, source, destination))
-        if source in self.remote:  # through this rank: the module and its sequences' KV come here first
-            served = [q for q in sequences if q.serving.get(layer) == source]
+        served = [q for q in sequences if q.serving.get(layer) == source]
+        if source in self.remote:
             module, kv = self.remote[source].extract(layer, [q.ident for q in served])
-            if destination in self.remote:
-                moved = self.remote[destination].install(layer, module, kv)
-                for sequence in served:
-                    sequence.serving[layer] = destination
-            else:
-                self.copies[(layer, destination)] = module.to(self.device(destination))
-                moved = _module_bytes(module)
-                for ident, keys, values in kv:
-                    moved += self._write_kv(next(q for q in served if q.ident == ident), layer, destination, keys,
-                                            values)  # fmt: skip
-                for sequence in served:
-                    sequence.serving[layer] = destination
-        elif destination in self.remote:
-            served = [q for q in sequences if q.serving.get(layer) == source]
-            kv = [(q.ident,) + q.caches[source].view(layer, q.length) for q in served
-                  if q.length and source in q.caches]  # fmt: skip
-            moved = self.remote[destination].install(layer, self.copies.pop((layer, source)), kv)
+        else:
+            module, kv = self.copies.pop((layer, source)), _local_kv(layer, source, served)
+        hosts[hosts.index(source)] = destination
+        if destination in self.remote:
             for sequence in served:
                 sequence.serving[layer] = destination
-        else:
-            module = self.copies.pop((layer, source))
-            self.copies[(layer, destination)] = module.to(self.device(destination))
-            moved = _module_bytes(module) + self._move_kv(layer, source, destination, sequences)
-        hosts[hosts.index(source)] = destination
-        return moved
+            return self.remote[destination].install(layer, module, kv)
+        self.copies[(layer, destination)] = module.to(self.device(destination))
+        return _module_bytes(module) + self._put_kv(layer, destination, served, kv)
 
-    def _move_kv(self, layer: int, source: str, destination: str, sequences: Sequence[SequenceKV]) -> int:
-        moved = 0
-        for sequence in sequences:
-            if sequence.serving.get(layer) != source:
-                continue
-            sequence.serving[layer] = destination
-            if sequence.length == 0 or source not in sequence.caches:
-                continue
-            keys, values = sequence.caches[source].view(layer, sequence.length)
-            moved += self._write_kv(sequence, layer, destination, keys, values)
-        return moved
+    def _put_kv(self, layer: int, gpu: str, served: Sequence[SequenceKV],
+                kv: Sequence[Tuple[int, torch.Tensor, torch.Tensor]]) -> int:  # fmt: skip
+        """``served`` now served by local ``gpu`` for ``layer``, with their KV ``kv`` (id, keys, values)
+        written there; the bytes written."""
+        by_ident = {q.ident: q for q in served}
+        for sequence in served:
+            sequence.serving[layer] = gpu
+        return sum(self._write_kv(by_ident[ident], layer, gpu, keys, values) for ident, keys, values in kv)
 
     def _write_kv(self, sequence: SequenceKV, layer: int, gpu: str, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Put a layer's whole history of ``sequence`` on local ``gpu``; the bytes it holds."""
@@ -249,3 +225,8 @@ def _place(out: torch.Tensor, rows: torch.Tensor, spans: Sequence[Tuple[int, int
 
 def _module_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _local_kv(layer: int, gpu: str, served: Sequence[SequenceKV]) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+    """The KV of ``layer`` that local ``gpu`` holds for ``served``, as (id, keys, values)."""
+    return [(q.ident,) + q.caches[gpu].view(layer, q.length) for q in served if q.length and gpu in q.caches]
