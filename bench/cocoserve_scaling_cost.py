@@ -4,7 +4,7 @@ and seconds), against restarting the instance.
 Two real MPI ranks over loopback TCP (no shaping: the rate is this host's). Rank 0 sends k layers of the
 tiny model, each message padded to a target layer's bytes divided by ``--scale`` (Llama-2-13B's
 634 MB / 16 by default, so that 8 layers fit in this machine's memory twice); rank 1 installs each
-(``layer_ranks.CopyServer``) and acknowledges the last. Reported per k: bytes on the wire, the median
+(``layer_ranks.CopyServer``), and a ``sync`` says all are in. Reported per k: bytes moved, the median
 seconds until the acknowledgement, the affine fit seconds = a + bytes / rate (R^2), and the median
 seconds of an instance restart (a fresh process that imports torch, loads the checkpoint and runs one
 step), with the restart over one operation.
@@ -37,37 +37,26 @@ RESTART = ("import torch; from nodes.inference.checkpoint import load_whole; m =
 
 
 def ranks(settings: dict) -> None:
-    import torch
     from mpi4py import MPI
 
     from nodes.inference.checkpoint import load_whole
-    from nodes.workers import module_transfer, mpi_link
-    from nodes.workers.layer_ranks import CopyServer
+    from nodes.workers.layer_ranks import CopyServer, RemoteGpu
 
     comm = MPI.COMM_WORLD
     if comm.Get_rank() == 1:
-        server = CopyServer(comm, str(TINY))
-        while True:
-            buffer, _, _ = mpi_link.recv_bytes(comm, 0, module_transfer.TAG_MODULE)
-            header, tensors = module_transfer.unpack(buffer, torch.device("cpu"))
-            if header.get("op") == "stop":
-                return
-            server._install(module_transfer.layer_of(header, tensors, server.config, server.device))
-            if header.get("last"):
-                comm.send(len(server.modules), dest=0, tag=77)
+        CopyServer(comm, str(TINY)).serve()
+        return
     model = load_whole(str(TINY))
+    remote = RemoteGpu(comm, 1)
     rows = []
     for layers in settings["layers"]:
         for _ in range(settings["repeats"]):
-            sent, started = 0, time.monotonic()
-            for i in range(layers):
-                message = module_transfer.encode(i, model.layers[str(i)], (), settings["pad_bytes"],
-                                                 header={"op": "install", "last": i == layers - 1})  # fmt: skip
-                mpi_link.send(comm, message, 1, module_transfer.TAG_MODULE)
-                sent += len(message)
-            comm.recv(source=1, tag=77)
-            rows.append({"layers": layers, "bytes": sent, "seconds": time.monotonic() - started})
-    mpi_link.send(comm, module_transfer.pack({"op": "stop"}, []), 1, module_transfer.TAG_MODULE)
+            started = time.monotonic()
+            moved = sum(remote.install(i, model.layers[str(i)], [], settings["pad_bytes"]) for i in range(layers))
+            remote.sync()  # every layer installed there
+            rows.append({"layers": layers, "bytes": moved + layers * settings["pad_bytes"],
+                         "seconds": time.monotonic() - started})  # fmt: skip
+    remote.stop()
     Path(settings["out"]).write_text(json.dumps(rows))
 
 

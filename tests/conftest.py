@@ -56,14 +56,14 @@ def inventory_text(keys: SshKeys, nodes: list[tuple[str, int]], extra_nodes: str
     return loopback_inventory_yaml(keys, nodes, python=sys.executable, extra_nodes=extra_nodes)
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, cwd: Path | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the real ``testbed`` command line in a subprocess."""
     return subprocess.run(
         [sys.executable, "-m", "testbed", *args],
         capture_output=True,
         text=True,
         cwd=cwd or REPO,
-        timeout=120,
+        timeout=timeout_s,
         check=False,
     )
 

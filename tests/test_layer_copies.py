@@ -189,8 +189,12 @@ else:
 
     remotes["r1"].start_run = logged
 
+    synced = []
+
     def before(copies, sequences):  # layers 2-5 replicated on rank 1: half the sequences run there
-        return sum(copies.replicate(i, "r1") for i in range(2, 6))
+        moved = sum(copies.replicate(i, "r1") for i in range(2, 6))
+        synced.append(remotes["r1"].sync())  # rank 1 says what it holds once it has installed them
+        return moved
 
     def mid(copies, sequences):  # with KV on the ranks: layer 7 to rank 2, layer 3's replica back
         return copies.migrate(last, "g0", "r2", sequences) + copies.evict(3, "r1", sequences)
@@ -206,7 +210,7 @@ else:
     for remote in remotes.values():
         remote.stop()
     said = {"rank": 0, "same": same, "moved": moved, "hosts": {str(k): v for k, v in copies.hosts.items()},
-            "layer_bytes": copies.layer_bytes(1), "ends": sorted(ends)}
+            "layer_bytes": copies.layer_bytes(1), "ends": sorted(ends), "synced": synced}
     open("%s/rank0.json" % sys.argv[2], "w").write(json.dumps(said))
 """
 
@@ -236,6 +240,7 @@ def test_gpu_ranks_serve_replicas_and_migrated_layers_with_the_same_tokens(tmp_p
     assert said[1]["layers"] == [2, 5] and said[2]["layers"] == [0, 4]
     assert said[1]["runs"] > 0 and said[2]["runs"] > 0  # both ranks computed rows
     assert said[0]["moved"][0] == 4 * said[0]["layer_bytes"]  # four replicas' weights
+    assert said[0]["synced"] == [[2, 3, 4, 5]]
     # rank 1's copies of layers 2-5, then 2 and 4-5 once layer 3's went, then 2 and 5 once layer 4's
     # moved: the modeled scatter where a run begins, the gather where it ends, nothing in between
     # (layer, scatter paid, gather paid)

@@ -25,7 +25,7 @@ from testbed.campaign.load import load_campaign
 from testbed.campaign.plan import plan_run
 from testbed.compute_profiles import load_profile
 from testbed.context_service import context_scale
-from tests.conftest import REPO, emulated_inventory, emulated_lab
+from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 from workloads.context_traces import context_schedule, context_trace
 
 TINY = REPO / "examples" / "models" / "tiny"
@@ -152,8 +152,7 @@ def test_apps_switch_contexts_on_each_devices_daemon_which_ends_with_the_run(tmp
     campaign.write_text(campaign_text(inventory))
     out = tmp_path / "out"
     with emulated_lab(inventory):
-        done = subprocess.run([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)], cwd=REPO,
-                              capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+        done = run_cli("run", str(campaign), "--out", str(out), timeout_s=600)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
         by_memory = {}
         for run in sorted((out / "runs").iterdir()):

@@ -8,6 +8,7 @@ Messages (``module_transfer.pack``) go to the copy server with ``TAG_MODULE`` an
   migrated layer: those its old copy served);
 - ``evict``: drop a layer; the reply carries the KV of the sequences it served, back to the primary;
 - ``extract``: the same with the layer's weights too (a migration away from this rank);
+- ``sync``: answered once everything sent before is done, with the layers held;
 - ``run``: the rows of the sequences a layer's copy there serves, with each sequence's new tokens and
   length; the reply carries the rows out (the KV stays there);
 - ``stop``.
@@ -46,11 +47,13 @@ class RemoteGpu(object):
             raise ValueError("a layer taken from rank %d needs the model's config (RemoteGpu(config=...))" % self.rank)
         return self.config
 
-    def install(self, layer: int, module: DecoderLayer, kv: Sequence[Tuple[int, torch.Tensor, torch.Tensor]]) -> int:
-        """Send ``layer`` (and the KV it serves); the bytes of weights and KV moved."""
+    def install(self, layer: int, module: DecoderLayer, kv: Sequence[Tuple[int, torch.Tensor, torch.Tensor]],
+                pad_bytes: int = 0) -> int:  # fmt: skip
+        """Send ``layer`` (and the KV it serves; ``pad_bytes`` more on the wire, a target's layer); the
+        bytes of weights and KV moved."""
         items = [module_transfer.LayerKV(ident, keys, values) for ident, keys, values in kv]
-        mpi_link.send(self.comm, module_transfer.encode(layer, module, items, header={"op": "install"}), self.rank,
-                      TAG_MODULE)  # fmt: skip
+        message = module_transfer.encode(layer, module, items, pad_bytes, header={"op": "install"})
+        mpi_link.send(self.comm, message, self.rank, TAG_MODULE)
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
         return weights + sum(2 * i.keys.numel() * i.keys.element_size() for i in items)
 
@@ -77,6 +80,11 @@ class RemoteGpu(object):
     def finish_run(self) -> torch.Tensor:
         _, tensors = self._reply()
         return tensors["rows"]
+
+    def sync(self) -> List[int]:
+        """Wait until the rank has done everything sent before; the layers it holds."""
+        self._request({"op": "sync"}, [])
+        return list(self._reply()[0]["layers"])
 
     def stop(self) -> None:
         self._request({"op": "stop"}, [])
@@ -128,6 +136,9 @@ class CopyServer(object):
                 self._evict(header["layer"], header["sequences"])
             elif op == "extract":
                 self._extract(header["layer"], header["sequences"])
+            elif op == "sync":
+                reply = module_transfer.pack({"op": "synced", "layers": sorted(self.modules)}, [])
+                mpi_link.send(self.comm, reply, self.primary, TAG_REPLY)
             elif op == "run":
                 time.sleep(header.get("scatter_s", 0.0))  # the rows' modeled way here
                 self._run(header["layer"], tensors["rows"], header["items"], header.get("gather_s", 0.0))
