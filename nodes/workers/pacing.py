@@ -14,8 +14,11 @@ overran: its real computation took longer than its target, or its sleep returned
 the step lasted longer than modeled just the same).
 
 Steps that follow each other directly (the device's shallow layers, then the adapter, then the LM
-head) are chained: the next one starts at the previous one's due time, not at the moment the sleep
-returned, so a sleep's lateness (tens of microseconds) does not add up over a request; and each
+head) are chained: the next one starts earlier by how late the previous one's sleep returned, so a
+sleep's lateness (tens of microseconds) does not add up over a request. Only that lateness is taken
+back: the rank's own work between the two steps (encoding and sending a chunk, a scheduler's
+bookkeeping) still takes its real time, so no step ever lasts less than its target less one on-time
+sleep's lateness, however it is measured; and each
 sleep asks to wake that much early (the median of how late the last on-time sleeps returned, at most
 :data:`MAX_ADVANCE_S`: sleeps that a CPU quota's throttling or a preemption made late are overruns and
 teach nothing, so a rank throttled for a while does not then end its steps early, or skip their
@@ -39,7 +42,7 @@ from nodes.inference.partition import UShapePartition
 
 STEP_COLUMNS = ("ts_s", "op", "layers", "tokens", "sequences", "context_tokens", "real_s", "target_s", "late_s",
                 "overrun")
-CHAIN_S = 0.002  # a step that starts this soon after the last one's due time continues from it
+CHAIN_S = 0.002  # a step that starts this soon after the last one ended takes back that one's lateness
 LATE_FLOOR_S = 0.0005  # a step may always end this late (a wake-up's scheduling noise)
 LATE_SHARE = 0.05  # a step that ends later than this share of its target past its due time overran
 LATENESS_SAMPLES = 32  # sleeps whose lateness the next wake-up's advance is the median of
@@ -82,7 +85,8 @@ class Pacer:
         self.rates, self.model, self.dilation = rates, model, dilation
         self.log: Optional[CsvLog] = None
         self.t0 = 0.0
-        self._due = 0.0
+        self._ended = 0.0  # when the last step's sleep returned
+        self._owed_s = 0.0  # how late that on-time sleep returned: the next chained step takes it back
         self._lateness_s = 0.0  # median of how late the last sleeps returned
         self._late_samples: List[float] = []
         self._slack_thread = 0  # the thread whose timer slack was tightened (it is per thread)
@@ -91,7 +95,7 @@ class Pacer:
 
     def start(self, path: str, header: Any, t0: float) -> None:
         self.log = CsvLog(path, STEP_COLUMNS, header)
-        self.t0, self._due, self.steps, self.overruns = t0, 0.0, 0, 0
+        self.t0, self._ended, self._owed_s, self.steps, self.overruns = t0, 0.0, 0.0, 0, 0
 
     def close(self) -> None:
         if self.log is not None:
@@ -100,7 +104,7 @@ class Pacer:
 
     def unchain(self) -> None:
         """The next step starts a new chain (untimed work happened in between: a profiler's setup)."""
-        self._due = 0.0
+        self._ended, self._owed_s = 0.0, 0.0
 
     def target_s(
         self, layers: int, segments: Sequence[Tuple[int, int]], head_tokens: int = 0, attention_layers: int = 0
@@ -112,7 +116,7 @@ class Pacer:
         if self._slack_thread != threading.get_ident():
             _wake_promptly()
             self._slack_thread = threading.get_ident()
-        begin = self._due if 0.0 <= started - self._due < CHAIN_S else started
+        begin = started - self._owed_s if 0.0 <= started - self._ended < CHAIN_S else started
         due = begin + target_s
         now = ended = time.monotonic()
         overrun = now > due
@@ -127,7 +131,7 @@ class Pacer:
             median = sorted(self._late_samples)[len(self._late_samples) // 2]
             self._lateness_s = min(MAX_ADVANCE_S, max(0.0, median))
         overrun = overrun or woke_late
-        self._due = max(due, now)
+        self._ended, self._owed_s = ended, (0.0 if overrun else late_s)
         self.steps += 1
         self.overruns += overrun
         if self.log is not None:
