@@ -41,15 +41,20 @@ def run_config(method: str) -> dict:
 
 
 def test_the_built_in_methods_compose_hats_strategies():
+    gpu_methods = ["cocoserve", "continuous-batching", "static-batching"]
     assert names() == ("centralized", "ushape", "usarathi", "sd", "pc", "sd_pc", "sd_pd", "hat", "serving", "disco",
-                       "llms")
+                       "llms", *gpu_methods)  # fmt: skip
     features = {name: {f for f in ("sd", "pc", "pd") if method_named(name).uses(f)} for name in names()}
     assert features == {"centralized": set(), "ushape": set(), "usarathi": set(), "sd": {"sd"}, "pc": {"pc"},
                         "sd_pc": {"sd", "pc"}, "sd_pd": {"sd", "pd"}, "hat": {"sd", "pc", "pd"},
-                        "serving": set(), "disco": set(), "llms": set()}  # fmt: skip
-    assert [n for n in names() if method_named(n).token_ids_only] == ["centralized", "serving", "disco", "llms"]
+                        "serving": set(), "disco": set(), "llms": set(), **{n: set() for n in gpu_methods}}  # fmt: skip
+    assert [n for n in names() if method_named(n).token_ids_only] == ["centralized", "serving", "disco", "llms",
+                                                                       *gpu_methods]  # fmt: skip
     assert [n for n in names() if method_named(n).serves_contexts] == ["llms"]
-    assert [n for n in names() if method_named(n).streams] == ["serving"]
+    assert [n for n in names() if method_named(n).streams] == ["serving", *gpu_methods]
+    assert [n for n in names() if method_named(n).gpu_ranks] == gpu_methods
+    assert [n for n in names() if method_named(n).autoscales] == ["cocoserve"]
+    assert [n for n in names() if method_named(n).batching == "static"] == ["static-batching"]
     assert [n for n in names() if method_named(n).dispatches] == ["disco"]
     assert [n for n in names() if method_named(n).prefill == "server_chunks"] == ["usarathi"]
     assert {n for n in names() if method_named(n).server_state_in_replies} == {"sd", "pc", "sd_pc", "sd_pd", "hat"}

@@ -56,6 +56,7 @@ class LayerCopies(object):
         # target's time); transfer_s(gpu, tokens) the modeled time to move that many rows' hidden states
         self.pace: Optional[Callable[[str, int, List[Tuple[int, int]], float], None]] = None
         self.transfer_s: Optional[Callable[[str, int], float]] = None
+        self.wire_pad_bytes = 0  # sent with each layer installed on another rank (a target's layer on the wire)
         self._turn: Dict[int, int] = {i: 0 for i in part.layer_ids}
         self._admitted = 0
 
@@ -92,6 +93,14 @@ class LayerCopies(object):
         self._admitted += 1
         return SequenceKV(self._admitted - 1, serving)
 
+    def release(self, sequence: SequenceKV) -> None:
+        """The sequence has ended (or its KV was dropped): its keys and values go, here and on every
+        other rank that holds some."""
+        sequence.caches.clear()
+        for gpu in sorted(set(sequence.serving.values())):
+            if gpu in self.remote:
+                self.remote[gpu].release([sequence.ident])
+
     # -- module operations (each returns the bytes it moved) -----------------------------------
 
     def replicate(self, layer: int, gpu: str) -> int:
@@ -99,7 +108,7 @@ class LayerCopies(object):
         if gpu in self.hosts[layer]:
             raise ValueError("layer %d is already on %s" % (layer, gpu))
         if gpu in self.remote:
-            moved = self.remote[gpu].install(layer, self.local_module(layer), [])
+            moved = self.remote[gpu].install(layer, self.local_module(layer), [], self.wire_pad_bytes)
         else:
             self.copies[(layer, gpu)] = copy.deepcopy(self.local_module(layer)).to(self.device(gpu))
             moved = _module_bytes(self.copies[(layer, gpu)])
@@ -134,7 +143,7 @@ class LayerCopies(object):
         if destination in self.remote:
             for sequence in served:
                 sequence.serving[layer] = destination
-            return self.remote[destination].install(layer, module, kv)
+            return self.remote[destination].install(layer, module, kv, self.wire_pad_bytes)
         self.copies[(layer, destination)] = module.to(self.device(destination))
         return _module_bytes(module) + self._put_kv(layer, destination, served, kv)
 

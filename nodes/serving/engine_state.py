@@ -45,7 +45,7 @@ class ServedRequest(object):
         self.preemptions = self.swaps = self.recomputes = 0
         self.first_token_s: Optional[float] = None
         self.done_s: Optional[float] = None
-        self.finished_by: Optional[str] = None  # eos | length | capacity | refused
+        self.finished_by: Optional[str] = None  # eos | length | capacity | refused | cancelled | oom
         self.cache: Any = None  # the worker's KV cache object (kept while swapped, dropped when dropped)
 
     @property
@@ -105,10 +105,11 @@ class EngineState(object):
             self.live.remove(request)
         self.finished.append(request)
 
-    def cancel(self, request: ServedRequest, now_s: float) -> None:
-        """The request's client went away: it leaves the engine now, its KV freed."""
+    def cancel(self, request: ServedRequest, now_s: float, why: str = "cancelled") -> None:
+        """The request leaves the engine now, its KV freed: its client went away, or (``why``) the
+        engine failed it (``oom``: its GPU ran out of memory)."""
         if request.state != DONE:
-            self._finish(request, now_s, "cancelled")
+            self._finish(request, now_s, why)
 
     def in_state(self, state: str) -> List[ServedRequest]:
         return [r for r in self.live if r.state == state]

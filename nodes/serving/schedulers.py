@@ -12,6 +12,10 @@ checked against hand traces and timed without a model; the engine carries the de
   cache is above the watermark or latency(B) is too slow for the most demanding request's TDS, it
   picks the batch size B in [B_min, B_max] and the requests whose summed Eq. 2 gain is largest
   (Algorithm 1 greedy, Eq. 5 priority), preempting the rest within the cap P (Optimisation 4).
+- ``static``: static batching (Transformers' ``generate``, CoCoServe's HF baseline): while any request
+  runs, the batch runs alone; once it has ended, the next ``max_batch`` requests by arrival start
+  together. Memory is not checked, neither at admission nor as the batch grows: a batch that outgrows
+  the GPU fails with out-of-memory, which the engine that uses it counts (``scaling_engine``).
 - ``andes-dp``: the same with Algorithm 2's exact DP in place of the greedy packing (a reference).
 
 Memory is counted in KV tokens: a request needs its context plus the token this iteration adds.
@@ -113,6 +117,14 @@ def round_robin(snapshot: Snapshot, settings: SchedulerSettings) -> Decision:
     return Decision(decision.run, int(np.sum(snapshot.running & ~decision.run)), False, 0, decision.forced)
 
 
+def static(snapshot: Snapshot, settings: SchedulerSettings) -> Decision:
+    run = snapshot.running.copy()
+    if not run.any():
+        waiting = np.flatnonzero(~run)
+        run[waiting[np.argsort(snapshot.arrival_s[waiting], kind="stable")][: snapshot.max_batch]] = True
+    return Decision(run, 0, False, 0)
+
+
 def batch_bounds(snapshot: Snapshot) -> Tuple[int, int]:
     """Optimisation 2: B_max, the most requests that fit at once; B_min, the largest batch whose
     per-request speed 1 / latency(B) still meets the most demanding TDS_exp (1 if none does)."""
@@ -207,4 +219,5 @@ SCHEDULERS: Dict[str, Callable[[Snapshot, SchedulerSettings], Decision]] = {
     "rr": round_robin,
     "andes": andes,
     "andes-dp": andes_dp,
+    "static": static,
 }

@@ -8,6 +8,7 @@ Messages (``module_transfer.pack``) go to the copy server with ``TAG_MODULE`` an
   migrated layer: those its old copy served);
 - ``evict``: drop a layer; the reply carries the KV of the sequences it served, back to the primary;
 - ``extract``: the same with the layer's weights too (a migration away from this rank);
+- ``release``: the KV of sequences that ended (no reply);
 - ``sync``: answered once everything sent before is done, with the layers held;
 - ``run``: the rows of the sequences a layer's copy there serves, with each sequence's new tokens and
   length; the reply carries the rows out (the KV stays there);
@@ -81,6 +82,11 @@ class RemoteGpu(object):
         _, tensors = self._reply()
         return tensors["rows"]
 
+    def release(self, sequences: Sequence[int]) -> None:
+        """Drop the KV the rank holds for ``sequences`` (they ended, or their KV was dropped)."""
+        self.outbox.send(self.comm, module_transfer.pack({"op": "release", "sequences": list(sequences)}, []),
+                         self.rank, TAG_MODULE)  # fmt: skip
+
     def sync(self) -> List[int]:
         """Wait until the rank has done everything sent before; the layers it holds."""
         self._request({"op": "sync"}, [])
@@ -136,6 +142,10 @@ class CopyServer(object):
                 self._evict(header["layer"], header["sequences"])
             elif op == "extract":
                 self._extract(header["layer"], header["sequences"])
+            elif op == "release":
+                for ident in header["sequences"]:
+                    self.caches.pop(ident, None)
+                    self.lengths.pop(ident, None)
             elif op == "sync":
                 reply = module_transfer.pack({"op": "synced", "layers": sorted(self.modules)}, [])
                 mpi_link.send(self.comm, reply, self.primary, TAG_REPLY)

@@ -81,6 +81,28 @@ class ServingSettings(NamedTuple):
     ignore_eos: bool = False  # generate every request's max_new_tokens, as vLLM's benchmarks do
 
 
+class ScalingSettings(NamedTuple):
+    """CoCoServe's module scaling (``methods/cocoserve.py``): each GPU rank's memory budget, the link
+    between GPU ranks, and the controller's thresholds (``nodes.scaling.controller``). Bytes and
+    seconds are the target's when the run has one: ``layer_bytes`` is what one real decoder layer
+    stands for (its share of the target's layers), ``kv_bytes_per_token_layer`` likewise."""
+
+    gpu_memory_bytes: Optional[int] = None  # each GPU rank's budget (weights + KV); None: unbounded
+    fixed_bytes: int = 0  # the instance's GPU holds this besides layers and KV (embedding, head, activations)
+    layer_bytes: int = 0  # one layer copy's weights as the budget counts them; 0: the real layer's
+    kv_bytes_per_token_layer: int = 0  # one token's KV in one layer as counted; 0: the real model's
+    gpu_link_gbps: Optional[float] = None  # hidden states between GPU ranks (scatter, gather); None: free
+    slo_factor: float = 5.0  # a request meets its SLO when it ends within this times its unloaded time
+    t_up: float = 0.2
+    t_down: float = 0.05
+    period_s: float = 2.0
+    cooldown_s: float = 10.0
+    calm_s: float = 30.0
+    window_s: float = 10.0  # the monitor's window for utilisation and SLO violations
+    delta_batch: int = 5
+    max_migrations: int = 4
+
+
 DISPATCH_POLICIES = ("server-only", "device-only", "stoch-s", "stoch-d", "disco-s", "disco-d")
 
 
@@ -129,6 +151,7 @@ class RunConfig(NamedTuple):
     target: Optional[TargetSettings] = None
     serving: ServingSettings = ServingSettings()
     dispatch: DispatchSettings = DispatchSettings()
+    scaling: ScalingSettings = ScalingSettings()
 
     @property
     def method_spec(self) -> Method:
@@ -183,6 +206,7 @@ class RunConfig(NamedTuple):
                 "pad_payloads": self.target.pad_payloads},
             "serving": self.serving._asdict(),
             "dispatch": dict(self.dispatch._asdict(), prices=list(self.dispatch.prices)),
+            "scaling": self.scaling._asdict(),
         }  # fmt: skip
 
     def rank_dir(self, rank: int) -> str:
@@ -298,20 +322,39 @@ def _parse(raw: Dict[str, Any], source: str) -> RunConfig:
         target=_target(raw.get("target"), source),
         serving=_serving(raw.get("serving"), source),
         dispatch=dispatch_settings(raw.get("dispatch"), source),
+        scaling=scaling_settings(raw.get("scaling"), source),
     )
+
+
+def _section(raw: Any, source: str, name: str, kind: Any) -> Any:
+    """Section ``name`` as a ``kind`` (its defaults when absent), once checked to be a mapping of its fields."""
+    if raw is None:
+        return kind()
+    if not isinstance(raw, dict):
+        raise RunConfigError("%s: field '%s' must be a mapping" % (source, name))
+    unknown = sorted(set(raw) - set(kind._fields))
+    if unknown:
+        known = ", ".join(kind._fields)
+        raise RunConfigError("%s: %s.%s is not a field; known: %s" % (source, name, unknown[0], known))
+    if name == "dispatch":  # a JSON list in the file, a tuple in the settings
+        raw = dict(raw, prices=tuple(raw.get("prices") or kind().prices))
+    return kind(**raw)
+
+
+def scaling_settings(raw: Any, source: str) -> ScalingSettings:
+    """The ``scaling`` section checked: known fields, numbers >= 0, thresholds within [0, 1]."""
+    settings = _section(raw, source, "scaling", ScalingSettings)  # type: ScalingSettings
+    for name, value in settings._asdict().items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise RunConfigError("%s: scaling.%s must be a number >= 0, not %r" % (source, name, value))
+    if settings.t_up > 1 or settings.t_down > 1 or settings.delta_batch < 1 or settings.period_s <= 0:
+        raise RunConfigError("%s: scaling.t_up and t_down lie in [0, 1], delta_batch >= 1, period_s > 0" % source)
+    return settings
 
 
 def dispatch_settings(raw: Any, source: str) -> DispatchSettings:
     """The ``dispatch`` section checked (``source`` names where it came from in messages)."""
-    if raw is None:
-        return DispatchSettings()
-    if not isinstance(raw, dict):
-        raise RunConfigError("%s: field 'dispatch' must be a mapping" % source)
-    unknown = sorted(set(raw) - set(DispatchSettings._fields))
-    if unknown:
-        raise RunConfigError("%s: dispatch.%s is not a field; known: %s" % (source, unknown[0],
-                                                                           ", ".join(DispatchSettings._fields)))
-    settings = DispatchSettings(**dict(raw, prices=tuple(raw.get("prices") or DispatchSettings().prices)))
+    settings = _section(raw, source, "dispatch", DispatchSettings)  # type: DispatchSettings
     if settings.server_endpoint not in ("trace", "engine"):
         raise RunConfigError("%s: dispatch.server_endpoint is %r; choose trace or engine"
                              % (source, settings.server_endpoint))  # fmt: skip
@@ -328,15 +371,7 @@ def dispatch_settings(raw: Any, source: str) -> DispatchSettings:
 
 
 def _serving(raw: Any, source: str) -> ServingSettings:
-    if raw is None:
-        return ServingSettings()
-    if not isinstance(raw, dict):
-        raise RunConfigError("%s: field 'serving' must be a mapping" % source)
-    unknown = sorted(set(raw) - set(ServingSettings._fields))
-    if unknown:
-        raise RunConfigError("%s: serving.%s is not a field; known: %s" % (source, unknown[0],
-                                                                          ", ".join(ServingSettings._fields)))
-    settings = ServingSettings(**raw)
+    settings = _section(raw, source, "serving", ServingSettings)  # type: ServingSettings
     if settings.scheduler not in SCHEDULERS:
         raise RunConfigError("%s: serving.scheduler is %r; choose one of %s"
                              % (source, settings.scheduler, ", ".join(SCHEDULERS)))  # fmt: skip

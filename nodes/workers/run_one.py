@@ -41,6 +41,10 @@ def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, An
         from .context_apps import ContextApps, IdleServer
 
         worker = (IdleServer if spec.role == "stage" else ContextApps)(config, comm, rank, parts)
+    elif spec.role == "stage" and config.method_spec.gpu_ranks:  # the instance on the first GPU, copies on the rest
+        from .scaling_engine import GpuRank, ScalingEngine
+
+        worker = (ScalingEngine if spec.index == 0 else GpuRank)(config, comm, rank, parts)
     elif spec.role == "stage" and streams:
         from .serving_engine import ServingEngine
 

@@ -9,7 +9,8 @@ than 1 / TDS_exp after the one before (target seconds; times the run's dilation 
 a burst of tokens is shown at the user's pace and a stall drains what the buffer held.
 
 A request the engine refuses (its prompt alone exceeds the KV capacity) ends with no tokens and
-``finished_by: refused``; one that filled the whole capacity alone ends with ``capacity``.
+``finished_by: refused``; one that filled the whole capacity alone ends with ``capacity``; one that
+failed because its GPU ran out of memory (static batching) ends with ``oom`` and the tokens it had.
 
 Logs, like a device rank's: ``requests.jsonl`` (per request: arrival, first and last token,
 the engine's preemptions, swaps and recomputes, the last display time, the tokens and text) and
@@ -122,8 +123,10 @@ class ServingClient:
              "display_s": round(shown, 6)}
             for i, (token, ts, shown) in enumerate(zip(tokens, flight.stamps, flight.shown))
         ])  # fmt: skip
-        preemptions, swaps, recomputes = flight.stats if flight.stats is not None else (None, None, None)
-        if not tokens:
+        preemptions, swaps, recomputes = flight.stats[:3] if flight.stats is not None else (None, None, None)
+        if flight.stats is not None and len(flight.stats) > 3 and flight.stats[3]:
+            finished_by = "oom"  # its GPU ran out of memory (static batching: nodes.workers.scaling_engine)
+        elif not tokens:
             finished_by = "refused"  # its prompt alone does not fit in the engine's KV capacity
         elif tokens[-1] == self.tokenizer.eos_id and not self.config.serving.ignore_eos:
             finished_by = "eos"

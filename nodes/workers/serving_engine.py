@@ -75,15 +75,20 @@ class ServingEngine:
             kv_width = model_config.num_key_value_heads * (model_config.hidden_size // model_config.num_attention_heads)
             self.kv_bytes_per_token = 2.0 * kv_width * element * len(layers)
         self.observed_step_s = UNPROFILED_STEP_S  # an unprofiled engine's latency(B): its last timed decode
-        self.state = EngineState(
-            settings.scheduler,
+        self.state = self._new_state(settings.scheduler)
+        self.outbox = mpi_link.Outbox()
+        self.iteration = 0
+
+    def _new_state(self, scheduler: str) -> EngineState:
+        """The requests and KV budget the scheduler ``scheduler`` works on (the run's serving settings)."""
+        settings = self.config.serving
+        return EngineState(
+            scheduler,
             SchedulerSettings(**{f.name: getattr(settings, f.name) for f in fields(SchedulerSettings)}),
             settings.capacity_tokens if settings.capacity_tokens is not None else UNBOUNDED_TOKENS,
             settings.swap_tokens if settings.swap_tokens is not None else UNBOUNDED_TOKENS,
             settings.max_batch, self.latency_s, self.prefill_s, self.swap_s, settings.lookahead_s,
         )  # fmt: skip
-        self.outbox = mpi_link.Outbox()
-        self.iteration = 0
 
     # -- the engine's model of its own time (the target's seconds) ---------------------------------
     def latency_s(self, batch: int) -> float:
@@ -158,11 +163,13 @@ class ServingEngine:
 
     @staticmethod
     def _closing(request: ServedRequest, token_ids: List[int]) -> List[wire.Segment]:
-        """A finished request's last segments: its counts, then its last tokens (none if refused)
-        flagged DONE."""
+        """A finished request's last segments: its counts (and whether it failed out of memory), then
+        its last tokens (none if refused) flagged DONE."""
         device, request_id = request.key
         stats = request.stats()
-        counts = torch.tensor([[stats["preemptions"], stats["swaps"], stats["recomputes"]]], dtype=torch.float32)
+        out_of_memory = 1.0 if request.finished_by == "oom" else 0.0  # the GPU ran out (scaling_engine)
+        counts = torch.tensor([[stats["preemptions"], stats["swaps"], stats["recomputes"], out_of_memory]],
+                              dtype=torch.float32)  # fmt: skip
         ids = torch.tensor(token_ids, dtype=torch.int32).view(-1, 1)
         return [wire.Segment(request_id, device, wire.STATS, 0, 1, counts),
                 wire.Segment(request_id, device, wire.TOKENS, len(request.generated) - len(token_ids), len(token_ids),

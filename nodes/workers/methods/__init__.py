@@ -6,11 +6,12 @@ to validate campaigns; the workers use it to pick their behaviours.
 
 from typing import Dict, Tuple
 
-from . import centralized, disco, hat, llms, serving, usarathi, ushape
+from . import centralized, cocoserve, disco, hat, llms, serving, usarathi, ushape
 from .base import Method, MethodCheck, default_adapter_dir
 from .llms import CONTEXT_MEMORY_METHODS, FLOAT16_CONTEXT_MEMORY
 
-MODULES = (centralized, ushape, usarathi, hat, serving, disco, llms)  # the registration: one module per method family
+# the registration: one module per method family
+MODULES = (centralized, ushape, usarathi, hat, serving, disco, llms, cocoserve)
 
 _REGISTRY: Dict[str, Method] = {}
 

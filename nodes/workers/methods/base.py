@@ -15,7 +15,14 @@ The engine composes behaviours that a method names, instead of testing method na
 - ``dispatches``: the device runs the whole model behind its own endpoint and dispatches each request
   between it and the server's endpoint (OpenAI-compatible HTTP over the data plane; DiSCo);
 - ``serves_contexts``: the device runs the on-device LLM service, started by the run plan, and its
-  apps replay a context-switching trace against it (LLMS); the server idles.
+  apps replay a context-switching trace against it (LLMS); the server idles;
+- ``gpu_ranks``: the server's stage ranks are its GPUs: the streaming engine runs on the first, with
+  every decoder layer, and the others hold the layer copies it places there (CoCoServe);
+- ``batching``: ``continuous`` (the engine's scheduler admits and preempts every iteration) or
+  ``static`` (a fixed batch runs to its end before the next starts, memory unchecked: Transformers'
+  ``generate``, whose out-of-memory fails requests);
+- ``autoscales``: the engine's controller replicates and migrates layers and scales down under load
+  (CoCoServe Algorithms 1 and 2).
 
 Standard library only, Python 3.8: the controller imports the registry to validate campaigns.
 """
@@ -56,6 +63,9 @@ class Method(object):
     streams = False
     dispatches = False
     serves_contexts = False
+    gpu_ranks = False
+    batching = "continuous"
+    autoscales = False
     report_notes: Tuple[str, ...] = ()  # what the report shows for it, in words
 
     def __init__(self, **traits: object) -> None:
@@ -63,7 +73,7 @@ class Method(object):
             if not hasattr(type(self), key):
                 raise TypeError("a method has no trait %r" % key)
             setattr(self, key, value)
-        if self.prefill not in PREFILL or self.decode not in DECODE:
+        if self.prefill not in PREFILL or self.decode not in DECODE or self.batching not in ("continuous", "static"):
             raise ValueError("method %s: prefill must be one of %s, decode one of %s" % (self.name, PREFILL, DECODE))
 
     def __repr__(self) -> str:
@@ -74,6 +84,7 @@ class Method(object):
         return {"name": self.name, "summary": self.summary, "prefill": self.prefill, "decode": self.decode,
                 "token_ids_only": self.token_ids_only, "server_state_in_replies": self.server_state_in_replies,
                 "streams": self.streams, "dispatches": self.dispatches, "serves_contexts": self.serves_contexts,
+                "gpu_ranks": self.gpu_ranks, "batching": self.batching, "autoscales": self.autoscales,
                 "report_notes": list(self.report_notes)}
 
     @property
@@ -98,6 +109,8 @@ class Method(object):
         """The run's settings that do not work with this method (the partition, and the draft adapter
         of a drafting method)."""
         m, stages = check.device_layers, check.stages
+        if self.gpu_ranks:  # the stages are the server's GPUs; the engine runs every layer on the first
+            return
         if (self.streams or self.dispatches or self.serves_contexts) and stages != 1:
             yield ("partition.stages", "%s serves the whole model from one engine rank, not %d stages"
                    % (self.name, stages), "set partition.stages: 1 (serving.tensor_parallel models several GPUs)")

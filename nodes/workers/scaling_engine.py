@@ -1,0 +1,368 @@
+"""The engine of the GPU-rank methods (``methods/cocoserve.py``): a streaming serving engine whose
+decoder layers are module copies on the server's GPUs (CoCoServe Sec. 3-5).
+
+The first stage rank is the instance: it holds the whole model (embedding, every layer, the head) on
+its GPU, admits and schedules requests like ``serving_engine``, and runs each iteration's layers
+through :class:`~nodes.inference.layer_copies.LayerCopies`: a layer's rows go to the copies that serve
+their sequences, on this rank or on another GPU rank (:class:`GpuRank`, a copy server), and come back.
+Every layer copy's step is paced at its GPU's profile for the target layers it stands for, and hidden
+states between GPU ranks take ``scaling.gpu_link_gbps`` at the ends of each replicated run (modeled).
+
+Memory, as the worker enforces it (``nodes.scaling.memory_budget``): each GPU rank has a budget
+(``scaling.gpu_memory_bytes``) for the layer copies it holds, the KV of the sequences they serve, and on
+the instance's GPU a fixed share. Continuous batching admits only what the budgets hold (its KV
+capacity follows the placement); static batching checks nothing, so before each step the sequences
+that no longer fit fail, newest first, with ``finished_by: oom`` (the paper's OOM rate), and the
+worker goes on.
+
+With ``autoscales`` the controller (``nodes.scaling.controller``) ticks every ``scaling.period_s`` of
+the engine's clock on the monitor's snapshot: each GPU's vacancy (1 - the larger of its busy share
+of the window and its memory share; busy from the engine's own step times, and on real GPUs the
+node's NVML telemetry records the same) and the share of the window's finished requests over their
+SLO (``slo_factor`` times the request's unloaded time on the profile, or out of memory). Its action
+is carried out at once: a replica installed (Algorithm 1), a layer migrated with its KV or a replica
+evicted (Algorithm 2 phases 1-2), or the batch cap lowered or raised by delta_bs. Phase 3's offload
+level is recorded but changes nothing here: the memory-aware scheduler already keeps the KV within
+the budgets (preempting, by swap or recompute, what does not fit). Records in the rank directory, besides the serving
+engine's: ``scaling_ops.csv`` (each module operation: time, kind, layer, GPUs, seconds, bytes moved)
+and ``scaling_ticks.jsonl`` (each tick: the snapshot, the decision, each GPU's memory).
+"""
+
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from nodes.contracts.records import CsvLog, JsonLinesLog
+from nodes.inference.layer_copies import LayerCopies, SequenceKV
+from nodes.scaling.controller import ScalingController, Snapshot, Thresholds
+from nodes.scaling.memory_budget import MemoryCosts, SequenceUse, out_of_memory, used_bytes
+from nodes.scaling.placement import GpuMemory, Placement
+from nodes.scaling.scale_down import Action, Instance
+from nodes.scaling.speedup_model import speedup
+from nodes.serving.engine_state import DONE, RUNNING, EngineState, IterationPlan, ServedRequest
+
+from . import mpi_link, wire
+from .layer_ranks import CopyServer, RemoteGpu
+from .pacing import Pacer
+from .run_config import RunConfig
+from .server_stage import stage_device
+from .serving_engine import UNBOUNDED_TOKENS, ServingEngine
+
+OP_COLUMNS = ("time_s", "kind", "layer", "source", "destination", "seconds", "bytes", "batch_size", "offload")
+UNBOUNDED_BYTES = 1 << 62
+
+
+def gpu_name(rank: int) -> str:
+    """The GPU a stage rank stands for."""
+    return "gpu%d" % rank
+
+
+def target_layers_per_copy(config: RunConfig, real_layers: int) -> float:
+    """How many of the target's decoder layers one real layer stands for (1 without a target)."""
+    return config.target.model.layers / float(real_layers) if config.target is not None else 1.0
+
+
+class GpuRank(object):
+    """A stage rank after the first: one GPU's layer copies, paced at its profile."""
+
+    def __init__(self, config: RunConfig, comm: Any, rank: int, parts: Any = None) -> None:
+        from nodes.inference.config import LlamaConfig
+
+        spec = config.ranks[rank]
+        self.config, self.rank = config, rank
+        self.pacer: Optional[Pacer] = None
+        pace = None
+        if config.target is not None and spec.profile is not None:
+            self.pacer = Pacer(spec.profile, config.target.model, config.target.dilation)
+            per_copy = target_layers_per_copy(config, LlamaConfig.load(config.model).num_hidden_layers)
+            pacer = self.pacer
+
+            def pace(layer: int, shape: List[Tuple[int, int]], started: float) -> None:
+                pacer.pace("copy_layer", started, pacer.target_s(per_copy, shape), per_copy, shape)  # type: ignore[arg-type]
+
+        self.server = CopyServer(comm, config.model, str(stage_device(spec.torch_device, spec.index)), 0, pace)
+
+    def start(self, t0: float) -> None:
+        if self.pacer is not None:
+            header = {"role": "gpu", "node": self.config.ranks[self.rank].node, "gpu": gpu_name(self.rank)}
+            self.pacer.start(self.config.rank_dir(self.rank) + "/steps.csv", header, t0)
+
+    def serve(self) -> None:
+        self.server.serve()
+        if self.pacer is not None:
+            self.pacer.close()
+
+
+class ScalingEngine(ServingEngine):
+    """The instance's rank (see the module docstring)."""
+
+    def __init__(self, config: RunConfig, comm: Any, rank: int, parts: Any = None) -> None:
+        super().__init__(config, comm, rank, parts)
+        settings, method = config.scaling, config.method_spec
+        model = self.part.config
+        stages = [r for r, spec in enumerate(config.ranks) if spec.role == "stage"]
+        self.gpus = [gpu_name(r) for r in stages]
+        self.copies = LayerCopies(self.part, self.gpus[0])
+        for r in stages[1:]:
+            self.copies.add_remote(gpu_name(r), RemoteGpu(comm, r, model))
+        self.layers = model.num_hidden_layers
+        self.per_copy = target_layers_per_copy(config, self.layers)
+        if config.target is not None:
+            self.hidden_bytes_per_token = config.target.model.hidden_bytes_per_token
+            real_layer = self.copies.layer_bytes(0)
+            self.copies.wire_pad_bytes = max(0, int(settings.layer_bytes) - real_layer) if settings.layer_bytes else 0
+        else:
+            self.hidden_bytes_per_token = model.hidden_size * torch.empty((), dtype=self.part.dtype).element_size()
+        if self.pacer is not None:
+            pacer = self.pacer
+            self.copies.pace = lambda gpu, layer, shape, started: pacer.pace(
+                "layer", started, pacer.target_s(self.per_copy, shape), self.per_copy, shape)  # type: ignore[arg-type]
+        if settings.gpu_link_gbps:
+            self.copies.transfer_s = lambda gpu, tokens: self._transfer_s(tokens) * self.dilation
+        element = torch.empty((), dtype=self.part.dtype).element_size()
+        self.costs = MemoryCosts(
+            layer_bytes=int(settings.layer_bytes or self.copies.layer_bytes(0)),
+            kv_bytes_per_token_layer=int(settings.kv_bytes_per_token_layer
+                                         or 2 * model.num_key_value_heads * model.head_dim * element),
+            fixed_bytes={self.gpus[0]: int(settings.fixed_bytes)},
+        )  # fmt: skip
+        self.budgets = {g: int(settings.gpu_memory_bytes) for g in self.gpus} if settings.gpu_memory_bytes else {}
+        self.static = method.batching == "static"
+        self._computed: List[ServedRequest] = []  # the plan's requests that did not fail this iteration
+        self.kv_of: Dict[Any, SequenceKV] = {}  # request key -> its sequence's KV on the GPUs
+        self.busy_s: List[Tuple[float, float, Dict[str, float]]] = []  # (end, seconds, each GPU's share)
+        self.oom_total = 0
+        self.controller: Optional[ScalingController] = None
+        if method.autoscales:
+            thresholds = Thresholds(settings.t_up, settings.t_down, settings.period_s, settings.cooldown_s,
+                                    settings.calm_s, settings.max_migrations, settings.delta_batch)  # fmt: skip
+            instance = Instance(Placement.single(self.layers, self.gpus[0]), config.serving.max_batch)
+            self.controller = ScalingController(instance, self.gpus[0], self._memory(), self.costs.layer_bytes,
+                                                self._predict, thresholds)  # fmt: skip
+        self.next_tick_s = settings.period_s
+
+    def _new_state(self, scheduler: str) -> EngineState:
+        """Static batching checks no memory (an out-of-memory fails requests instead); continuous
+        batching's KV capacity follows the GPUs' budgets (:meth:`_capacity_tokens`), each iteration."""
+        static = self.config.method_spec.batching == "static"
+        state = super()._new_state("static" if static else scheduler)
+        if static:
+            state.capacity_tokens = UNBOUNDED_TOKENS
+        return state
+
+    # -- the run -------------------------------------------------------------------------------
+    def start(self, t0: float) -> None:
+        super().start(t0)
+        directory = self.config.rank_dir(self.rank)
+        header = {"role": "engine", "gpus": self.gpus, "clock_origin_monotonic_s": t0,
+                  "time_dilation": self.dilation, "layer_bytes": self.costs.layer_bytes,
+                  "gpu_memory_bytes": self.config.scaling.gpu_memory_bytes}  # fmt: skip
+        self.op_log = CsvLog(directory + "/scaling_ops.csv", OP_COLUMNS, header)
+        self.tick_log = JsonLinesLog(directory + "/scaling_ticks.jsonl", header)
+
+    def serve(self) -> None:
+        try:
+            super().serve()
+        finally:
+            for remote in self.copies.remote.values():
+                remote.stop()
+            self.op_log.close()
+            self.tick_log.close()
+
+    def _iterate(self) -> None:
+        if self.controller is not None and self.clock() >= self.next_tick_s:
+            self._tick()
+        if not self.static:
+            self.state.capacity_tokens = self._capacity_tokens()
+        super()._iterate()
+
+    # -- memory ----------------------------------------------------------------------------------
+    def _uses(self, new_tokens: Optional[Dict[Any, int]] = None) -> List[SequenceUse]:
+        """What each running request's KV holds (and adds this step), by the GPUs that serve it."""
+        running = [r for r in self.state.live if r.state == RUNNING and r.key in self.kv_of]
+        return [SequenceUse(self.kv_of[r.key].ident, self.kv_of[r.key].serving, self.kv_of[r.key].length,
+                            (new_tokens or {}).get(r.key, 0)) for r in running]  # fmt: skip
+
+    def _used_bytes(self) -> Dict[str, int]:
+        return used_bytes(self.copies.hosts, self._uses(), self.costs)
+
+    def _capacity_tokens(self) -> int:
+        """The KV tokens the budgets hold for the sequences: per GPU, what is left after its weights
+        and fixed share over the KV one token of a sequence puts there (its layers there, each shared
+        among the layer's copies); the tightest GPU's."""
+        if not self.budgets:
+            return UNBOUNDED_TOKENS
+        weights = used_bytes(self.copies.hosts, [], self.costs)
+        capacity = UNBOUNDED_TOKENS
+        for gpu, budget in self.budgets.items():
+            layers = sum(1.0 / len(hosts) for hosts in self.copies.hosts.values() if gpu in hosts)
+            if layers:
+                per_token = layers * self.costs.kv_bytes_per_token_layer
+                capacity = min(capacity, int(max(0, budget - weights.get(gpu, 0)) // per_token))
+        return capacity
+
+    def _memory(self) -> Dict[str, GpuMemory]:
+        """Each GPU as the scaling algorithms see it: its budget, and what it holds besides layers."""
+        used = self._used_bytes()
+        layers = used_bytes(self.copies.hosts, [], MemoryCosts(self.costs.layer_bytes, 0))
+        return {g: GpuMemory(self.budgets.get(g, UNBOUNDED_BYTES), used.get(g, 0) - layers.get(g, 0))
+                for g in self.gpus}  # fmt: skip
+
+    # -- one iteration -----------------------------------------------------------------------------
+    def _compute(self, plan: IterationPlan) -> List[int]:
+        """The plan's next tokens through the layer copies; first, the sequences that would outgrow a
+        GPU's budget this step fail (out of memory), newest first."""
+        compute = list(plan.compute)
+        for request in compute:
+            if plan.kind == "prefill":  # a new request, or one whose KV was dropped: served afresh
+                old = self.kv_of.pop(request.key, None)
+                if old is not None:
+                    self.copies.release(old)
+                self.kv_of[request.key] = self.copies.admit()
+        adds = {r.key: (r.context_tokens if plan.kind == "prefill" else 1) for r in compute}
+        if self.budgets:
+            failed, _ = out_of_memory(self.copies.hosts, self._uses(adds), self.costs, self.budgets)
+            if failed:
+                compute = self._fail_out_of_memory(compute, set(failed))
+        self._computed = compute
+        if not compute:
+            return []
+        began = time.monotonic()
+        ids: List[int] = []
+        steps: List[Tuple[SequenceKV, int]] = []
+        for request in compute:
+            context = request.prompt_ids + request.generated if plan.kind == "prefill" else [request.generated[-1]]
+            ids.extend(context)
+            steps.append((self.kv_of[request.key], len(context)))
+        with torch.inference_mode():
+            hidden = self.part.embed(torch.tensor(ids, dtype=torch.long, device=self.part.device))
+            out = self.copies.run_layers(hidden, steps)
+            rows, offset = [], 0
+            for _, tokens in steps:
+                offset += tokens
+                rows.append(offset - 1)
+            head_began = time.monotonic()
+            logits = self.part.logits(out[torch.tensor(rows, device=out.device)])
+            tokens = [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
+        if self.pacer is not None:
+            shape = [(len(rows), 0)]
+            self.pacer.pace("head", head_began, self.pacer.target_s(0, shape, head_tokens=len(rows)), 0, shape)
+        self._busy(time.monotonic() - began, steps)
+        return tokens
+
+    def _stream(self, plan: IterationPlan, tokens: List[int]) -> None:
+        computed = self._computed
+        super()._stream(plan._replace(compute=tuple(computed)), tokens)
+        for request in computed:
+            if request.state == DONE and request.key in self.kv_of:
+                self.copies.release(self.kv_of.pop(request.key))
+
+    def _fail_out_of_memory(self, compute: List[ServedRequest], failed: set) -> List[ServedRequest]:
+        """Fail the requests whose sequences are in ``failed``; the ones left to compute."""
+        now = self.clock()
+        by_device: Dict[int, List[wire.Segment]] = {}
+        kept = []
+        for request in compute:
+            if self.kv_of[request.key].ident not in failed:
+                kept.append(request)
+                continue
+            self.state.cancel(request, now, "oom")
+            self.oom_total += 1
+            self.copies.release(self.kv_of.pop(request.key))
+            by_device.setdefault(request.key[0], []).extend(self._closing(request, []))
+            self._log_request(request)
+        for device, segments in by_device.items():
+            self.outbox.send(self.comm, wire.encode(wire.DATA, self.iteration, segments), device, mpi_link.TAG_DOWN)
+        return kept
+
+    def _busy(self, seconds: float, steps: Sequence[Tuple[SequenceKV, int]]) -> None:
+        """The monitor's utilisation: this iteration's time, shared among the GPUs by the rows they ran."""
+        work: Dict[str, float] = {}
+        for layer in range(self.layers):
+            for sequence, tokens in steps:
+                gpu = sequence.serving[layer]
+                work[gpu] = work.get(gpu, 0.0) + tokens
+        most = max(work.values()) if work else 1.0  # GPU ranks run their rows side by side
+        self.busy_s.append((self.clock(), seconds / self.dilation, {g: w / most for g, w in work.items()}))
+
+    # -- the controller ------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        settings = self.config.scaling
+        now = self.clock()
+        self.next_tick_s = now + settings.period_s
+        since = now - settings.window_s
+        self.busy_s = [b for b in self.busy_s if b[0] >= since]
+        busy = {g: 0.0 for g in self.gpus}
+        for _, seconds, shares in self.busy_s:
+            for gpu, share in shares.items():
+                busy[gpu] += seconds * min(1.0, share)
+        window = min(settings.window_s, max(now, 1e-9))
+        used = self._used_bytes()
+        vacancy = {}
+        for gpu in self.gpus:
+            memory_share = used.get(gpu, 0) / float(self.budgets[gpu]) if gpu in self.budgets else 0.0
+            vacancy[gpu] = max(0.0, 1.0 - max(min(1.0, busy[gpu] / window), memory_share))
+        ended = [r for r in self.state.finished if r.done_s is not None and r.done_s >= since
+                 and r.finished_by not in ("refused", "cancelled")]  # fmt: skip
+        missed = sum(1 for r in ended if r.finished_by == "oom" or r.done_s - r.arrival_s > self._slo_s(r))
+        rate = missed / float(len(ended)) if ended else 0.0
+        assert self.controller is not None
+        self.controller.memory = self._memory()
+        action = self.controller.tick(Snapshot(now, vacancy, rate))
+        self.tick_log.write({"time_s": round(now, 6), "vacancy": vacancy, "violation_rate": rate,
+                             "finished": len(ended), "decision": self.controller.log[-1]["decision"],
+                             "action": action._asdict() if action else None, "used_bytes": used,
+                             "batch_size": self.state.max_batch,
+                             "kv_capacity_tokens": self._capacity_tokens()})  # fmt: skip (flushed as written)
+        if action is not None:
+            self._carry_out(action)
+
+    def _slo_s(self, request: ServedRequest) -> float:
+        """The request's SLO: ``slo_factor`` times its time alone on an idle server (its prefill, then
+        each further token at batch 1)."""
+        alone = self.prefill_s(len(request.prompt_ids)) + max(0, len(request.generated) - 1) * self.latency_s(1)
+        return self.config.scaling.slo_factor * max(alone, self.latency_s(1))
+
+    def _predict(self, placement: Placement) -> float:
+        """Eq. 3 on the profile: each GPU's time for one layer of the running batch at the tabulated
+        context, and the batch's hidden states over the link between GPU ranks."""
+        batch = max(1, sum(1 for r in self.state.live if r.state == RUNNING))
+        context = self.config.serving.latency_context_tokens
+        if self.pacer is not None:
+            layer_s = self.pacer.target_s(self.per_copy, [(1, context)] * batch) / self.dilation  # type: ignore[arg-type]
+        else:
+            layer_s = self.observed_step_s / self.layers
+        transfer = self._transfer_s(batch)
+        return speedup(placement, {g: layer_s for g in self.gpus}, {g: transfer for g in self.gpus})
+
+    def _transfer_s(self, tokens: int) -> float:
+        gbps = self.config.scaling.gpu_link_gbps
+        return tokens * self.hidden_bytes_per_token / (gbps * 1e9) if gbps else 0.0
+
+    def _carry_out(self, action: Action) -> None:
+        """Do what the controller decided, on the layer copies or the engine's batch, and log it."""
+        began = time.monotonic()
+        sequences = list(self.kv_of.values())
+        kv_tokens = sum(q.length for q in sequences if q.serving.get(action.layer) == action.source)
+        moved = 0  # as the budgets count them: a layer's weights, and the KV that goes with it
+        if action.kind == "replicate":
+            self.copies.replicate(action.layer, action.destination)
+            moved = self.costs.layer_bytes
+        elif action.kind == "migrate":
+            self.copies.migrate(action.layer, action.source, action.destination, sequences)
+            moved = self.costs.layer_bytes + kv_tokens * self.costs.kv_bytes_per_token_layer
+        elif action.kind == "evict":
+            self.copies.evict(action.layer, action.source, sequences)
+            moved = kv_tokens * self.costs.kv_bytes_per_token_layer
+        else:  # reduce or restore: the batch cap (the offload level is recorded only)
+            self.state.max_batch = max(1, action.batch_size)
+        for remote in self.copies.remote.values():  # the operation is done when every rank has it
+            remote.sync()
+        self.op_log.write({
+            "time_s": round(self.clock(), 6), "kind": action.kind, "layer": action.layer, "source": action.source,
+            "destination": action.destination, "seconds": round((time.monotonic() - began) / self.dilation, 6),
+            "bytes": moved,
+            "batch_size": self.state.max_batch, "offload": action.offload,
+        })  # fmt: skip
+        self.op_log.flush()
