@@ -13,7 +13,9 @@
   seconds from the run's start barrier, the axis request times use);
 - ``events``: the orchestration events;
 - ``steps``: the paced steps of runs that emulate a target (real and target seconds per step; see
-  :mod:`analysis.fidelity`).
+  :mod:`analysis.fidelity`);
+- ``scaling_ops``, ``scaling_ticks``: a GPU-rank method's module operations and controller ticks
+  (:mod:`testbed.campaign.results`; times in the target's seconds).
 
 A run with ``target.dilation`` k ran everything k times slower: its request and token times are
 divided back by k here (the instants on the controller's clock are not), and ``time_dilation`` says k.
@@ -42,6 +44,8 @@ class CampaignData:
     telemetry: pd.DataFrame
     events: pd.DataFrame
     steps: pd.DataFrame = field(default_factory=pd.DataFrame)
+    scaling_ops: pd.DataFrame = field(default_factory=pd.DataFrame)
+    scaling_ticks: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def _flatten(prefix: str, value: object, out: dict[str, object]) -> None:
@@ -105,6 +109,7 @@ def load(campaign_dir: str | Path) -> CampaignData:
     directory = Path(campaign_dir)
     runs = _ledger_runs(directory)
     settings_rows, requests, tokens, telemetry, events, steps = [], [], [], [], [], []
+    scaling: dict[str, list[pd.DataFrame]] = {"scaling_ops": [], "scaling_ticks": []}
     for run_id in runs.loc[runs.state.isin(["done", "failed"]), "run_id"]:
         run_dir = directory / "runs" / run_id
         manifest_path = run_dir / "manifest.json"
@@ -127,6 +132,9 @@ def load(campaign_dir: str | Path) -> CampaignData:
                 bucket.append(_with_run(_undilated(frame, dilation), run_id))
         if (run_dir / "steps.parquet").is_file():
             steps.append(_with_run(pd.read_parquet(run_dir / "steps.parquet"), run_id))
+        for name, bucket in scaling.items():
+            if (run_dir / f"{name}.parquet").is_file():
+                bucket.append(_with_run(pd.read_parquet(run_dir / f"{name}.parquet"), run_id))
         for path in sorted((run_dir / "telemetry").glob("*.parquet")):
             frame = _with_run(pd.read_parquet(path), run_id)
             origin = row.get("origin_ts_s", float("nan"))
@@ -143,4 +151,5 @@ def load(campaign_dir: str | Path) -> CampaignData:
     def concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
-    return CampaignData(runs, concat(requests), concat(tokens), concat(telemetry), concat(events), concat(steps))
+    return CampaignData(runs, concat(requests), concat(tokens), concat(telemetry), concat(events), concat(steps),
+                        concat(scaling["scaling_ops"]), concat(scaling["scaling_ticks"]))

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis import context_switching, dispatch, fidelity, metrics, plots
+from analysis import context_switching, dispatch, fidelity, gpu_serving, metrics, plots
 from analysis.cost_model import DEVICE_USD_PER_PFLOP, ModelShape
 from analysis.load import CampaignData, load
 from analysis.summary import attention_lines, write_summary
@@ -201,6 +201,35 @@ def serving_section(report: Report, requests: pd.DataFrame, tokens: pd.DataFrame
                  "equal request counts (Andes Fig. 14: which lengths a scheduler starves).", digits=3)  # fmt: skip
     report.figure("qoe_vs_length", plots.qoe_vs_length(by_length, by),
                   f"Mean and p10 QoE against the request's total length{where}.")  # fmt: skip
+
+
+def gpu_serving_section(report: Report, data: CampaignData, requests: pd.DataFrame, done: pd.DataFrame,
+                        axes: list[str]) -> None:  # fmt: skip
+    """CoCoServe's view of the GPU-rank runs: throughput, latency, SLO attainment, OOM rate and memory
+    against load per method (Fig. 8, 10, 11), the SLO knees, and the controller's actions in order."""
+    by = ["method", *[a for a in axes if a != "method"]]
+    mine = requests[requests["run_id"].isin(done["run_id"])]
+    table = gpu_serving.gpu_serving_table(mine, done, data.scaling_ticks, by)
+    report.lines += ["## GPU serving (CoCoServe Fig. 8, 10 and 11)", ""]
+    report.table("gpu_serving", table,
+                 "Per method and setting: output tokens and completed requests per second over each run's span "
+                 "(requests that failed out of memory add nothing), E2E latency (s) of finished requests, SLO "
+                 "attainment (finished within the engine's SLO: slo_factor times the request's time alone on "
+                 "an idle server; a failed request misses it), OOM rate (the share of requests that failed "
+                 "out of memory), the most GPU memory (GB) held at once and the GPUs that held any.", digits=3)
+    rate = "workload.rate_per_s"
+    if rate in by:
+        knees = gpu_serving.slo_knees(table, rate, [c for c in by if c != rate])
+        report.table("gpu_serving_knees", knees,
+                     f"The SLO knee: the highest tested rate (requests/s a client) with SLO attainment at least "
+                     f"{gpu_serving.KNEE_ATTAINMENT:g} (CoCoServe Fig. 11).", digits=3)  # fmt: skip
+    trace = gpu_serving.action_trace(data.scaling_ops, done, by)
+    if not trace.empty:
+        report.table("scaling_actions", trace,
+                     "Every action of the scaling controller in order (the engine's clock, target seconds): "
+                     "replicas added (Algorithm 1), layers migrated and replicas evicted, the batch cap "
+                     "reduced or restored (Algorithm 2), with the operation's seconds and the bytes it moved "
+                     "(the target's).", digits=4)  # fmt: skip
 
 
 def dispatch_section(report: Report, requests: pd.DataFrame, tokens: pd.DataFrame, done: pd.DataFrame) -> None:
@@ -399,8 +428,12 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
                   + ", ".join(f"{m} {'none' if np.isnan(c) else f'{c:g} requests/s'}" for m, c in capacity.items())
                   + ".", ""]  # fmt: skip
 
-    if "serving.scheduler" in done.columns and done["serving.scheduler"].notna().any():
-        serving_section(report, requests, tokens, qoe, done, axes)
+    gpu_runs = set(requests.loc[requests["serving_slo_s"].notna(), "run_id"]) if "serving_slo_s" in requests else set()
+    andes = done[~done["run_id"].isin(gpu_runs)]  # (the GPU-rank methods' engines have their own section)
+    if "serving.scheduler" in andes.columns and andes["serving.scheduler"].notna().any():
+        serving_section(report, requests, tokens, qoe, andes, axes)
+    if gpu_runs:
+        gpu_serving_section(report, data, requests, done[done["run_id"].isin(gpu_runs)], axes)
     if "dispatch_winner" in requests.columns:
         dispatch_section(report, requests, tokens, done)
     if not switching.empty:

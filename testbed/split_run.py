@@ -42,6 +42,7 @@ from nodes.workers.run_config import (
     ServingSettings,
     TargetSettings,
     dispatch_settings,
+    scaling_settings,
 )
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
@@ -210,6 +211,7 @@ def run_config_for(spec: SplitRunSpec, model_dir: str, run_dir: str, ranks: tupl
             target_from_json(target["model"]), float(target["dilation"]), bool(target["pad_payloads"])),
         serving=ServingSettings(**spec.extra.get("serving", {})),
         dispatch=_dispatch_settings(spec.extra.get("dispatch"), run_dir),
+        scaling=scaling_settings(spec.extra.get("scaling"), "the run's scaling settings"),
     )  # fmt: skip
 
 

@@ -95,7 +95,8 @@ def test_static_batching_fails_requests_out_of_memory_where_continuous_batching_
     prompts = [len(Tokenizer(str(TINY)).encode(p)) for p in PROMPTS]
     layers, layer_bytes, kv = 8, 1000, 10  # the budget's units: a layer is 1000 bytes, a token's KV 10 a layer
     budget = layers * layer_bytes + kv * layers * (sum(prompts) + 20)  # every prompt, and 20 tokens more
-    scaling = {"gpu_memory_bytes": budget, "layer_bytes": layer_bytes, "kv_bytes_per_token_layer": kv}
+    scaling = {"gpu_memory_bytes": budget, "layer_bytes": layer_bytes, "kv_bytes_per_token_layer": kv,
+               "period_s": 0.05}  # fmt: skip
     static = serve(tmp_path / "static", "static-batching", {"max_batch": 6}, scaling, gap_s=0.0)
     failed = [r for r in static["clients"] if r["finished_by"] == "oom"]
     assert failed and len(failed) < len(PROMPTS)  # the worker went on: the others finished
@@ -109,4 +110,6 @@ def test_static_batching_fails_requests_out_of_memory_where_continuous_batching_
     continuous = serve(tmp_path / "continuous", "continuous-batching", {"max_batch": 6}, scaling, gap_s=0.0)
     assert all(r["token_ids"] == reference[PROMPTS[r["request_id"]]] for r in continuous["clients"])
     assert sum(r["serving"]["preemptions"] for r in continuous["clients"]) > 0  # it kept within the budget
-    assert not continuous["ops"] and not continuous["ticks"]  # no controller without autoscales
+    assert not continuous["ops"]  # no controller without autoscales: the monitor only records
+    assert continuous["ticks"] and {t["decision"] for t in continuous["ticks"]} == {"monitor"}
+    assert max(sum(t["used_bytes"].values()) for t in continuous["ticks"]) <= GPUS * budget

@@ -164,20 +164,10 @@ class EngineState(object):
         """Preempt the running requests left out (swap while host memory holds them, else drop) and
         let in the chosen ones; the plan is the iteration to compute."""
         out, back, dropped, admitted = [], [], [], []
-        swap_free = self.swap_tokens - self.swap_used_tokens()
         self.forced_total += decision.forced
         for request, run in zip(self.live, decision.run):
             if request.state == RUNNING and not run:
-                request.preemptions += 1
-                self.preemptions_total += 1
-                request.queued_s, request.served_iterations = now_s, 0
-                if request.context_tokens <= swap_free:
-                    swap_free -= request.context_tokens
-                    request.state, request.swaps = SWAPPED, request.swaps + 1
-                    out.append(request)
-                else:
-                    request.state, request.recomputes, request.cache = DROPPED, request.recomputes + 1, None
-                    dropped.append(request)
+                (out if self.preempt(request, now_s) == SWAPPED else dropped).append(request)
             elif request.state != RUNNING and run:
                 if request.state == SWAPPED:
                     back.append(request)
@@ -193,6 +183,19 @@ class EngineState(object):
             request.served_iterations += 1
         return IterationPlan("prefill" if admitted else "decode", compute, tuple(out), tuple(back), tuple(dropped),
                              decision)  # fmt: skip
+
+    def preempt(self, request: ServedRequest, now_s: float, swap: bool = True) -> str:
+        """Take a running request out of the batch: its KV swapped to host memory while that holds it
+        (and ``swap``: False when it has no KV yet), else dropped (recomputed when it resumes); the
+        state it is now in."""
+        request.preemptions += 1
+        self.preemptions_total += 1
+        request.queued_s, request.served_iterations = now_s, 0
+        if swap and request.context_tokens <= self.swap_tokens - self.swap_used_tokens():
+            request.state, request.swaps = SWAPPED, request.swaps + 1
+        else:
+            request.state, request.recomputes, request.cache = DROPPED, request.recomputes + 1, None
+        return request.state
 
     def delivered(self, request: ServedRequest, token: int, now_s: float, eos_id: Optional[int]) -> bool:
         """A new token of ``request`` left the engine at ``now_s``; True when that ends the request."""

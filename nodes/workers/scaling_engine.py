@@ -15,17 +15,18 @@ capacity follows the placement); static batching checks nothing, so before each 
 that no longer fit fail, newest first, with ``finished_by: oom`` (the paper's OOM rate), and the
 worker goes on.
 
-With ``autoscales`` the controller (``nodes.scaling.controller``) ticks every ``scaling.period_s`` of
-the engine's clock on the monitor's snapshot: each GPU's vacancy (1 - the larger of its busy share
-of the window and its memory share; busy from the engine's own step times, and on real GPUs the
-node's NVML telemetry records the same) and the share of the window's finished requests over their
-SLO (``slo_factor`` times the request's unloaded time on the profile, or out of memory). Its action
-is carried out at once: a replica installed (Algorithm 1), a layer migrated with its KV or a replica
-evicted (Algorithm 2 phases 1-2), or the batch cap lowered or raised by delta_bs. Phase 3's offload
-level is recorded but changes nothing here: the memory-aware scheduler already keeps the KV within
-the budgets (preempting, by swap or recompute, what does not fit). Records in the rank directory, besides the serving
-engine's: ``scaling_ops.csv`` (each module operation: time, kind, layer, GPUs, seconds, bytes moved)
-and ``scaling_ticks.jsonl`` (each tick: the snapshot, the decision, each GPU's memory).
+Every ``scaling.period_s`` of the engine's clock the monitor takes a snapshot, and with
+``autoscales`` the controller (``nodes.scaling.controller``) acts on it. The snapshot: each GPU's
+vacancy (1 - the larger of its busy share of the window and its memory share; busy from the engine's
+own step times, and on real GPUs the node's NVML telemetry records the same) and the share of the
+window's finished requests over their SLO (``slo_factor`` times the request's unloaded time on the
+profile, or out of memory). The action is carried out at once: a replica installed (Algorithm 1), a
+layer migrated with its KV or a replica evicted (Algorithm 2 phases 1-2), or the batch cap lowered or
+raised by delta_bs. Phase 3's offload level is recorded but changes nothing here: the memory-aware
+scheduler already keeps the KV within the budgets (preempting, by swap or recompute, what does not
+fit). Records in the rank directory, besides the serving engine's: ``scaling_ops.csv`` (each module
+operation: time, kind, layer, GPUs, seconds, bytes moved) and ``scaling_ticks.jsonl`` (each tick: the
+snapshot, the decision, each GPU's memory).
 """
 
 import time
@@ -40,7 +41,7 @@ from nodes.scaling.memory_budget import MemoryCosts, SequenceUse, out_of_memory,
 from nodes.scaling.placement import GpuMemory, Placement
 from nodes.scaling.scale_down import Action, Instance
 from nodes.scaling.speedup_model import speedup
-from nodes.serving.engine_state import DONE, RUNNING, EngineState, IterationPlan, ServedRequest
+from nodes.serving.engine_state import DONE, RUNNING, SWAPPED, EngineState, IterationPlan, ServedRequest
 
 from . import mpi_link, wire
 from .layer_ranks import CopyServer, RemoteGpu
@@ -133,6 +134,7 @@ class ScalingEngine(ServingEngine):
         self.kv_of: Dict[Any, SequenceKV] = {}  # request key -> its sequence's KV on the GPUs
         self.busy_s: List[Tuple[float, float, Dict[str, float]]] = []  # (end, seconds, each GPU's share)
         self.oom_total = 0
+        self.preempted_for_memory = 0  # continuous batching: preempted when a copy's GPU would overflow
         self.controller: Optional[ScalingController] = None
         if method.autoscales:
             thresholds = Thresholds(settings.t_up, settings.t_down, settings.period_s, settings.cooldown_s,
@@ -171,7 +173,7 @@ class ScalingEngine(ServingEngine):
             self.tick_log.close()
 
     def _iterate(self) -> None:
-        if self.controller is not None and self.clock() >= self.next_tick_s:
+        if self.clock() >= self.next_tick_s:
             self._tick()
         if not self.static:
             self.state.capacity_tokens = self._capacity_tokens()
@@ -222,9 +224,11 @@ class ScalingEngine(ServingEngine):
                 self.kv_of[request.key] = self.copies.admit()
         adds = {r.key: (r.context_tokens if plan.kind == "prefill" else 1) for r in compute}
         if self.budgets:
-            failed, _ = out_of_memory(self.copies.hosts, self._uses(adds), self.costs, self.budgets)
-            if failed:
-                compute = self._fail_out_of_memory(compute, set(failed))
+            over, _ = out_of_memory(self.copies.hosts, self._uses(adds), self.costs, self.budgets)
+            if over and self.static:  # Transformers has no way out: the requests fail
+                compute = self._fail_out_of_memory(compute, set(over))
+            elif over:  # a scheduler that counts memory preempts them, as vLLM does when its blocks run out
+                compute = self._preempt(compute, set(over), swap=plan.kind == "decode")
         self._computed = compute
         if not compute:
             return []
@@ -257,6 +261,20 @@ class ScalingEngine(ServingEngine):
         for request in computed:
             if request.state == DONE and request.key in self.kv_of:
                 self.copies.release(self.kv_of.pop(request.key))
+
+    def _preempt(self, compute: List[ServedRequest], over: set, swap: bool) -> List[ServedRequest]:
+        """Preempt the requests whose sequences are in ``over`` (the KV capacity is the budgets' on
+        average over a layer's copies; the copies that serve these would overflow), swapping their KV
+        out if ``swap`` (a prefill's have none yet); the ones left."""
+        now = self.clock()
+        kept = []
+        for request in compute:
+            if self.kv_of[request.key].ident not in over:
+                kept.append(request)
+            elif self.state.preempt(request, now, swap) != SWAPPED:  # dropped: its KV goes, recomputed later
+                self.copies.release(self.kv_of.pop(request.key))
+        self.preempted_for_memory += len(compute) - len(kept)
+        return kept
 
     def _fail_out_of_memory(self, compute: List[ServedRequest], failed: set) -> List[ServedRequest]:
         """Fail the requests whose sequences are in ``failed``; the ones left to compute."""
@@ -307,11 +325,13 @@ class ScalingEngine(ServingEngine):
                  and r.finished_by not in ("refused", "cancelled")]  # fmt: skip
         missed = sum(1 for r in ended if r.finished_by == "oom" or r.done_s - r.arrival_s > self._slo_s(r))
         rate = missed / float(len(ended)) if ended else 0.0
-        assert self.controller is not None
-        self.controller.memory = self._memory()
-        action = self.controller.tick(Snapshot(now, vacancy, rate))
+        action, decision = None, "monitor"  # without autoscaling the monitor still records each tick
+        if self.controller is not None:
+            self.controller.memory = self._memory()
+            action = self.controller.tick(Snapshot(now, vacancy, rate))
+            decision = str(self.controller.log[-1]["decision"])
         self.tick_log.write({"time_s": round(now, 6), "vacancy": vacancy, "violation_rate": rate,
-                             "finished": len(ended), "decision": self.controller.log[-1]["decision"],
+                             "finished": len(ended), "decision": decision,
                              "action": action._asdict() if action else None, "used_bytes": used,
                              "batch_size": self.state.max_batch,
                              "kv_capacity_tokens": self._capacity_tokens()})  # fmt: skip (flushed as written)

@@ -144,7 +144,10 @@ class ServingClient:
             "decode": {"steps": max(0, len(tokens) - 1)},  # one token an engine iteration
             "serving": {"scheduler": self.config.serving.scheduler, "preemptions": _whole(preemptions),
                         "swaps": _whole(swaps), "recomputes": _whole(recomputes),
-                        "last_display_s": _stamp(flight.shown, -1)},
+                        "last_display_s": _stamp(flight.shown, -1),
+                        # the engine's SLO for it (GPU-rank methods), on this clock like the times above
+                        "slo_s": round(flight.stats[4] * self.dilation, 6) if flight.stats is not None
+                        and len(flight.stats) > 4 and flight.stats[4] > 0 else None},
             "upload_bytes": flight.upload_bytes, "download_bytes": round(flight.download_bytes),
             "token_ids": tokens, "text": self.tokenizer.decode(tokens),
         }  # fmt: skip

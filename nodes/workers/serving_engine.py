@@ -161,15 +161,18 @@ class ServingEngine:
         if refused:
             self.outbox.send(self.comm, wire.encode(wire.DATA, self.iteration, refused), source, mpi_link.TAG_DOWN)
 
-    @staticmethod
-    def _closing(request: ServedRequest, token_ids: List[int]) -> List[wire.Segment]:
-        """A finished request's last segments: its counts (and whether it failed out of memory), then
-        its last tokens (none if refused) flagged DONE."""
+    def _slo_s(self, request: ServedRequest) -> float:
+        """The request's latency SLO in the target's seconds; 0: this engine sets none."""
+        return 0.0
+
+    def _closing(self, request: ServedRequest, token_ids: List[int]) -> List[wire.Segment]:
+        """A finished request's last segments: its counts (whether it failed out of memory, its SLO),
+        then its last tokens (none if refused) flagged DONE."""
         device, request_id = request.key
         stats = request.stats()
         out_of_memory = 1.0 if request.finished_by == "oom" else 0.0  # the GPU ran out (scaling_engine)
-        counts = torch.tensor([[stats["preemptions"], stats["swaps"], stats["recomputes"], out_of_memory]],
-                              dtype=torch.float32)  # fmt: skip
+        counts = torch.tensor([[stats["preemptions"], stats["swaps"], stats["recomputes"], out_of_memory,
+                                self._slo_s(request)]], dtype=torch.float32)  # fmt: skip
         ids = torch.tensor(token_ids, dtype=torch.int32).view(-1, 1)
         return [wire.Segment(request_id, device, wire.STATS, 0, 1, counts),
                 wire.Segment(request_id, device, wire.TOKENS, len(request.generated) - len(token_ids), len(token_ids),

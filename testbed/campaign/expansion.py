@@ -31,7 +31,7 @@ def run_id_of(settings: RunSettings, repetition: int, seed: int) -> str:
         dumped.pop("target", None)
     if dumped.get("device_slots") == 1:  # and runs with one slot a device, before slots existed
         dumped.pop("device_slots", None)
-    for section in ("serving", "dispatch"):  # and runs of methods without a serving engine or dispatch
+    for section in ("serving", "dispatch", "scaling"):  # and runs of methods without an engine, dispatch or GPU ranks
         if dumped.get(section) is None:
             dumped.pop(section, None)
     for field in ("qoe_draw", "output_lengths"):  # and workloads with the preset's speed, a fixed output length

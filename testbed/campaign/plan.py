@@ -377,6 +377,10 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
         from testbed.campaign.serving_budget import serving_config
 
         extra["serving"] = serving_config(lab, campaign.base_dir, settings)
+    if method_named(settings.method).gpu_ranks:
+        from testbed.campaign.scaling_config import scaling_config
+
+        extra["scaling"] = scaling_config(lab, campaign.base_dir, settings)
     if method_named(settings.method).dispatches:
         from testbed.campaign.dispatch_config import dispatch_config
 

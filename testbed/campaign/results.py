@@ -10,6 +10,11 @@ request times on the controller's clock. ``tokens.parquet`` has one row
 per delivered token (``node``, ``request_id``, ``index``, ``token_id``, ``ts_s``, and for a streaming
 method's clients ``display_s``, when the token buffer showed it). A run that
 emulates a target also gets ``steps.parquet``: every paced step with its real and target seconds.
+A run of a GPU-rank method (CoCoServe) gets ``scaling_ops.parquet`` (each module operation or batch
+change: the engine's time, kind, layer, GPUs, seconds, bytes) and ``scaling_ticks.parquet`` (each
+controller tick: the violation rate, the decision, its action as ``action_*`` columns, and per GPU
+its vacancy and bytes used as ``vacancy_<gpu>`` and ``used_bytes_<gpu>``); their times are the
+target's seconds already.
 """
 
 from __future__ import annotations
@@ -135,6 +140,18 @@ def read_steps(ranks: Path) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+def read_scaling(ranks: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The instance engine's module operations and controller ticks (empty frames when none)."""
+    ops, ticks = [], []
+    for path in sorted(ranks.glob("*/scaling_ops.csv")) if ranks.is_dir() else []:
+        body = "\n".join(_lines(path))
+        if body.count("\n") >= 1:
+            ops.append(pd.read_csv(io.StringIO(body)))
+    for path in sorted(ranks.glob("*/scaling_ticks.jsonl")) if ranks.is_dir() else []:
+        ticks += [_flatten(json.loads(line)) for line in _lines(path)]
+    return (pd.concat(ops, ignore_index=True) if ops else pd.DataFrame()), pd.DataFrame(ticks)
+
+
 def write_results(ranks: Path, schedules: Mapping[str, Sequence[Mapping[str, Any]]], directory: Path) -> None:
     """Write ``requests.parquet`` and ``tokens.parquet`` (and ``steps.parquet`` for a paced run) into
     ``directory`` from ``ranks``."""
@@ -144,6 +161,11 @@ def write_results(ranks: Path, schedules: Mapping[str, Sequence[Mapping[str, Any
     steps = read_steps(ranks)
     if not steps.empty:
         steps.to_parquet(directory / "steps.parquet", index=False)
+    ops, ticks = read_scaling(ranks)
+    for name, frame in (("scaling_ops", ops), ("scaling_ticks", ticks)):
+        if not frame.empty:
+            frame = frame.drop(columns=[c for c in ("action",) if c in frame])  # (none; else its action_* columns)
+            frame.to_parquet(directory / f"{name}.parquet", index=False)
 
 
 def _node_of(rank_dir: Path) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 from foundation.errors import TestbedError
 from nodes.contracts.target_model import TargetModel
+from nodes.workers.methods import method_named
 from nodes.workers.run_config import ServingSettings as RunServingSettings
 from testbed.inventory import Inventory
 
@@ -56,7 +57,7 @@ def serving_config(inventory: Inventory, base_dir: Path, settings: Any) -> dict[
     if profile is None:
         raise TestbedError(f"{inventory.path}: node {server.name} has no compute profile for its serving engine's "
                            "budgets: add 'compute_profile: <name>' to it")  # fmt: skip
-    if out["capacity_tokens"] is None:
+    if out["capacity_tokens"] is None and not method_named(settings.method).gpu_ranks:  # (those follow their GPUs)
         out["capacity_tokens"] = kv_capacity_tokens(model, profile.spec.memory_gb, serving.tensor_parallel,
                                                     serving.gpu_memory_utilization)  # fmt: skip
     if serving.swap_gb is not None:

@@ -49,6 +49,7 @@ from nodes.workers.methods import names as method_names
 from nodes.workers.run_config import DISPATCH_POLICIES, DRAFT_LIMITS
 from nodes.workers.run_config import DispatchSettings as RunDispatchSettings
 from nodes.workers.run_config import DraftSettings as RunDraftSettings
+from nodes.workers.run_config import ScalingSettings as RunScalingSettings
 from nodes.workers.run_config import ServingSettings as RunServingSettings
 from testbed.inventory import Inventory, Name, NodeSpec
 from workloads.schedule import WorkloadSpec
@@ -180,6 +181,32 @@ class DispatchSettings(_Strict):
     regime: Literal["server", "device"] | None = None
 
 
+_SCALING = RunScalingSettings._field_defaults  # the engine's defaults (nodes/workers/run_config)
+
+
+class ScalingSettings(_Strict):
+    """The GPU ranks of methods ``cocoserve``, ``continuous-batching`` and ``static-batching``: each
+    GPU's memory budget (default: the server profile's whole memory, as Transformers uses it), the
+    link hidden states cross between GPUs (default: the profile's host link, PCIe on the paper's
+    A100s), and CoCoServe's controller: T_up vacancy, T_down SLO violations over ``window_s``, the
+    tick period, a cooldown after each action, ``calm_s`` before scaling up after a scale-down, Δbs
+    and the migrations of one episode. A request meets its SLO when it ends within ``slo_factor``
+    times its time alone on an idle server. The paper gives none of these values: the defaults are
+    the brief's."""
+
+    gpu_memory_gb: float | None = Field(None, gt=0, le=100_000)
+    gpu_link_gbps: float | None = Field(None, gt=0, le=100_000)
+    slo_factor: float = Field(_SCALING["slo_factor"], gt=0, le=1000)
+    t_up: float = Field(_SCALING["t_up"], ge=0, le=1)
+    t_down: float = Field(_SCALING["t_down"], ge=0, le=1)
+    period_s: float = Field(_SCALING["period_s"], gt=0, le=3600)
+    cooldown_s: float = Field(_SCALING["cooldown_s"], ge=0, le=3600)
+    calm_s: float = Field(_SCALING["calm_s"], ge=0, le=3600)
+    window_s: float = Field(_SCALING["window_s"], gt=0, le=3600)
+    delta_batch: StrictInt = Field(_SCALING["delta_batch"], ge=1, le=100_000)
+    max_migrations: StrictInt = Field(_SCALING["max_migrations"], ge=0, le=1000)
+
+
 class ContextServiceSettings(_Strict):
     """The on-device LLM service of method ``llms`` (LLMS): which memory method the daemon runs (LLMS, a
     baseline or an ablation), its budget for contexts' chunks (the target device's bytes with a
@@ -226,6 +253,7 @@ class RunSettings(_Strict):
     serving: ServingSettings | None = None  # a streaming method's engine; None: its defaults
     dispatch: DispatchSettings | None = None  # a dispatching method's policy; None: its defaults
     context_service: ContextServiceSettings | None = None  # a context-serving method's daemon; None: its defaults
+    scaling: ScalingSettings | None = None  # a GPU-rank method's budgets and controller; None: their defaults
 
     @property
     def context_service_or_default(self) -> ContextServiceSettings:
@@ -250,6 +278,13 @@ class RunSettings(_Strict):
         if self.context_service is not None and not method_named(self.method).serves_contexts:
             raise ValueError(f"context_service: {self.method} does not run the on-device LLM service; use method: "
                              "llms, or remove the context_service section")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _scaling_for_gpu_ranks(self) -> RunSettings:
+        if self.scaling is not None and not method_named(self.method).gpu_ranks:
+            raise ValueError(f"scaling: {self.method} does not run on the server's GPU ranks; use method: cocoserve, "
+                             "continuous-batching or static-batching, or remove the scaling section")  # fmt: skip
         return self
 
     @model_validator(mode="after")
