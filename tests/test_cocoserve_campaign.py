@@ -39,7 +39,7 @@ base:
   workload: {{arrival: poisson, rate_per_s: 20.0, requests_per_device: 5, prompts: alpaca, max_new_tokens: 12}}
   serving: {{max_batch: 10, ignore_eos: true}}
   scaling: {{gpu_memory_gb: {budget_gb}, period_s: 0.2, cooldown_s: 0.2, window_s: 2}}
-  target: {{model: llama-2-13b, dtype: bfloat16, dilation: 2}}
+  target: {{model: llama-2-13b, dtype: bfloat16, dilation: 2, pad_payloads: false}}
   link: {{shaped: false}}
   telemetry: {{enabled: false}}
   drain_s: 0.1

@@ -288,3 +288,16 @@ def test_out_of_memory_fails_the_newest_requests_until_every_gpu_fits() -> None:
     assert fits(hosts, [old, new], costs, {"g1": 250}, 0, "g1", kv_tokens=30)  # 120 + 100 + 30
     assert not fits(hosts, [old, new], costs, {"g1": 200}, 0, "g1")
     assert fits(hosts, [old, new], costs, {}, 0, "g2")  # no budget: no limit
+
+
+def test_eq3_by_share_is_eq3_when_time_is_proportional_and_saves_nothing_when_it_is_not():
+    from nodes.scaling.placement import Placement
+    from nodes.scaling.speedup_model import speedup, speedup_by_share
+
+    placement = Placement.single(4, "g0").add_replica(1, "g1").add_replica(2, "g1")
+    compute, transfer = {"g0": 2.0, "g1": 2.0}, {"g0": 0.5, "g1": 0.5}
+    proportional = speedup_by_share(placement, lambda g, share: share * compute[g], transfer)
+    assert proportional == pytest.approx(speedup(placement, compute, transfer))
+    # a memory-bound step: every copy reads the layer's weights whatever its share, so only transfers change
+    flat = speedup_by_share(placement, lambda g, share: 2.0, transfer)
+    assert flat == pytest.approx(8.0 / (8.0 + 0.5 * (0.5 + 0.5))) and flat < 1

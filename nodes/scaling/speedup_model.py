@@ -18,7 +18,7 @@ communication term gamma w k (1 - 1/p): so gamma = 2 t / (k w) (:func:`gamma_fro
 :func:`fit_gamma` fits it from measured speedups instead.
 """
 
-from typing import Dict, Mapping, Sequence, Tuple
+from typing import Callable, Dict, Mapping, Sequence, Tuple
 
 from .placement import Placement
 
@@ -60,6 +60,26 @@ def speedup(placement: Placement, compute_s: Mapping[str, float], transfer_s: Ma
     """Eq. 3: S(P) = W(P_0) / (W(P) + T(P)), P_0 the same layers on their primaries alone."""
     alone = sum(compute_s[hosts[0]] for hosts in placement.hosts)
     return alone / (computation_s(placement, compute_s) + communication_s(placement, compute_s, transfer_s))
+
+
+def times_by_share(placement: Placement, layer_s: Callable[[str, float], float],
+                   transfer_s: Mapping[str, float]) -> Tuple[float, float]:  # fmt: skip
+    """Eq. 3's two times, W(P_0) and W(P) + T(P), with each copy's time taken for its share rather than
+    proportional to it: ``layer_s(g, share)`` is GPU g's time for one layer on that share of the batch
+    (measured, or the profile's roofline, under which a memory-bound decode step reads every weight
+    whatever the share, so that splitting its batch saves little); shares are even (identical GPUs),
+    and Eq. 2's transfers are as in :func:`communication_s`."""
+    alone = sum(layer_s(hosts[0], 1.0) for hosts in placement.hosts)
+    work = sum(max(layer_s(g, 1.0 / len(hosts)) for g in hosts) for hosts in placement.hosts)
+    even = {g: 1.0 for hosts in placement.hosts for g in hosts}
+    return alone, work + communication_s(placement, even, transfer_s)
+
+
+def speedup_by_share(placement: Placement, layer_s: Callable[[str, float], float],
+                     transfer_s: Mapping[str, float]) -> float:  # fmt: skip
+    """Eq. 3 from :func:`times_by_share`; with ``layer_s(g, s) = s x compute_s[g]`` it is :func:`speedup`."""
+    alone, placed = times_by_share(placement, layer_s, transfer_s)
+    return alone / placed
 
 
 def homogeneous_speedup(degrees: Sequence[int], gamma: float) -> float:

@@ -24,13 +24,17 @@ profile, or out of memory). The action is carried out at once: a replica install
 layer migrated with its KV or a replica evicted (Algorithm 2 phases 1-2), or the batch cap lowered or
 raised by delta_bs. Phase 3's offload level is recorded but changes nothing here: the memory-aware
 scheduler already keeps the KV within the budgets (preempting, by swap or recompute, what does not
-fit). Records in the rank directory, besides the serving engine's: ``scaling_ops.csv`` (each module
-operation: time, kind, layer, GPUs, seconds, bytes moved) and ``scaling_ticks.jsonl`` (each tick: the
+fit). A module operation moves the real layer (and, with ``target.pad_payloads``, padding up to the
+target's layer bytes) between the ranks, and lasts at least the time its counted bytes take over
+``gpu_link_gbps`` (modeled). Records in the rank directory, besides the serving engine's:
+``scaling_ops.csv`` (each module operation: time, kind, layer, GPUs, seconds as it lasted, real and
+modeled, bytes moved as counted) and ``scaling_ticks.jsonl`` (each tick: the
 snapshot, the decision, each GPU's memory).
 """
 
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,7 +44,7 @@ from nodes.scaling.controller import ScalingController, Snapshot, Thresholds
 from nodes.scaling.memory_budget import MemoryCosts, SequenceUse, out_of_memory, used_bytes
 from nodes.scaling.placement import GpuMemory, Placement
 from nodes.scaling.scale_down import Action, Instance
-from nodes.scaling.speedup_model import speedup
+from nodes.scaling.speedup_model import speedup, times_by_share
 from nodes.serving.engine_state import DONE, RUNNING, SWAPPED, EngineState, IterationPlan, ServedRequest
 
 from . import mpi_link, wire
@@ -50,8 +54,10 @@ from .run_config import RunConfig
 from .server_stage import stage_device
 from .serving_engine import UNBOUNDED_TOKENS, ServingEngine
 
-OP_COLUMNS = ("time_s", "kind", "layer", "source", "destination", "seconds", "bytes", "batch_size", "offload")
+OP_COLUMNS = ("time_s", "kind", "layer", "source", "destination", "seconds", "real_s", "modeled_s", "bytes",
+              "batch_size", "offload")  # fmt: skip
 UNBOUNDED_BYTES = 1 << 62
+RECENT_ITERATIONS = 8  # the controller predicts speedups over the engine's last iterations
 
 
 def gpu_name(rank: int) -> str:
@@ -111,8 +117,8 @@ class ScalingEngine(ServingEngine):
         self.per_copy = target_layers_per_copy(config, self.layers)
         if config.target is not None:
             self.hidden_bytes_per_token = config.target.model.hidden_bytes_per_token
-            real_layer = self.copies.layer_bytes(0)
-            self.copies.wire_pad_bytes = max(0, int(settings.layer_bytes) - real_layer) if settings.layer_bytes else 0
+            if config.target.pad_payloads and settings.layer_bytes:  # the target's layer on the wire
+                self.copies.wire_pad_bytes = max(0, int(settings.layer_bytes) - self.copies.layer_bytes(0))
         else:
             self.hidden_bytes_per_token = model.hidden_size * torch.empty((), dtype=self.part.dtype).element_size()
         if self.pacer is not None:
@@ -130,6 +136,7 @@ class ScalingEngine(ServingEngine):
         )  # fmt: skip
         self.budgets = {g: int(settings.gpu_memory_bytes) for g in self.gpus} if settings.gpu_memory_bytes else {}
         self.static = method.batching == "static"
+        self.recent_shapes: Deque[List[Tuple[int, int]]] = deque(maxlen=RECENT_ITERATIONS)  # what _predict weighs
         self._computed: List[ServedRequest] = []  # the plan's requests that did not fail this iteration
         self.kv_of: Dict[Any, SequenceKV] = {}  # request key -> its sequence's KV on the GPUs
         self.busy_s: List[Tuple[float, float, Dict[str, float]]] = []  # (end, seconds, each GPU's share)
@@ -239,6 +246,7 @@ class ScalingEngine(ServingEngine):
             context = request.prompt_ids + request.generated if plan.kind == "prefill" else [request.generated[-1]]
             ids.extend(context)
             steps.append((self.kv_of[request.key], len(context)))
+        self.recent_shapes.append([(tokens, sequence.length) for sequence, tokens in steps])
         with torch.inference_mode():
             hidden = self.part.embed(torch.tensor(ids, dtype=torch.long, device=self.part.device))
             out = self.copies.run_layers(hidden, steps)
@@ -345,16 +353,25 @@ class ScalingEngine(ServingEngine):
         return self.config.scaling.slo_factor * max(alone, self.latency_s(1))
 
     def _predict(self, placement: Placement) -> float:
-        """Eq. 3 on the profile: each GPU's time for one layer of the running batch at the tabulated
-        context, and the batch's hidden states over the link between GPU ranks."""
-        batch = max(1, sum(1 for r in self.state.live if r.state == RUNNING))
-        context = self.config.serving.latency_context_tokens
-        if self.pacer is not None:
-            layer_s = self.pacer.target_s(self.per_copy, [(1, context)] * batch) / self.dilation  # type: ignore[arg-type]
-        else:
-            layer_s = self.observed_step_s / self.layers
-        transfer = self._transfer_s(batch)
-        return speedup(placement, {g: layer_s for g in self.gpus}, {g: transfer for g in self.gpus})
+        """Eq. 3 over the engine's last iterations (their batches, prefill and decode as they came):
+        with a profile, each copy's time for its share of an iteration's sequences is the profile's
+        (:func:`times_by_share`: a memory-bound decode step reads every weight whatever its share),
+        else proportional to the share of the last timed decode step; the hidden states of each
+        iteration's tokens cross the link between GPU ranks at the ends of each replicated run."""
+        shapes = list(self.recent_shapes) or [[(1, self.config.serving.latency_context_tokens)]]
+        pacer = self.pacer
+        if pacer is None:
+            transfer = {g: self._transfer_s(len(shapes[-1])) for g in self.gpus}
+            return speedup(placement, {g: self.observed_step_s / self.layers for g in self.gpus}, transfer)
+        alone = placed = 0.0
+        for shape in shapes:
+            by_degree = {p: pacer.target_s(self.per_copy, shape[::p]) / self.dilation  # type: ignore[arg-type]
+                         for p in range(1, len(self.gpus) + 1)}  # fmt: skip
+            tokens = sum(n for n, _ in shape)
+            one, many = times_by_share(placement, lambda g, share, t=by_degree: t[max(1, round(1.0 / share))],
+                                       {g: self._transfer_s(tokens) for g in self.gpus})  # fmt: skip
+            alone, placed = alone + one, placed + many
+        return alone / placed
 
     def _transfer_s(self, tokens: int) -> float:
         gbps = self.config.scaling.gpu_link_gbps
@@ -379,9 +396,15 @@ class ScalingEngine(ServingEngine):
             self.state.max_batch = max(1, action.batch_size)
         for remote in self.copies.remote.values():  # the operation is done when every rank has it
             remote.sync()
+        real_s = (time.monotonic() - began) / self.dilation
+        modeled_s = moved / (self.config.scaling.gpu_link_gbps * 1e9) \
+            if self.config.scaling.gpu_link_gbps else 0.0  # fmt: skip
+        if modeled_s > real_s:  # the bytes over the target's link between GPUs (modeled): wait it out
+            time.sleep((modeled_s - real_s) * self.dilation)
         self.op_log.write({
             "time_s": round(self.clock(), 6), "kind": action.kind, "layer": action.layer, "source": action.source,
-            "destination": action.destination, "seconds": round((time.monotonic() - began) / self.dilation, 6),
+            "destination": action.destination, "seconds": round(max(real_s, modeled_s), 6),
+            "real_s": round(real_s, 6), "modeled_s": round(modeled_s, 6),
             "bytes": moved,
             "batch_size": self.state.max_batch, "offload": action.offload,
         })  # fmt: skip

@@ -16,10 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import TestbedError
+from nodes.contracts.target_model import TargetModel
 from nodes.workers.run_config import ScalingSettings as RunScalingSettings
 from testbed.inventory import Inventory
 
 GB = 1e9
+
+
+def target_bytes(target: TargetModel, real_layers: int) -> dict[str, int]:
+    """What a GPU's budget counts for a real layer copy, a token's KV in it, and the instance's fixed
+    share (embedding and head), in ``target``'s bytes."""
+    per_copy = target.layers / real_layers
+    return {"layer_bytes": int(target.layer_params * target.weight_bytes_per_param * per_copy),
+            "kv_bytes_per_token_layer": int(target.kv_bytes_per_token_per_layer * per_copy),
+            "fixed_bytes": int((target.params - target.layers * target.layer_params) * target.weight_bytes_per_param)}
 
 
 def scaling_config(inventory: Inventory, base_dir: Path, settings: Any) -> dict[str, Any]:
@@ -33,10 +43,7 @@ def scaling_config(inventory: Inventory, base_dir: Path, settings: Any) -> dict[
     if settings.target is not None:
         real = load_target_model(settings.model, base_dir, None if settings.dtype == "auto" else settings.dtype)
         target = load_target_model(settings.target.model, base_dir, settings.target.dtype)
-        per_copy = target.layers / real.layers
-        out["layer_bytes"] = int(target.layer_params * target.weight_bytes_per_param * per_copy)
-        out["kv_bytes_per_token_layer"] = int(target.kv_bytes_per_token_per_layer * per_copy)
-        out["fixed_bytes"] = int((target.params - target.layers * target.layer_params) * target.weight_bytes_per_param)
+        out.update(target_bytes(target, real.layers))
         profile = node_profile(inventory, inventory.node(settings.server))
         if profile is None:
             raise TestbedError(f"{inventory.path}: node {settings.server} has no compute profile for its GPUs' "
