@@ -46,6 +46,7 @@ from nodes.scaling.placement import GpuMemory, Placement
 from nodes.scaling.scale_down import Action, Instance
 from nodes.scaling.speedup_model import speedup, times_by_share
 from nodes.serving.engine_state import DONE, RUNNING, SWAPPED, EngineState, IterationPlan, ServedRequest
+from nodes.serving.schedulers import Decision
 
 from . import mpi_link, wire
 from .layer_ranks import CopyServer, RemoteGpu
@@ -150,6 +151,7 @@ class ScalingEngine(ServingEngine):
             self.controller = ScalingController(instance, self.gpus[0], self._memory(), self.costs.layer_bytes,
                                                 self._predict, thresholds)  # fmt: skip
         self.next_tick_s = settings.period_s
+        self.given_capacity_tokens = self.state.capacity_tokens
 
     def _new_state(self, scheduler: str) -> EngineState:
         """Static batching checks no memory (an out-of-memory fails requests instead); continuous
@@ -197,19 +199,36 @@ class ScalingEngine(ServingEngine):
         return used_bytes(self.copies.hosts, self._uses(), self.costs)
 
     def _capacity_tokens(self) -> int:
-        """The KV tokens the budgets hold for the sequences: per GPU, what is left after its weights
-        and fixed share over the KV one token of a sequence puts there (its layers there, each shared
-        among the layer's copies); the tightest GPU's."""
-        if not self.budgets:
-            return UNBOUNDED_TOKENS
+        """The KV tokens the budgets hold with nothing running (what a request's prompt is refused
+        against, and where one that fills it alone ends): per GPU, what is left after its weights and
+        fixed share over one token's KV in every layer it holds a copy of; the tightest GPU's."""
         weights = used_bytes(self.copies.hosts, [], self.costs)
-        capacity = UNBOUNDED_TOKENS
+        return self._tokens_within(weights, self.given_capacity_tokens)
+
+    def _tokens_within(self, used: Dict[str, int], capacity: int) -> int:
+        """Tokens of KV that fit in what the budgets have left beyond ``used``, counting a token in
+        every layer a GPU holds a copy of (a sequence may be served there by all of them), at most
+        ``capacity``."""
         for gpu, budget in self.budgets.items():
-            layers = sum(1.0 / len(hosts) for hosts in self.copies.hosts.values() if gpu in hosts)
+            layers = sum(1 for hosts in self.copies.hosts.values() if gpu in hosts)
             if layers:
                 per_token = layers * self.costs.kv_bytes_per_token_layer
-                capacity = min(capacity, int(max(0, budget - weights.get(gpu, 0)) // per_token))
+                capacity = min(capacity, int(max(0, budget - used.get(gpu, 0)) // per_token))
         return capacity
+
+    def _decide(self, now_s: float) -> Decision:
+        """The scheduler decides against the memory the GPUs really have left: the running requests'
+        tokens plus the headroom of the tightest GPU (a conservative count: a token of a replicated
+        layer is charged on every copy's GPU), so that what it admits never overflows a GPU."""
+        if self.static or not self.budgets:
+            return super()._decide(now_s)
+        empty = self.state.capacity_tokens
+        running = sum(r.context_tokens for r in self.state.live if r.state == RUNNING)
+        self.state.capacity_tokens = min(empty, running + self._tokens_within(self._used_bytes(), UNBOUNDED_TOKENS))
+        try:
+            return super()._decide(now_s)
+        finally:
+            self.state.capacity_tokens = empty
 
     def _memory(self) -> Dict[str, GpuMemory]:
         """Each GPU as the scaling algorithms see it: its budget, and what it holds besides layers."""
@@ -333,13 +352,14 @@ class ScalingEngine(ServingEngine):
                  and r.finished_by not in ("refused", "cancelled")]  # fmt: skip
         missed = sum(1 for r in ended if r.finished_by == "oom" or r.done_s - r.arrival_s > self._slo_s(r))
         rate = missed / float(len(ended)) if ended else 0.0
-        action, decision = None, "monitor"  # without autoscaling the monitor still records each tick
+        action, decision, predicted = None, "monitor", None  # without autoscaling the monitor still records
         if self.controller is not None:
             self.controller.memory = self._memory()
             action = self.controller.tick(Snapshot(now, vacancy, rate))
             decision = str(self.controller.log[-1]["decision"])
+            predicted = round(self._predict(self.controller.instance.placement), 4)  # Eq. 3, the placement now
         self.tick_log.write({"time_s": round(now, 6), "vacancy": vacancy, "violation_rate": rate,
-                             "finished": len(ended), "decision": decision,
+                             "finished": len(ended), "decision": decision, "predicted_speedup": predicted,
                              "action": action._asdict() if action else None, "used_bytes": used,
                              "batch_size": self.state.max_batch,
                              "kv_capacity_tokens": self._capacity_tokens()})  # fmt: skip (flushed as written)

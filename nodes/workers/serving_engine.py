@@ -28,7 +28,7 @@ from nodes.inference.config import LlamaConfig
 from nodes.inference.model import Segment as CacheSegment
 from nodes.inference.tokenizer import Tokenizer
 from nodes.serving.engine_state import EngineState, IterationPlan, ServedRequest
-from nodes.serving.schedulers import SchedulerSettings
+from nodes.serving.schedulers import Decision, SchedulerSettings
 
 from . import mpi_link, wire
 from .pacing import Pacer
@@ -181,7 +181,7 @@ class ServingEngine:
     def _iterate(self) -> None:
         start = self.clock()
         begun = time.monotonic()
-        decision = self.state.decide(start)
+        decision = self._decide(start)
         plan = self.state.apply(decision, start)
         decide_s = time.monotonic() - begun
         moved = sum(r.context_tokens for r in plan.swapped_out + plan.swapped_in)
@@ -215,6 +215,10 @@ class ServingEngine:
             "swap_s": round(swap_s, 6), "compute_s": round(compute_s / self.dilation, 6),
         })  # fmt: skip
         self.log.flush()
+
+    def _decide(self, now_s: float) -> Decision:
+        """The scheduler's decision for this iteration."""
+        return self.state.decide(now_s)
 
     def _compute(self, plan: IterationPlan) -> List[int]:
         """The next token of every request in the plan, computed by the real model; with a profile the
