@@ -137,6 +137,36 @@ def test_scale_up_on_a_faster_gpu_splits_by_speed() -> None:
     assert result.speedup == pytest.approx(2 / (2 / 3))  # each layer 1/3 s: g0 a third of the batch, g1 two
 
 
+def test_scale_up_adds_nothing_when_no_gpu_is_vacant_enough() -> None:
+    start = Placement.single(4, "g0")
+    result = scale_up(start, room(g0=0, g1=4, g2=4), {"g1": 0.2, "g2": 0.05}, 0.2, GB, eq4(0.0))
+    assert result.placement == start and result.added == () and result.speedup == pytest.approx(1.0)
+
+
+def test_scale_up_skips_a_vacant_gpu_without_room_for_a_layer() -> None:
+    # g2 is the emptiest but holds 0.9 GB free: floor(0.9) = 0 replicas; g1 takes them all
+    memory = {"g0": GpuMemory(8 * GB), "g1": GpuMemory(4 * GB), "g2": GpuMemory(int(0.9 * GB))}
+    result = scale_up(Placement.single(4, "g0"), memory, {"g1": 0.5, "g2": 0.95}, 0.2, GB, eq4(0.0))
+    assert result.added == tuple((i, "g1") for i in range(4)) and result.speedup == pytest.approx(2.0)
+
+
+def test_scale_up_takes_the_layers_with_fewest_copies_first() -> None:
+    # layers 0-1 already have a replica on g2: g1's two replicas go to 2-3, which lifts Eq. 4 (gamma 0)
+    # from 1 / (1/4 x (1/2 + 1/2 + 1 + 1)) = 4/3 to 2
+    start = Placement.single(4, "g0").add_replica(0, "g2").add_replica(1, "g2")
+    assert by_continuity(start, "g1", 2) == [2, 3]
+    result = scale_up(start, room(g0=0, g1=2, g2=0), {"g1": 0.9}, 0.2, GB, eq4(0.0))
+    assert result.added == ((2, "g1"), (3, "g1")) and result.speedup == pytest.approx(2.0)
+
+
+def test_scale_up_with_gamma_one_half_adds_every_layer_to_eq4s_four_thirds() -> None:
+    # Eq. 4, gamma 0.5: one replica gives 1 / (0.5 + 0.5 x 3.5 / 4) = 16/15, all four 1 / (0.5 + 0.25) = 4/3
+    start = Placement.single(4, "g0")
+    assert eq4(0.5)(start.add_replica(0, "g1")) == pytest.approx(16 / 15)
+    result = scale_up(start, room(g0=0, g1=4), {"g1": 0.9}, 0.2, GB, eq4(0.5))
+    assert result.added == tuple((i, "g1") for i in range(4)) and result.speedup == pytest.approx(4 / 3)
+
+
 def test_scale_up_never_lowers_the_speedup_nor_overfills_a_gpu() -> None:
     rng = random.Random(7)
     for _ in range(40):
