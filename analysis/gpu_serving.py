@@ -44,8 +44,9 @@ def gpu_serving_table(requests: pd.DataFrame, runs: pd.DataFrame, ticks: pd.Data
                       by: Sequence[str]) -> pd.DataFrame:  # fmt: skip
     """Per group of ``by`` (method, rate, ...): requests, throughput, E2E mean/p50/p90, SLO attainment,
     OOM rate, peak GPU memory (GB) and GPUs used (means over the group's runs where per run)."""
-    frame = request_outcomes(requests).merge(runs[["run_id", *by]], on="run_id")
-    rates = metrics.throughput(requests.assign(completed=request_outcomes(requests)["finished"]))
+    outcomes = request_outcomes(requests)
+    frame = outcomes.merge(runs[["run_id", *by]], on="run_id")
+    rates = metrics.throughput(requests.assign(completed=outcomes["finished"]))
     memory = peak_memory(ticks)
     rows = []
     for values, part in frame.groupby(list(by), sort=True, dropna=False):

@@ -87,10 +87,9 @@ def run_one(method: str, rate: float, args: argparse.Namespace, work: Path) -> d
     requests = read_requests(ranks).drop(columns=["method"]).assign(run_id="r", completed=True)
     for column in ("arrival_s", "last_token_s", "serving_slo_s"):  # the target's seconds
         requests[column] = requests[column] / args.dilation
-    _, ticks = read_scaling(ranks)
+    ops, ticks = read_scaling(ranks)
     table = gpu_serving.gpu_serving_table(requests, pd.DataFrame({"run_id": ["r"], "method": [method]}),
                                           ticks.assign(run_id="r"), ["method"])  # fmt: skip
-    ops, _ = read_scaling(ranks)
     steps = read_steps(ranks)
     row = table.iloc[0].to_dict()
     actions = ops[["time_s", "kind", "layer", "destination", "batch_size"]].to_dict("records") if len(ops) else []

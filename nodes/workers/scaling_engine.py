@@ -116,19 +116,19 @@ class ScalingEngine(ServingEngine):
             self.copies.add_remote(gpu_name(r), RemoteGpu(comm, r, model))
         self.layers = model.num_hidden_layers
         self.per_copy = target_layers_per_copy(config, self.layers)
+        element = torch.empty((), dtype=self.part.dtype).element_size()  # (torch.dtype.itemsize: torch >= 2.1)
         if config.target is not None:
             self.hidden_bytes_per_token = config.target.model.hidden_bytes_per_token
             if config.target.pad_payloads and settings.layer_bytes:  # the target's layer on the wire
                 self.copies.wire_pad_bytes = max(0, int(settings.layer_bytes) - self.copies.layer_bytes(0))
         else:
-            self.hidden_bytes_per_token = model.hidden_size * torch.empty((), dtype=self.part.dtype).element_size()
+            self.hidden_bytes_per_token = model.hidden_size * element
         if self.pacer is not None:
             pacer = self.pacer
             self.copies.pace = lambda gpu, layer, shape, started: pacer.pace(
                 "layer", started, pacer.target_s(self.per_copy, shape), self.per_copy, shape)  # type: ignore[arg-type]
         if settings.gpu_link_gbps:
             self.copies.transfer_s = lambda gpu, tokens: self._transfer_s(tokens) * self.dilation
-        element = torch.empty((), dtype=self.part.dtype).element_size()
         self.costs = MemoryCosts(
             layer_bytes=int(settings.layer_bytes or self.copies.layer_bytes(0)),
             kv_bytes_per_token_layer=int(settings.kv_bytes_per_token_layer
@@ -141,17 +141,17 @@ class ScalingEngine(ServingEngine):
         self._computed: List[ServedRequest] = []  # the plan's requests that did not fail this iteration
         self.kv_of: Dict[Any, SequenceKV] = {}  # request key -> its sequence's KV on the GPUs
         self.busy_s: List[Tuple[float, float, Dict[str, float]]] = []  # (end, seconds, each GPU's share)
-        self.oom_total = 0
-        self.preempted_for_memory = 0  # continuous batching: preempted when a copy's GPU would overflow
         self.controller: Optional[ScalingController] = None
         if method.autoscales:
             thresholds = Thresholds(settings.t_up, settings.t_down, settings.period_s, settings.cooldown_s,
                                     settings.calm_s, settings.max_migrations, settings.delta_batch)  # fmt: skip
             instance = Instance(Placement.single(self.layers, self.gpus[0]), config.serving.max_batch)
-            self.controller = ScalingController(instance, self.gpus[0], self._memory(), self.costs.layer_bytes,
+            self.controller = ScalingController(instance, self.gpus[0], self._memory(self._used_bytes()),
+                                                self.costs.layer_bytes,
                                                 self._predict, thresholds)  # fmt: skip
         self.next_tick_s = settings.period_s
         self.given_capacity_tokens = self.state.capacity_tokens
+        self._place_capacity()
 
     def _new_state(self, scheduler: str) -> EngineState:
         """Static batching checks no memory (an out-of-memory fails requests instead); continuous
@@ -184,9 +184,13 @@ class ScalingEngine(ServingEngine):
     def _iterate(self) -> None:
         if self.clock() >= self.next_tick_s:
             self._tick()
+        super()._iterate()
+
+    def _place_capacity(self) -> None:
+        """Continuous batching's empty-server KV capacity for the placement now (it changes only when
+        a module operation does)."""
         if not self.static:
             self.state.capacity_tokens = self._capacity_tokens()
-        super()._iterate()
 
     # -- memory ----------------------------------------------------------------------------------
     def _uses(self, new_tokens: Optional[Dict[Any, int]] = None) -> List[SequenceUse]:
@@ -230,9 +234,9 @@ class ScalingEngine(ServingEngine):
         finally:
             self.state.capacity_tokens = empty
 
-    def _memory(self) -> Dict[str, GpuMemory]:
-        """Each GPU as the scaling algorithms see it: its budget, and what it holds besides layers."""
-        used = self._used_bytes()
+    def _memory(self, used: Dict[str, int]) -> Dict[str, GpuMemory]:
+        """Each GPU as the scaling algorithms see it: its budget, and what it holds besides layers
+        (``used``: what it holds in all)."""
         layers = used_bytes(self.copies.hosts, [], MemoryCosts(self.costs.layer_bytes, 0))
         return {g: GpuMemory(self.budgets.get(g, UNBOUNDED_BYTES), used.get(g, 0) - layers.get(g, 0))
                 for g in self.gpus}  # fmt: skip
@@ -290,9 +294,9 @@ class ScalingEngine(ServingEngine):
                 self.copies.release(self.kv_of.pop(request.key))
 
     def _preempt(self, compute: List[ServedRequest], over: set, swap: bool) -> List[ServedRequest]:
-        """Preempt the requests whose sequences are in ``over`` (the KV capacity is the budgets' on
-        average over a layer's copies; the copies that serve these would overflow), swapping their KV
-        out if ``swap`` (a prefill's have none yet); the ones left."""
+        """Preempt the requests whose sequences are in ``over`` (a safety net: :meth:`_decide` admits
+        only what fits, so the copies that serve these would overflow only if that count fell short),
+        swapping their KV out if ``swap`` (a prefill's have none yet); the ones left."""
         now = self.clock()
         kept = []
         for request in compute:
@@ -300,7 +304,6 @@ class ScalingEngine(ServingEngine):
                 kept.append(request)
             elif self.state.preempt(request, now, swap) != SWAPPED:  # dropped: its KV goes, recomputed later
                 self.copies.release(self.kv_of.pop(request.key))
-        self.preempted_for_memory += len(compute) - len(kept)
         return kept
 
     def _fail_out_of_memory(self, compute: List[ServedRequest], failed: set) -> List[ServedRequest]:
@@ -313,7 +316,6 @@ class ScalingEngine(ServingEngine):
                 kept.append(request)
                 continue
             self.state.cancel(request, now, "oom")
-            self.oom_total += 1
             self.copies.release(self.kv_of.pop(request.key))
             by_device.setdefault(request.key[0], []).extend(self._closing(request, []))
             self._log_request(request)
@@ -354,7 +356,7 @@ class ScalingEngine(ServingEngine):
         rate = missed / float(len(ended)) if ended else 0.0
         action, decision, predicted = None, "monitor", None  # without autoscaling the monitor still records
         if self.controller is not None:
-            self.controller.memory = self._memory()
+            self.controller.memory = self._memory(used)
             action = self.controller.tick(Snapshot(now, vacancy, rate))
             decision = str(self.controller.log[-1]["decision"])
             predicted = round(self._predict(self.controller.instance.placement), 4)  # Eq. 3, the placement now
@@ -362,7 +364,7 @@ class ScalingEngine(ServingEngine):
                              "finished": len(ended), "decision": decision, "predicted_speedup": predicted,
                              "action": action._asdict() if action else None, "used_bytes": used,
                              "batch_size": self.state.max_batch,
-                             "kv_capacity_tokens": self._capacity_tokens()})  # fmt: skip (flushed as written)
+                             "kv_capacity_tokens": self.state.capacity_tokens})  # fmt: skip (flushed as written)
         if action is not None:
             self._carry_out(action)
 
@@ -381,7 +383,7 @@ class ScalingEngine(ServingEngine):
         shapes = list(self.recent_shapes) or [[(1, self.config.serving.latency_context_tokens)]]
         pacer = self.pacer
         if pacer is None:
-            transfer = {g: self._transfer_s(len(shapes[-1])) for g in self.gpus}
+            transfer = {g: self._transfer_s(sum(n for n, _ in shapes[-1])) for g in self.gpus}
             return speedup(placement, {g: self.observed_step_s / self.layers for g in self.gpus}, transfer)
         alone = placed = 0.0
         for shape in shapes:
@@ -414,6 +416,7 @@ class ScalingEngine(ServingEngine):
             moved = kv_tokens * self.costs.kv_bytes_per_token_layer
         else:  # reduce or restore: the batch cap (the offload level is recorded only)
             self.state.max_batch = max(1, action.batch_size)
+        self._place_capacity()
         for remote in self.copies.remote.values():  # the operation is done when every rank has it
             remote.sync()
         real_s = (time.monotonic() - began) / self.dilation
