@@ -46,6 +46,8 @@ SHAPES = {
                num_key_value_heads=4, head_dim=64),  # TinyLlama-1.1B's layers
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=32, head_dim=128),  # Llama-2-7B's layers
+    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                num_key_value_heads=40, head_dim=128),  # Llama-2-13B's layers (CoCoServe's model)
 }  # fmt: skip
 
 

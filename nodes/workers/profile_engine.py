@@ -67,7 +67,10 @@ class _Profiler:
         if args.target:
             rates = rates_from_json(json.loads(args.rates))
             self.pacer = Pacer(rates, target_from_json(json.loads(args.target)), args.dilation)
-        self.generator = torch.Generator(device="cpu").manual_seed(1)
+        # on a GPU, random contexts are drawn there: a CPU draw of 64 sequences' keys and values for
+        # every layer would take longer than the whole grid's steps
+        self.generator = torch.Generator(device=args.device if args.device.startswith("cuda") else "cpu")
+        self.generator.manual_seed(1)
         self.points = 0
 
     def sync(self) -> None:
@@ -104,7 +107,8 @@ class _Profiler:
         width, dtype = self.config.hidden_size, loaded.dtype
 
         def states(rows: int) -> Any:
-            return torch.randn(rows, width, generator=self.generator).to(device=args.device, dtype=dtype)
+            drawn = torch.randn(rows, width, generator=self.generator, device=self.generator.device)
+            return drawn.to(device=args.device, dtype=dtype)
 
         for new, sequences, context in [(n, 1, 0) for n in _ints(args.prefill)] + [
                 (1, b, c) for b in _ints(args.batch) for c in _ints(args.context)]:  # fmt: skip
