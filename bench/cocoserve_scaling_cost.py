@@ -9,7 +9,14 @@ seconds until the acknowledgement, the affine fit seconds = a + bytes / rate (R^
 seconds of an instance restart (a fresh process that imports torch, loads the checkpoint and runs one
 step), with the restart over one operation.
 
+With ``--rates-mbit``, the two ranks run instead on two nodes of a throwaway emulated testbed (each
+rank in its node's network namespace, MPI over the data veths) and the link between them is shaped
+with the testbed's own HTB plans at each rate in turn: per rate the affine fit, and over every rate
+one fit of seconds = a + b x bytes / rate (the link's rate, as Table 2's time should follow). Needs
+root.
+
     python bench/cocoserve_scaling_cost.py
+    python bench/cocoserve_scaling_cost.py --rates-mbit 500,1000,2000 --repeats 3 --out cocoserve_scaling_cost_shaped
 
 Writes bench/results/cocoserve_scaling_cost.json.
 """
@@ -60,19 +67,91 @@ def ranks(settings: dict) -> None:
     Path(settings["out"]).write_text(json.dumps(rows))
 
 
+def lab_inventory(state_dir: Path) -> str:
+    """Two GPU nodes of one server, the link between them to be shaped."""
+    return (
+        "defaults: {ssh: {user: root}, sudo: false}\n"
+        f"emulation: {{management_subnet: 10.235.0.0/24, data_subnet: 10.236.0.0/24, name_prefix: tbg, "
+        f"state_dir: {state_dir}}}\n"
+        "nodes:\n"
+        + "".join(f"  - {{name: gpu{i}, kind: server, model: a100-40gb, roles: [server], emulated: "
+                  "{power_modes: [{id: 0, name: default, cpus: 1.0, idle_w: 50, busy_w: 250}]}}\n" for i in range(2))
+    )  # fmt: skip
+
+
+def copy_rows(settings: dict, netns: tuple[str, str] | None) -> list[dict]:
+    """The two ranks' rows: on loopback, or each rank in its node's namespace (MPI over data0)."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    rank = [sys.executable, __file__, "--ranks", json.dumps(settings)]
+    if netns is None:
+        argv, env = [str(mpiexec), "-n", "2", *rank], dict(os.environ, **LOOPBACK_TCP)
+    else:  # one block per namespace: hydra's proxy forks both, PMI over the inherited descriptor
+        argv = [str(mpiexec), "-n", "1", "ip", "netns", "exec", netns[0], *rank, ":",
+                "-n", "1", "ip", "netns", "exec", netns[1], *rank]  # fmt: skip
+        env = dict(os.environ, **LOOPBACK_TCP, FI_TCP_IFACE="data0")
+    done = subprocess.run(argv, env=dict(env, PYTHONPATH=str(REPO)), timeout=1200, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the copy ranks failed (exit status {done.returncode})")
+    return json.loads(Path(settings["out"]).read_text())
+
+
+def affine_fit(xs: list[float], seconds: list[float]) -> dict:
+    """seconds = intercept + slope x, with R^2."""
+    import numpy as np
+
+    x, y = np.asarray(xs, float), np.asarray(seconds, float)
+    slope, intercept = np.polyfit(x, y, 1)
+    r2 = 1 - float(((y - (intercept + slope * x)) ** 2).sum() / ((y - y.mean()) ** 2).sum())
+    return {"intercept": float(intercept), "slope": float(slope), "r2": r2}
+
+
+def shaped(settings: dict, rates_mbit: list[float]) -> dict:
+    """Every layer count at every rate, the link between the two GPU nodes shaped (HTB, both ways)."""
+    from bench._common import emulated_lab
+    from netem.profile import DirectedLink, LinkProfile
+    from testbed.emulation.plan import plan_emulation
+    from testbed.links.apply import apply_plans, clear_nodes
+    from testbed.links.plans import compile_plan
+
+    rows = []
+    with emulated_lab(lab_inventory) as lab:
+        plan = plan_emulation(lab)
+        netns = (plan.node("gpu0").netns, plan.node("gpu1").netns)
+        try:
+            for mbit in rates_mbit:
+                profile = LinkProfile.model_validate({"rate": f"{mbit:g}mbit"})
+                links = (DirectedLink("gpu0", "gpu1", f"{mbit:g}mbit", profile),
+                         DirectedLink("gpu1", "gpu0", f"{mbit:g}mbit", profile))  # fmt: skip
+                if not apply_plans(lab, compile_plan(lab, links)).ok:
+                    raise SystemExit(f"shaping the GPUs' link to {mbit:g} mbit failed")
+                rows += [dict(r, rate_mbit=mbit) for r in copy_rows(settings, netns)]
+                print(f"{mbit:g} mbit: {len(rows)} rows", flush=True)
+        finally:
+            clear_nodes(lab)
+    per_rate = {}
+    for mbit in rates_mbit:
+        mine = [r for r in rows if r["rate_mbit"] == mbit]
+        fit = affine_fit([r["bytes"] for r in mine], [r["seconds"] for r in mine])
+        per_rate[f"{mbit:g}"] = {"fixed_s": fit["intercept"], "rate_mbit_fitted": 8e-6 / fit["slope"], "r2": fit["r2"],
+                                 "median_s": {str(k): statistics.median(r["seconds"] for r in mine if r["layers"] == k)
+                                              for k in settings["layers"]}}  # fmt: skip
+    joint = affine_fit([r["bytes"] * 8 / (r["rate_mbit"] * 1e6) for r in rows], [r["seconds"] for r in rows])
+    fitted = {"fixed_s": joint["intercept"], "slope": joint["slope"], "r2": joint["r2"]}
+    return {"rows": rows, "per_rate": per_rate, "bytes_over_rate_fit": fitted}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="1,2,4,8", help="layer counts per operation (Table 2: 1 to 40)")
     parser.add_argument("--scale", type=float, default=16.0, help="a target layer's bytes are divided by this")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="cocoserve_scaling_cost", help="result name under bench/results")
+    parser.add_argument("--rates-mbit", help="shape the link between two emulated GPU nodes to each rate in turn")
     parser.add_argument("--ranks", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ranks:
         ranks(json.loads(args.ranks))
         return 0
-    import numpy as np
-
     from bench._common import write
     from nodes.contracts.target_model import builtin
     from nodes.inference.checkpoint import load_part
@@ -85,22 +164,25 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         settings = {"layers": [int(n) for n in args.layers.split(",")], "repeats": args.repeats, "pad_bytes": pad,
                     "out": str(Path(tmp) / "rows.json")}  # fmt: skip
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        done = subprocess.run([str(mpiexec), "-n", "2", sys.executable, __file__, "--ranks", json.dumps(settings)],
-                              env=dict(os.environ, **LOOPBACK_TCP), timeout=1200)  # fmt: skip
-        if done.returncode != 0:
-            return done.returncode
-        rows = json.loads(Path(settings["out"]).read_text())
+        if args.rates_mbit:
+            result = shaped(settings, [float(v) for v in args.rates_mbit.split(",")])
+            path = write(args.out, {
+                "command": " ".join(["python", "bench/cocoserve_scaling_cost.py", *sys.argv[1:]]),
+                "seconds": round(time.perf_counter() - began, 1), "target_layer_bytes": target_layer,
+                "scale": args.scale, "message_pad_bytes": pad, **result,
+                "link": "two emulated GPU nodes' data veths, HTB at each rate both ways (testbed link plans)",
+            })  # fmt: skip
+            print(json.dumps({k: result[k] for k in ("per_rate", "bytes_over_rate_fit")}, indent=1))
+            print(f"wrote {path}")
+            return 0
+        rows = copy_rows(settings, None)
     restarts = []
     for _ in range(args.repeats):
         started = time.monotonic()
         subprocess.run([sys.executable, "-c", RESTART % str(TINY)], cwd=REPO, check=True)
         restarts.append(time.monotonic() - started)
-    sizes = np.array([r["bytes"] for r in rows], dtype=float)
-    seconds = np.array([r["seconds"] for r in rows])
-    slope, intercept = np.polyfit(sizes, seconds, 1)
-    fitted = intercept + slope * sizes
-    r2 = 1 - float(((seconds - fitted) ** 2).sum() / ((seconds - seconds.mean()) ** 2).sum())
+    fit = affine_fit([r["bytes"] for r in rows], [r["seconds"] for r in rows])
+    intercept, slope, r2 = fit["intercept"], fit["slope"], fit["r2"]
     per_k = {}
     for layers in settings["layers"]:
         mine = [r for r in rows if r["layers"] == layers]

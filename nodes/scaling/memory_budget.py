@@ -58,10 +58,3 @@ def out_of_memory(hosts: Mapping[int, Sequence[str]], sequences: Sequence[Sequen
         alive.remove(victim)
         failed.append(victim.ident)
 
-
-def fits(hosts: Mapping[int, Sequence[str]], sequences: Sequence[SequenceUse], costs: MemoryCosts,
-         budgets: Mapping[str, int], layer: int, gpu: str, kv_tokens: int = 0) -> bool:  # fmt: skip
-    """Whether ``gpu`` can take a copy of ``layer`` (and ``kv_tokens`` of KV it brings along)."""
-    used = used_bytes(hosts, sequences, costs).get(gpu, 0)
-    need = costs.layer_bytes + kv_tokens * costs.kv_bytes_per_token_layer
-    return gpu not in budgets or used + need <= budgets[gpu]

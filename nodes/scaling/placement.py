@@ -95,10 +95,8 @@ class GpuMemory(NamedTuple):
     other_bytes: int = 0
 
 
-def used_bytes(placement: Placement, memory: Dict[str, GpuMemory], layer_bytes: int, gpu: str) -> int:
-    """What ``gpu`` holds: its other bytes and every layer copy on it."""
-    return memory[gpu].other_bytes + layer_bytes * len(placement.layers_on(gpu))
-
-
 def available_bytes(placement: Placement, memory: Dict[str, GpuMemory], layer_bytes: int, gpu: str) -> int:
-    return memory[gpu].capacity_bytes - used_bytes(placement, memory, layer_bytes, gpu)
+    """What ``gpu`` has left for another copy: its capacity less its other bytes (the engine's KV and
+    fixed share, :func:`nodes.scaling.memory_budget.used_bytes`) and every layer copy on it."""
+    held = memory[gpu].other_bytes + layer_bytes * len(placement.layers_on(gpu))
+    return memory[gpu].capacity_bytes - held
