@@ -88,7 +88,7 @@ def copy_rows(settings: dict, netns: tuple[str, str] | None) -> list[dict]:
     else:  # one block per namespace: hydra's proxy forks both, PMI over the inherited descriptor
         argv = [str(mpiexec), "-n", "1", "ip", "netns", "exec", netns[0], *rank, ":",
                 "-n", "1", "ip", "netns", "exec", netns[1], *rank]  # fmt: skip
-        env = dict(os.environ, **LOOPBACK_TCP, FI_TCP_IFACE="data0")
+        env = dict(os.environ, **dict(LOOPBACK_TCP, FI_TCP_IFACE="data0"))
     done = subprocess.run(argv, env=dict(env, PYTHONPATH=str(REPO)), timeout=1200, check=False)
     if done.returncode != 0:
         raise SystemExit(f"the copy ranks failed (exit status {done.returncode})")
