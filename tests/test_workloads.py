@@ -18,6 +18,7 @@ from workloads.arrivals import (
     ConstantRate,
     GammaArrivals,
     Poisson,
+    StepRates,
     TraceArrivals,
     arrival_times_s,
     load_arrival_trace,
@@ -73,8 +74,25 @@ def test_constant_rate_has_exact_gaps_and_a_seeded_phase():
     assert arrival_times_s(ConstantRate(4.0), count=50, seed=2)[0] != times[0]
 
 
+def test_step_arrivals_follow_each_steps_rate_and_the_last_step_runs_on():
+    steps = StepRates(((4.0, 50.0), (24.0, 50.0), (4.0, 100.0)))
+    times = np.array(arrival_times_s(steps, count=2200, seed=7))
+    assert len(times) == 2200 and np.all(np.diff(times) >= 0)
+    for low, high, rate in ((0, 50, 4.0), (50, 100, 24.0), (100, 200, 4.0)):
+        inside = ((times >= low) & (times < high)).sum()
+        expected = rate * (high - low)
+        assert abs(inside - expected) < 4 * np.sqrt(expected), (low, inside, expected)  # Poisson: 4 sigma
+        gaps = np.diff(times[(times >= low) & (times < high)])
+        assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, abs=0.2)  # exponential within a step
+    assert times[-1] > 200  # the 2,200th request comes after the steps' 2,000 expected: the last step ran on
+    short = arrival_times_s(StepRates(((4.0, 50.0), (24.0, 50.0))), count=100, seed=7)
+    assert max(short) < 50  # fewer requests than the first step holds: they all come in it
+    with pytest.raises(TestbedError, match="positive rate and duration"):
+        arrival_times_s(StepRates(((4.0, 0.0),)), count=3, seed=0)
+
+
 def test_arrivals_are_deterministic_per_seed():
-    for process in (Poisson(1.0), GammaArrivals(1.0, 3.0), ConstantRate(1.0)):
+    for process in (Poisson(1.0), GammaArrivals(1.0, 3.0), ConstantRate(1.0), StepRates(((1.0, 5.0), (3.0, 5.0)))):
         assert arrival_times_s(process, count=20, seed=5) == arrival_times_s(process, count=20, seed=5)
         assert arrival_times_s(process, count=20, seed=5) != arrival_times_s(process, count=20, seed=6)
 
@@ -338,6 +356,10 @@ def test_schedule_rows_carry_the_qoe_expectation():
         ({"arrival": "bursty"}, "arrival"),
         ({"arrival": "trace"}, "trace"),
         ({"trace": "t.csv"}, "trace"),
+        ({"arrival": "steps"}, "rate_steps"),
+        ({"arrival": "steps", "rate_steps": [[1.0, 0.0]]}, "rate_steps"),
+        ({"arrival": "steps", "rate_steps": [[1.0]]}, "rate_steps"),
+        ({"rate_steps": [[1.0, 5.0]]}, "rate_steps"),
         ({"prompts": "wikipedia"}, "prompts"),
         ({"prompts": "file:"}, "prompts"),
         ({"requests_per_device": 0}, "requests_per_device"),
@@ -359,6 +381,7 @@ def test_valid_specs_have_no_problems():
         WorkloadSpec(arrival="gamma", cv=3.0, prompts="specbench", qoe="speaking"),
         WorkloadSpec(arrival="trace", trace="t.csv", rate_per_s=None, prompts="file:p.jsonl"),
         WorkloadSpec(qoe="custom", expected_ttft_s=0.5, expected_tds_tok_s=8.0),
+        WorkloadSpec(arrival="steps", rate_steps=[[1.0, 20.0], [6.0, 20.0]], rate_per_s=None),
     ):
         assert spec.problems() == []
 

@@ -9,6 +9,11 @@ one numpy version. Renewal processes are described by their inter-arrival gaps:
 | ``GammaArrivals(rate, cv)`` | Gamma(k = 1/cv², θ = 1/(rate·k)) | 1/rate | cv (Andes §6.4 uses cv = 3) |
 | ``ConstantRate(rate)`` | fixed | 1/rate | 0 |
 | ``TraceArrivals(path)`` | the recorded trace, replayed | | |
+| ``StepRates(steps)`` | exponential, the rate stepping through (rate, seconds) pairs | | 1 |
+
+A step load (an autoscaler's low -> high -> low trace) is Poisson within each step: a step starts
+its own gaps at its start (exact, the process being memoryless), and the last step lasts until every
+request has arrived.
 
 First arrival: the first request comes one gap after 0 (drawn like every other gap), not at 0, so
 that devices with independent streams do not all fire at the start barrier together. A constant
@@ -69,7 +74,12 @@ class TraceArrivals:
     device: str | None = None  # with a ``device`` column: replay this device's rows
 
 
-ArrivalProcess = Poisson | GammaArrivals | ConstantRate | TraceArrivals
+@dataclass(frozen=True)
+class StepRates:
+    steps: tuple[tuple[float, float], ...]  # (rate_per_s, duration_s) in turn; the last one's duration is open
+
+
+ArrivalProcess = Poisson | GammaArrivals | ConstantRate | TraceArrivals | StepRates
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,8 @@ def arrival_times_s(process: ArrivalProcess, *, count: int, seed: int) -> list[f
     if isinstance(process, TraceArrivals):
         rows = trace_rows_for(process, count=count)
         return [row.arrival_s for row in rows]
+    if isinstance(process, StepRates):
+        return _step_times_s(process, count, np.random.Generator(np.random.PCG64(seed)))
     rate = _positive_rate(process)
     rng = np.random.Generator(np.random.PCG64(seed))
     if isinstance(process, Poisson):
@@ -188,6 +200,24 @@ def _trace_row(name: str, number: int, line: str, header: list[str], problems: l
     if len(problems) > found or time_s is None:
         return None
     return TraceRow(time_s, counts["prompt_tokens"], counts["max_new_tokens"], row.get("device") or None, number)
+
+
+def _step_times_s(process: StepRates, count: int, rng: np.random.Generator) -> list[float]:
+    """Poisson arrivals whose rate steps through ``process.steps``; the last step runs on until
+    ``count`` have arrived."""
+    if not process.steps or any(not (math.isfinite(r) and r > 0 and math.isfinite(d) and d > 0)
+                                for r, d in process.steps):  # fmt: skip
+        raise TestbedError(f"step arrivals: every step needs a positive rate and duration, not {process.steps!r}")
+    times: list[float] = []
+    start = 0.0
+    for index, (rate, duration) in enumerate(process.steps):
+        last = index == len(process.steps) - 1
+        t = start + rng.exponential(1.0 / rate)
+        while len(times) < count and (last or t < start + duration):
+            times.append(float(t))
+            t += rng.exponential(1.0 / rate)
+        start += duration
+    return times
 
 
 def _positive_rate(process: Poisson | GammaArrivals | ConstantRate) -> float:

@@ -40,6 +40,7 @@ from workloads.arrivals import (
     ConstantRate,
     GammaArrivals,
     Poisson,
+    StepRates,
     TraceArrivals,
     arrival_times_s,
     trace_rows_for,
@@ -47,15 +48,16 @@ from workloads.arrivals import (
 from workloads.prompts import OUTPUT_LENGTH_MODELS, draw_output_lengths, draw_prompts, prompt_set_problem
 from workloads.qoe import SPEED_GROUPS, draw_expected_tds, qoe_expectation, qoe_problems
 
-ARRIVALS = ("poisson", "gamma", "constant", "trace")
+ARRIVALS = ("poisson", "gamma", "constant", "trace", "steps")
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    arrival: str = "poisson"  # poisson | gamma | constant | trace
-    rate_per_s: float | None = 1.0  # per device; unused by trace
+    arrival: str = "poisson"  # poisson | gamma | constant | trace | steps
+    rate_per_s: float | None = 1.0  # per device; unused by trace and steps
     cv: float | None = None  # gamma only: coefficient of variation of the gaps
     trace: str | None = None  # trace only: CSV path (relative to base_dir)
+    rate_steps: Sequence[Sequence[float]] | None = None  # steps only: [rate_per_s per device, duration_s] in turn
     requests_per_device: int = 8
     prompts: str = "tiny-python"  # a prompt set (workloads.prompts) or file:<path>
     max_new_tokens: int = 32
@@ -70,7 +72,7 @@ class WorkloadSpec:
         out: list[tuple[str, str]] = []
         if self.arrival not in ARRIVALS:
             out.append(("arrival", f"unknown arrival process {self.arrival!r}; choose one of {', '.join(ARRIVALS)}"))
-        elif self.arrival != "trace" and not _positive(self.rate_per_s):
+        elif self.arrival not in ("trace", "steps") and not _positive(self.rate_per_s):
             out.append(("rate_per_s", f"{self.arrival} arrivals need a positive rate, not {self.rate_per_s!r}"))
         if self.arrival == "gamma" and not _positive(self.cv):
             out.append(("cv", f"gamma arrivals need a positive cv (Andes uses 3), not {self.cv!r}"))
@@ -80,6 +82,11 @@ class WorkloadSpec:
             out.append(("trace", "trace arrivals need a trace file (CSV)"))
         elif self.arrival != "trace" and self.trace is not None:
             out.append(("trace", "a trace file applies to arrival: trace only"))
+        if self.arrival == "steps" and not _steps(self.rate_steps):
+            out.append(("rate_steps", "step arrivals need a list of [rate_per_s, duration_s] pairs, each positive, "
+                        f"not {self.rate_steps!r}"))  # fmt: skip
+        elif self.arrival != "steps" and self.rate_steps is not None:
+            out.append(("rate_steps", "rate_steps applies to arrival: steps only"))
         if not _count(self.requests_per_device, MAX_ARRIVALS):
             out.append(("requests_per_device", f"must be an integer from 1 to {MAX_ARRIVALS}"))
         problem = prompt_set_problem(self.prompts)
@@ -104,6 +111,8 @@ def arrival_process(spec: WorkloadSpec, *, device: str | None = None, base_dir: 
         return GammaArrivals(float(spec.rate_per_s), float(spec.cv))
     if spec.arrival == "constant":
         return ConstantRate(float(spec.rate_per_s))
+    if spec.arrival == "steps":
+        return StepRates(tuple((float(rate), float(duration)) for rate, duration in spec.rate_steps or ()))
     return TraceArrivals(_resolve(str(spec.trace), base_dir), device)
 
 
@@ -188,6 +197,13 @@ def _resolve(path: str, base_dir: Path | None) -> Path:
 
 def _positive(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def _steps(value: object) -> bool:
+    """A non-empty list of [rate_per_s, duration_s] pairs, each positive."""
+    if not isinstance(value, list | tuple) or not value:
+        return False
+    return all(isinstance(step, list | tuple) and len(step) == 2 and all(_positive(v) for v in step) for step in value)
 
 
 def _count(value: object, high: int | None) -> bool:

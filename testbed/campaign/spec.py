@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -64,13 +64,19 @@ class PartitionSettings(_Strict):
     stages: StrictInt = Field(1, ge=1, le=64)  # server pipeline stages (P)
 
 
+StepRate = Annotated[float, Field(gt=0, le=10_000)]
+StepSeconds = Annotated[float, Field(gt=0, le=86_400)]
+
+
 class WorkloadSettings(_Strict):
     """What each device sends: see :class:`workloads.schedule.WorkloadSpec`."""
 
-    arrival: Literal["poisson", "gamma", "constant", "trace"] = "poisson"
+    arrival: Literal["poisson", "gamma", "constant", "trace", "steps"] = "poisson"
     rate_per_s: float | None = Field(1.0, gt=0, le=10_000)
     cv: float | None = Field(None, gt=0, le=100)
     trace: str | None = None
+    # steps only: [rate_per_s, duration_s] in turn (per device); the last step lasts until every request is in
+    rate_steps: list[tuple[StepRate, StepSeconds]] | None = None
     requests_per_device: StrictInt = Field(8, ge=1, le=100_000)
     prompts: str = "tiny-python"
     max_new_tokens: StrictInt = Field(32, ge=1, le=100_000)
