@@ -297,6 +297,39 @@ def test_the_controller_on_a_step_trace_low_high_low() -> None:
     assert all(row["decision"] != "scale-down" for row in controller.log if row["time_s"] >= 160)
 
 
+def test_a_batch_step_that_raises_violations_is_undone_and_phase_3_holds_until_calm() -> None:
+    """A queue beyond capacity: violations keep rising whatever the batch. Phase 1 migrates once (its
+    bound), phase 2 has no replica on the source, phase 3 steps the batch down once; the next window is
+    worse, so that step is undone and the batch stays at 32, not walked down to 1. Calm again, a new
+    episode may step the batch down anew."""
+    from nodes.scaling.controller import ScalingController, Snapshot, Thresholds
+
+    memory = {"g0": GpuMemory(12 * GB), "g1": GpuMemory(8 * GB)}
+    controller = ScalingController(down.Instance(Placement.single(8, "g0"), 32), "g0", memory, GB, eq4(0.1),
+                                   Thresholds(max_migrations=1, calm_s=20.0))  # fmt: skip
+    busy = {"g0": 0.0, "g1": 0.1}  # no vacancy anywhere: no replica in between
+    rates = [0.2, 0.4, 0.6, 0.8, 0.9, 1.0, 1.0, 1.0]  # one per 10 s tick: the backlog grows
+    actions = [controller.tick(Snapshot(10.0 * i, busy, rate)) for i, rate in enumerate(rates)]
+    taken = [(a.kind, a.batch_size) for a in actions if a is not None]
+    assert taken == [("migrate", 0), ("reduce", 27), ("restore", 32)]
+    assert controller.instance.batch_size == 32 and controller.instance.offload == "none"
+    assert [row["decision"] for row in controller.log][2:] == [
+        "scale-down: the last batch step raised violations, undone"] + ["scale-down: batch held"] * 5
+    # the same steps with violations that fall after each batch step: the batch keeps going down
+    falling = ScalingController(down.Instance(Placement.single(8, "g0"), 32), "g0", memory, GB, eq4(0.1),
+                                Thresholds(max_migrations=1))  # fmt: skip
+    for i, rate in enumerate([0.5, 0.5, 0.4, 0.3, 0.2]):
+        falling.tick(Snapshot(10.0 * i, busy, rate))
+    assert falling.instance.batch_size == 12  # four steps after the migration
+    # calm (no violation for calm_s), then a new high load: phase 3 may step again
+    for t in (80.0, 90.0, 100.0):
+        controller.tick(Snapshot(t, {"g0": 0.0, "g1": 0.0}, 0.0))
+    assert not controller.batch_held
+    controller.tick(Snapshot(110.0, busy, 0.5))  # migrations reset by calm: phase 1 first
+    controller.tick(Snapshot(120.0, busy, 0.5))
+    assert controller.instance.batch_size == 27
+
+
 # -- memory budgets and out-of-memory ----------------------------------------------------------------
 
 

@@ -2,7 +2,11 @@
 at most one action on the instance it scales.
 
 - SLO violation rate over the window above T_down: the next step of Algorithm 2 (migrate, evict,
-  reduce the batch and offload).
+  reduce the batch and offload). Phase 3 is re-evaluated over the next window: when the violation
+  rate rose after a batch step, that step is undone and phase 3 holds until calm. A smaller batch
+  relieves memory, but where violations come from a queue (load beyond the instance's capacity) it
+  only serves fewer requests at once, and the paper's "until no violation" would step the batch down
+  to 1 while the backlog grows (seen on real ranks: 32 -> 1 in seven ticks under a 24 requests/s step).
 - Otherwise, once calm (no violation in the window, and no scale-down for ``calm_s``): first undo
   phase 3 (the batch back up by Δbs and the offloaded parts back, the weights before the KV) when the
   instance's own GPU has vacancy above T_up (a reduced batch that merely holds the SLO under high load
@@ -15,7 +19,7 @@ a 2 s period) with a 10 s cooldown, and a scale-up waits three cooldowns after a
 that load near the knee does not add and remove the same replica in turn.
 """
 
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from .placement import GpuMemory, Placement
 from .scale_down import OFFLOAD_LEVELS, Action, Instance, apply, next_action
@@ -49,6 +53,8 @@ class ScalingController(object):
         self.full_batch = instance.batch_size
         self.last_action_s: Optional[float] = None
         self.last_down_s: Optional[float] = None
+        self.reduced_at: Optional[float] = None  # the violation rate when phase 3 last stepped the batch down
+        self.batch_held = False  # a batch step made things worse: phase 3 rests until calm
         self.log: List[Dict[str, object]] = []  # every tick's decision, for the run's records
 
     def tick(self, snapshot: Snapshot) -> Optional[Action]:
@@ -61,10 +67,14 @@ class ScalingController(object):
             action = next_action(self.instance, self.source, self.memory, self.layer_bytes, self.predict,
                                  t.max_migrations, t.delta_batch)  # fmt: skip
             why = "scale-down" if action else "scale-down: nothing left"
+            if action is not None and action.kind == "reduce":
+                action, why = self._batch_step(action, snapshot.violation_rate)
             if action is not None:
                 self.last_down_s = snapshot.time_s
         elif snapshot.violation_rate == 0 and self._calm(snapshot.time_s):
-            self.instance = self.instance._replace(migrations=0)  # calm: the next violation starts a new episode
+            # calm: the next violation starts a new episode (migrations and batch steps anew)
+            self.instance = self.instance._replace(migrations=0)
+            self.reduced_at, self.batch_held = None, False
             spare = snapshot.vacancy.get(self.source, 0.0) > t.t_up  # phase 3 undone only with room to spare
             action = (self._restore() if spare else None) or self._replicate(snapshot)
             why = "scale-up" if action else "calm"
@@ -74,6 +84,17 @@ class ScalingController(object):
         self.log.append({"time_s": snapshot.time_s, "violation_rate": snapshot.violation_rate, "decision": why,
                          "action": action._asdict() if action else None})  # fmt: skip
         return action
+
+    def _batch_step(self, reduce: Action, violation_rate: float) -> Tuple[Optional[Action], str]:
+        """Phase 3's next batch step, unless the last one made violations worse: then that one undone
+        (the batch back up by Δbs, one offload level back) and phase 3 held until calm."""
+        if self.batch_held:
+            return None, "scale-down: batch held"
+        if self.reduced_at is not None and violation_rate > self.reduced_at:
+            self.batch_held = True
+            return self._restore(), "scale-down: the last batch step raised violations, undone"
+        self.reduced_at = violation_rate
+        return reduce, "scale-down"
 
     def _calm(self, now_s: float) -> bool:
         return self.last_down_s is None or now_s - self.last_down_s >= self.thresholds.calm_s
