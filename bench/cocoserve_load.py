@@ -43,8 +43,8 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 def run_instance(method: str, rate: float, gpus: int, clients: list[str], per_client: int, args: argparse.Namespace,
                  run_dir: Path) -> dict:  # fmt: skip
     """One instance on ``gpus`` GPU ranks serving ``clients`` (``rate`` requests/s over them all,
-    ``per_client`` requests each); its
-    requests (the target's seconds), monitor ticks, module operations and paced steps."""
+    ``per_client`` requests each): its requests (the target's seconds), monitor ticks, module
+    operations and paced steps."""
     from nodes.contracts.target_model import builtin
     from testbed.campaign.plan import dilated_schedule
     from testbed.campaign.results import read_requests, read_scaling, read_steps
