@@ -41,6 +41,17 @@ def summary(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
 
 
+def affine_fit(xs: list[float], ys: list[float]) -> dict[str, float]:
+    """Least squares y = intercept + slope x, with R^2 (1 when every y is the same)."""
+    import numpy as np
+
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    slope, intercept = np.polyfit(x, y, 1)
+    total = float(((y - y.mean()) ** 2).sum())
+    residual = float(((y - (intercept + slope * x)) ** 2).sum())
+    return {"intercept": float(intercept), "slope": float(slope), "r2": 1.0 - residual / total if total else 1.0}
+
+
 def write(name: str, payload: dict[str, Any]) -> Path:
     """``bench/results/NAME.json``, or NAME itself when it is a path ending in .json."""
     path = Path(name) if name.endswith(".json") else RESULTS / f"{name}.json"

@@ -36,11 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._common import affine_fit  # noqa: E402
 from bench.disco_gpu_premise import SHAPES, random_checkpoint  # noqa: E402
 
 RESTART = """
@@ -64,16 +63,6 @@ if device.startswith("cuda"):
 print(json.dumps({"import_s": imported - started, "cuda_init_s": cuda_ready - imported,
                   "load_s": loaded - cuda_ready, "first_step_s": time.time() - loaded}))
 """
-
-
-def affine(xs: list[float], ys: list[float]) -> dict[str, float]:
-    """Least squares y = intercept + slope x, with R^2."""
-    x, y = np.asarray(xs, float), np.asarray(ys, float)
-    slope, intercept = np.polyfit(x, y, 1)
-    residual = y - (intercept + slope * x)
-    total = float(((y - y.mean()) ** 2).sum())
-    return {"intercept": float(intercept), "slope": float(slope),
-            "r2": 1.0 - float((residual**2).sum()) / total if total else 1.0}  # fmt: skip
 
 
 def sync(device: str) -> None:
@@ -134,7 +123,7 @@ def copy_cost(shape: str, device: str, counts: list[int], staged_max: int, reps:
     for path in ("device", "staged"):
         mine = [r for r in rows if r["path"] == path]
         if len(mine) >= 2:
-            fit = affine([r["bytes"] for r in mine], [r["seconds"] for r in mine])
+            fit = affine_fit([r["bytes"] for r in mine], [r["seconds"] for r in mine])
             fits[path] = {"fixed_s": fit["intercept"], "gbps": 1e-9 / fit["slope"] if fit["slope"] > 0 else None,
                           "r2": fit["r2"]}  # fmt: skip
     del layer, tensors, staging
@@ -157,7 +146,7 @@ def restart_cost(checkpoint: Path, device: str, counts: list[int], reps: int, at
                 raise RuntimeError(f"restart of {k} layers failed: {done.stderr[-1500:]}")
             rows.append({"layers": k, "seconds": wall, **json.loads(done.stdout.strip().splitlines()[-1])})
     medians = {k: statistics.median(r["seconds"] for r in rows if r["layers"] == k) for k in counts}
-    fit = affine(list(medians), list(medians.values()))
+    fit = affine_fit(list(medians), list(medians.values()))
     return {"rows": rows, "median_s": medians, "fit": fit, "at_layers": at_layers,
             "extrapolated_s": fit["intercept"] + fit["slope"] * at_layers}  # fmt: skip
 
@@ -300,7 +289,7 @@ def nvml_duty(shape: str, device: str, shares: list[float], phase_s: float, peri
                                    if len(energy) >= 2 and energy[-1][0] > energy[0][0] else None)  # fmt: skip
         phase["samples"] = len(inside)
     util = [(p["busy_share"], p["gpu_util_pct"]) for p in phases if p["gpu_util_pct"] is not None]
-    fit = affine([u for u, _ in util], [g / 100 for _, g in util]) if len(util) >= 2 else None
+    fit = affine_fit([u for u, _ in util], [g / 100 for _, g in util]) if len(util) >= 2 else None
     source.close()
     return {"path": path, "decode_batch": batch, "context": context, "step_s_median": step_s,
             "period_s": period_s, "phase_s": phase_s, "phases": phases, "util_vs_busy_share": fit,

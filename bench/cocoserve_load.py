@@ -14,7 +14,7 @@ rates at the highest rate, and the SLO knees.
     python bench/cocoserve_load.py                                   # 3 methods x 4 rates
     python bench/cocoserve_load.py --methods static-batching,cocoserve --rates 8,32 --requests 60
     python bench/cocoserve_load.py --methods cocoserve --rates 1 --step-rates 4,40,4 --phase-s 20 \
-        --requests 1200 --out cocoserve_steps          # the step trace: the controller's actions in order
+        --requests 960 --out cocoserve_steps           # the step trace: the controller's actions in order
     python bench/cocoserve_load.py --fleets static-batching:2x1,static-batching:4x1,cocoserve:2x2 \
         --rates 8,48 --requests 160 --out cocoserve_fleets   # Fig. 10: instances of N GPUs each
 
@@ -25,6 +25,7 @@ without the emulated lab (no namespaces, no telemetry), to sweep quickly.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -57,9 +58,10 @@ def run_instance(method: str, rate: float, gpus: int, clients: list[str], per_cl
     spec = WorkloadSpec(arrival="poisson", rate_per_s=rate / len(clients),
                         requests_per_device=per_client, prompts="alpaca", output_lengths="alpaca",
                         max_new_tokens=256)  # fmt: skip
+    if args.step_rates:  # the step trace: each client's share of these rates (in all) in turn
+        steps = [[float(r) / len(clients), args.phase_s] for r in args.step_rates.split(",")]
+        spec = dataclasses.replace(spec, arrival="steps", rate_per_s=None, rate_steps=steps)
     schedules = build_schedules(spec, clients, seed=args.seed, model_dir=TINY)
-    if args.step_rates:  # the step trace: Poisson phases of these rates, the clients' rows retimed in turn
-        schedules = stepped(schedules, [float(r) for r in args.step_rates.split(",")], args.phase_s, args.seed)
     run_dir.mkdir(parents=True)
     paths = []
     for client in clients:
@@ -128,30 +130,6 @@ def run_one(method: str, rate: float, args: argparse.Namespace, work: Path, inst
     return row
 
 
-def stepped(schedules: dict, rates: list, phase_s: float, seed: int) -> dict:
-    """The clients' requests retimed as Poisson arrivals whose rate (in all) steps through ``rates``,
-    ``phase_s`` each (the target's seconds), dealt to the clients in turn; requests left over are
-    dropped, and a phase runs out of requests if there are too few."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    times, start = [], 0.0
-    for rate in rates:
-        t = start + rng.exponential(1.0 / rate)
-        while t < start + phase_s:
-            times.append(t)
-            t += rng.exponential(1.0 / rate)
-        start += phase_s
-    clients = sorted(schedules)
-    pools = {c: list(schedules[c]) for c in clients}
-    out: dict = {c: [] for c in clients}
-    for k, t in enumerate(times):
-        client = clients[k % len(clients)]
-        if pools[client]:
-            out[client].append(dict(pools[client].pop(0), arrival_s=t))
-    return out
-
-
 def write_fleets(rows: list, args: argparse.Namespace) -> None:
     """Fig. 10's comparisons per rate: each fleet's throughput and memory against the others'."""
     from bench._common import RESULTS, machine
@@ -193,7 +171,8 @@ def main() -> None:
     parser.add_argument("--cooldown-s", type=float, default=10.0, help="the controller's pause after an action")
     parser.add_argument("--seed", type=int, default=25)
     parser.add_argument("--out", default="cocoserve_load")
-    parser.add_argument("--step-rates", help="a step trace instead: these rates (in all) in turn, e.g. 4,40,4")
+    parser.add_argument("--step-rates", help="a step trace instead: these rates (in all) in turn, e.g. 4,40,4 "
+                        "(arrival: steps; the last step lasts until --requests are in)")
     parser.add_argument("--phase-s", type=float, default=20.0, help="each step's length, the target's seconds")
     parser.add_argument("--fleets", help="Fig. 10 instead: METHOD:NxG entries (N instances of G GPUs each), e.g. "
                         "static-batching:2x1,static-batching:4x1,cocoserve:2x2")

@@ -95,19 +95,9 @@ def copy_rows(settings: dict, netns: tuple[str, str] | None) -> list[dict]:
     return json.loads(Path(settings["out"]).read_text())
 
 
-def affine_fit(xs: list[float], seconds: list[float]) -> dict:
-    """seconds = intercept + slope x, with R^2."""
-    import numpy as np
-
-    x, y = np.asarray(xs, float), np.asarray(seconds, float)
-    slope, intercept = np.polyfit(x, y, 1)
-    r2 = 1 - float(((y - (intercept + slope * x)) ** 2).sum() / ((y - y.mean()) ** 2).sum())
-    return {"intercept": float(intercept), "slope": float(slope), "r2": r2}
-
-
 def shaped(settings: dict, rates_mbit: list[float]) -> dict:
     """Every layer count at every rate, the link between the two GPU nodes shaped (HTB, both ways)."""
-    from bench._common import emulated_lab
+    from bench._common import affine_fit, emulated_lab
     from netem.profile import DirectedLink, LinkProfile
     from testbed.emulation.plan import plan_emulation
     from testbed.links.apply import apply_plans, clear_nodes
@@ -152,7 +142,7 @@ def main() -> int:
     if args.ranks:
         ranks(json.loads(args.ranks))
         return 0
-    from bench._common import write
+    from bench._common import affine_fit, write
     from nodes.contracts.target_model import builtin
     from nodes.inference.checkpoint import load_part
 

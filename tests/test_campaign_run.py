@@ -184,10 +184,11 @@ def test_a_killed_device_worker_fails_its_run_and_the_next_run_proceeds(lab, tmp
     out = tmp_path / "out"
     controller = start_campaign(campaign, out)
     try:
-        wait_until_serving(out, lab, 0, controller)
+        killed_run = wait_until_serving(out, lab, 0, controller)
         pids = device_worker_pids(lab)
         assert len(pids) == 1, pids
         os.kill(pids[0], signal.SIGKILL)
+        finished_before_kill = served(orin_requests_file(lab, killed_run, 1))  # the dead worker writes no more
         assert controller.wait(timeout=WAIT_LIMIT_S) == 1  # a failed run: exit status 1
     finally:
         if controller.poll() is None:
@@ -208,7 +209,8 @@ def test_a_killed_device_worker_fails_its_run_and_the_next_run_proceeds(lab, tmp
     assert manifest["restore"]["links"]["orin"]["ok"] and manifest["restore"]["power"]["orin"]["ok"]
     requests = pd.read_parquet(out / "runs" / failed[1] / "requests.parquet")
     assert len(requests) == 5  # every scheduled request has a row
-    assert 1 <= requests.completed.sum() < 5  # what finished before the kill is kept
+    assert 1 <= finished_before_kill < 5
+    assert requests.completed.sum() == finished_before_kill  # exactly what finished before the kill is kept
     assert (out / "runs" / failed[1] / "telemetry" / "orin.parquet").exists()
     done = pd.read_parquet(out / "runs" / rows[1][1] / "requests.parquet")
     assert done.completed.all() and len(done) == 5

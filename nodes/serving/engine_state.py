@@ -127,7 +127,8 @@ class EngineState(object):
         return float(np.mean(spans)) if spans else 30.0  # before any completes: a long answer's time
 
     # -- one iteration -------------------------------------------------------------------------
-    def snapshot(self, now_s: float) -> Snapshot:
+    def snapshot(self, now_s: float, room_tokens: Optional[int] = None) -> Snapshot:
+        """What a scheduler decides on; ``room_tokens``: see :meth:`decide`."""
         rows = self.live
         for r in rows:
             r.shadow.advance(now_s - r.arrival_s)
@@ -141,7 +142,8 @@ class EngineState(object):
             return self.prefill_s(r.context_tokens) if r.state in (WAITING, DROPPED) else 0.0
 
         return Snapshot(
-            now_s=now_s, capacity_tokens=self.capacity_tokens, max_batch=self.max_batch,
+            now_s=now_s, capacity_tokens=self.capacity_tokens if room_tokens is None else room_tokens,
+            max_batch=self.max_batch,
             latency_s=self.latency_table, lookahead_s=self.lookahead_s(),
             running=column(lambda r: r.state == RUNNING, "bool"),
             need_tokens=column(lambda r: r.context_tokens + 1, "int64"),
@@ -157,8 +159,11 @@ class EngineState(object):
             preemptions_total=self.preemptions_total, admitted_total=self.admitted_total,
         )  # fmt: skip
 
-    def decide(self, now_s: float) -> Decision:
-        return self.decide_with(self.snapshot(now_s), self.settings)
+    def decide(self, now_s: float, room_tokens: Optional[int] = None) -> Decision:
+        """The scheduler's choice now. ``room_tokens``: the KV tokens it may place this iteration, when
+        less than the empty server's ``capacity_tokens`` (an engine whose memory also holds what moves
+        while it serves, as CoCoServe's GPUs hold layer copies); the capacity itself by default."""
+        return self.decide_with(self.snapshot(now_s, room_tokens), self.settings)
 
     def apply(self, decision: Decision, now_s: float) -> IterationPlan:
         """Preempt the running requests left out (swap while host memory holds them, else drop) and

@@ -226,13 +226,9 @@ class ScalingEngine(ServingEngine):
         layer is charged on every copy's GPU), so that what it admits never overflows a GPU."""
         if self.static or not self.budgets:
             return super()._decide(now_s)
-        empty = self.state.capacity_tokens
         running = sum(r.context_tokens for r in self.state.live if r.state == RUNNING)
-        self.state.capacity_tokens = min(empty, running + self._tokens_within(self._used_bytes(), UNBOUNDED_TOKENS))
-        try:
-            return super()._decide(now_s)
-        finally:
-            self.state.capacity_tokens = empty
+        room = running + self._tokens_within(self._used_bytes(), UNBOUNDED_TOKENS)
+        return self.state.decide(now_s, min(self.state.capacity_tokens, room))
 
     def _memory(self, used: Dict[str, int]) -> Dict[str, GpuMemory]:
         """Each GPU as the scaling algorithms see it: its budget, and what it holds besides layers
