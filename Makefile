@@ -7,7 +7,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-SYSTEM_PACKAGES := openssh-server iperf3 iproute2
+# iptables, libnetfilter-queue-dev and gcc (the NetfilterQueue build) and ethtool: the NFQUEUE delay path;
+# iputils-ping: link verify's round trips (ping -U).
+SYSTEM_PACKAGES := openssh-server iperf3 iproute2 iptables ethtool iputils-ping libnetfilter-queue-dev gcc
 PYTEST_ARGS ?=
 DEMO_OUT ?= demo-output
 # Network namespaces need root; without it the demo runs the emulated nodes as local processes.
@@ -15,9 +17,9 @@ EMULATE_MODE := $(if $(filter 0,$(shell id -u)),,--mode local)
 
 .PHONY: demo test lint bench system-packages venv clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt | system-packages
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[node,dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[node,dev,linkdelay]'
 	touch $@
 
 venv: $(STAMP)

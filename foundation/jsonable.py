@@ -1,4 +1,4 @@
-"""Results (dataclasses, NamedTuples from nodes/, tuples, paths) as JSON-ready values."""
+"""Results (dataclasses, NamedTuples from nodes/, pydantic models, tuples, paths) as JSON-ready values."""
 
 from __future__ import annotations
 
@@ -18,4 +18,6 @@ def jsonable(value: Any) -> Any:
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, Path):
         return str(value)
+    if hasattr(value, "model_dump") and not isinstance(value, type):  # a pydantic model (a link profile)
+        return value.model_dump(mode="json")
     return value

@@ -3,8 +3,10 @@ the commands that undo it.
 
 Egress shaping, on the sending node's data interface: an HTB root with our handle, one class per
 destination (u32 filter on the destination address), and under each class either a netem qdisc
-(when the profile asks for delay, jitter or loss) or a pfifo whose limit is derived from the
-bandwidth-delay product. Traffic to unshaped destinations bypasses HTB's classes.
+(when the profile asks for delay, jitter or loss and the plan's delay path is netem) or a pfifo whose
+limit is derived from the bandwidth-delay product. On the NFQUEUE delay path (kernels without
+sch_netem) the leaf stays a pfifo and :mod:`netem.nfqueue` adds the delay and loss. Traffic to
+unshaped destinations bypasses HTB's classes.
 
 Ingress shaping, for a direction whose sender cannot run tc (a phone): the receiver redirects the
 sender's packets from its data interface's ingress to an ifb device and shapes them there the same
@@ -87,14 +89,23 @@ class TcPlan:
     direction: str  # egress or ingress
     peers: tuple[ShapedPeer, ...]
     ifb: str | None = None  # the ifb device ingress shaping happens on
+    delay_path: str = "netem"  # netem (a leaf qdisc) or nfqueue (netem.nfqueue: iptables + a handler)
 
     @property
     def shaped_device(self) -> str:
         return self.ifb or self.interface
 
     @property
-    def needs_netem(self) -> bool:
-        return any(p.profile.needs_netem for p in self.peers)
+    def has_delay_or_loss(self) -> bool:
+        return any(p.profile.has_delay_or_loss for p in self.peers)
+
+    @property
+    def uses_netem(self) -> bool:
+        """Whether a peer's leaf is a netem qdisc (delay or loss, on the netem delay path)."""
+        return self.delay_path == "netem" and self.has_delay_or_loss
+
+    def leaf_kind(self, peer: ShapedPeer) -> str:
+        return "netem" if self.delay_path == "netem" and peer.profile.has_delay_or_loss else "pfifo"
 
     def apply_commands(self, *, ours_in_place: bool = False) -> list[list[str]]:
         """The commands that shape the interface. With ``ours_in_place`` (read back: our root qdisc,
@@ -123,7 +134,7 @@ class TcPlan:
             limit = str(queue_limit_packets(p.profile))
             leaf = (
                 ["netem", *netem_args(p.profile), "limit", limit]
-                if p.profile.needs_netem
+                if self.leaf_kind(p) == "netem"
                 else ["pfifo", "limit", limit]
             )
             commands.append(["tc", "qdisc", "replace", "dev", dev, "parent", classid, "handle", f"{p.minor:x}:", *leaf])

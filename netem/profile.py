@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, Field, StrictBool, StrictInt
 
 from foundation import units
 from foundation.user_fields import STRICT_MODEL_CONFIG, DurationS, Percent, RateBitS
@@ -19,7 +19,8 @@ class _Strict(BaseModel):
 
 
 class LinkProfile(_Strict):
-    """One direction of a link: rate, delay, jitter and loss, as tc/netem will apply them."""
+    """One direction of a link: rate, delay, jitter and loss. Delay and jitter are one way, applied
+    as the packet leaves the sender (or, for a phone, as it reaches the receiver)."""
 
     rate_bit_s: RateBitS | None = Field(None, alias="rate", ge=1e3, le=1e11)
     delay_s: DurationS | None = Field(None, alias="delay", le=10)
@@ -28,9 +29,13 @@ class LinkProfile(_Strict):
     loss_pct: Percent | None = Field(None, alias="loss")
     loss_correlation_pct: Percent | None = Field(None, alias="loss_correlation")
     queue_limit_packets: StrictInt | None = Field(None, ge=1, le=1_000_000)
+    # Whether jitter may reorder packets. On the NFQUEUE delay path release times stay in order
+    # unless this is set; netem's own jitter always reorders (its queue sorts by time to send).
+    reorder: StrictBool = False
 
     @property
-    def needs_netem(self) -> bool:
+    def has_delay_or_loss(self) -> bool:
+        """Whether the profile needs a delay path (netem, or NFQUEUE where the kernel lacks netem)."""
         return any(v for v in (self.delay_s, self.jitter_s, self.loss_pct))
 
     def describe(self) -> str:

@@ -195,7 +195,7 @@ def differences(plan: TcPlan, states: dict[str, InterfaceState]) -> list[str]:
                         f"{dev}: class {classid} (to {p.peer}) {what} is {got:.0f} bit/s, expected {want:.0f}"
                     )
         leaf = state.qdisc(f"{p.minor:x}:")
-        kind = "netem" if p.profile.needs_netem else "pfifo"
+        kind = plan.leaf_kind(p)
         if leaf is None or leaf.get("parent") != classid or leaf.get("kind") != kind:
             problems.append(f"{dev}: leaf qdisc {p.minor:x}: under {classid} should be {kind}, found {leaf}")
         elif (leaf.get("options") or {}).get("limit") != queue_limit_packets(p.profile):

@@ -4,7 +4,8 @@ a seeded generator of HAT-style WiFi traces, and the per-node schedules that rep
 ``up`` is a device's link to a server-role node, ``down`` the way back. ``delay_ms`` and
 ``loss_pct`` apply to each direction (one way). A trace starts with the row at ``t_s = 0``; that
 row is applied as the initial plan, the later rows are replayed on the node by
-``nodes/link_trace_player.py`` with ``tc class change`` (and ``tc qdisc change`` for netem).
+``nodes/link_trace_player.py`` with ``tc class change`` (and ``tc qdisc change`` for netem, or
+on the NFQUEUE delay path the node's delay handler plays the rows' delay and loss).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from foundation import units
 from foundation.errors import InputError, InputProblem, TestbedError
+from netem.nfqueue import NfqueueRules
 from netem.plan import HTB_HANDLE, TcPlan, burst_bytes, netem_args, quantum_bytes, queue_limit_packets
 from netem.profile import DirectedLink, LinkProfile
 from netem.topology import LinkTopology
@@ -50,7 +52,7 @@ class BandwidthTrace:
     steps: tuple[TraceStep, ...]
 
     @property
-    def needs_netem(self) -> bool:
+    def has_delay_or_loss(self) -> bool:
         return any(s.delay_s or s.loss_pct for s in self.steps)
 
     @property
@@ -191,9 +193,9 @@ def traced_links(
         rate_max = max(getattr(s, f"{column}_bit_s") for s in trace.steps)
         profile = LinkProfile.model_construct(
             rate_bit_s=getattr(first, f"{column}_bit_s"),
-            delay_s=(first.delay_s or 1e-6) if trace.needs_netem else None,
+            delay_s=(first.delay_s or 1e-6) if trace.has_delay_or_loss else None,
             jitter_s=None, distribution=None,
-            loss_pct=first.loss_pct, loss_correlation_pct=None,
+            loss_pct=first.loss_pct, loss_correlation_pct=None, reorder=False,
             # the queue is sized once, for the fastest row (the user's own limit, if given, wins)
             queue_limit_packets=queue_limit_packets(link.profile.model_copy(update={"rate_bit_s": rate_max})),
         )  # fmt: skip
@@ -219,7 +221,9 @@ class NodeSchedule:
 def schedules(
     plans: Sequence[TcPlan], driven: dict[tuple[str, str], tuple[BandwidthTrace, str]], sudo_words: Sequence[str]
 ) -> tuple[NodeSchedule, ...]:
-    """Per node, the ``tc class change`` commands for every trace row after the first."""
+    """Per node, the commands of every trace row after the first: ``tc class change`` for the rate,
+    and on the netem delay path ``tc qdisc change`` for delay and loss (on the NFQUEUE path the
+    delay handler plays both itself: :func:`delay_timelines`)."""
     out = []
     for node in dict.fromkeys(p.node for p in plans):
         timeline: dict[float, dict] = {}
@@ -240,7 +244,7 @@ def schedules(
                          "classid", classid, "htb", "rate", f"{round(rate)}bit", "ceil", f"{round(rate)}bit",
                          "burst", burst, "cburst", burst, "quantum", str(quantum_bytes(rate))]
                     )  # fmt: skip
-                    if peer.profile.needs_netem:
+                    if plan.leaf_kind(peer) == "netem":
                         netem = replace(peer, profile=peer.profile.model_copy(
                             update={"delay_s": s.delay_s or 1e-6, "loss_pct": s.loss_pct}))  # fmt: skip
                         step["commands"].append(
@@ -252,3 +256,19 @@ def schedules(
         if timeline:
             out.append(NodeSchedule(node, tuple(timeline[t] for t in sorted(timeline))))
     return tuple(out)
+
+
+def delay_timelines(
+    chains: Sequence[NfqueueRules], driven: dict[tuple[str, str], tuple[BandwidthTrace, str]]
+) -> dict[str, dict[int, list[list[float]]]]:
+    """Per node and NFQUEUE number, the ``[t_s, delay_s, loss_pct]`` rows after the first that the
+    node's delay handler plays (the NFQUEUE delay path; the rows' rates are the trace player's)."""
+    out: dict[str, dict[int, list[list[float]]]] = {}
+    for chain in chains:
+        for d in chain.directions:
+            if (d.sender, d.receiver) not in driven or d.queue_num is None:
+                continue
+            trace, _column = driven[(d.sender, d.receiver)]
+            rows = [[s.t_s, s.delay_s or 0.0, s.loss_pct or 0.0] for s in trace.steps[1:]]
+            out.setdefault(chain.node, {})[d.queue_num] = rows
+    return out

@@ -69,7 +69,7 @@ def test_default_inventory_is_an_emulated_server_and_three_device_models():
     assert [n.kind for n in inv.nodes].count("server") == 1
     devices = [n for n in inv.nodes if "device" in n.roles]
     assert len(devices) == 3 and len({n.model for n in devices}) == 3
-    assert not any(lk.profile.needs_netem for lk in inv.links), "the default must work without sch_netem"
+    assert not any(lk.profile.has_delay_or_loss for lk in inv.links), "the default must work without sch_netem"
 
 
 def test_lab_inventory_matches_hat_testbed():
@@ -91,7 +91,7 @@ def test_resolution_of_groups_links_and_ssh_defaults(tmp_path):
     assert set(pairs) == {("orin-1", "gpu"), ("phone", "gpu"), ("gpu", "orin-1"), ("gpu", "phone")}
     up = pairs[("orin-1", "gpu")].profile
     assert up.rate_bit_s == 40e6 and up.delay_s == pytest.approx(0.005) and up.loss_pct == pytest.approx(0.1)
-    assert up.needs_netem and not pairs[("gpu", "orin-1")].profile.needs_netem
+    assert up.has_delay_or_loss and not pairs[("gpu", "orin-1")].profile.has_delay_or_loss
     gpu = inv.ssh_target(inv.node("gpu"))
     assert (gpu.user, gpu.port, gpu.identity_file) == ("lab", 2222, "~/.ssh/id_ed25519")
     orin = inv.ssh_target(inv.node("orin-1"))

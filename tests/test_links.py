@@ -5,6 +5,7 @@ bandwidth traces replayed by the node-side player.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,12 +29,13 @@ from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
 
 PREFIX = "tw"
+LAB_DIRECTORY = "links-lab"  # the handlers' command lines name it (their scripts live in the lab's state)
 NODES = ("server", "orin", "xavier", "orin-nx")
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory):
-    directory = tmp_path_factory.mktemp("links")
+    directory = tmp_path_factory.mktemp(LAB_DIRECTORY)
     path = emulated_inventory(directory, PREFIX, 226)
     with emulated_lab(path):
         yield path
@@ -116,7 +119,48 @@ def test_reapplying_changes_in_place_and_removes_classes_no_longer_planned(lab, 
     assert qdiscs("server") == [{"kind": "noqueue", "handle": "0:", "root": True, "refcnt": 2, "options": {}}]
 
 
-def test_a_delay_profile_without_netem_is_refused_before_anything_changes(lab, tmp_path):
+@contextlib.contextmanager
+def delay_path_set(lab: Path, path: str) -> Iterator[Path]:
+    """The lab's inventory with ``defaults.delay_path: path`` for the block (the same lab: its state
+    directory knows the inventory by its path, so the file is edited in place and put back)."""
+    text = lab.read_text()
+    lab.write_text(text.replace("defaults:\n", f"defaults:\n  delay_path: {path}\n", 1))
+    try:
+        yield lab
+    finally:
+        lab.write_text(text)
+
+
+def mangle(node: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "exec", f"{PREFIX}-{node}", "iptables", "-w", "-t", "mangle", "-S"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return out.stdout.splitlines()
+
+
+def handler_pids() -> list[int]:
+    """Delay handlers of this lab's nodes (their command lines name the lab's state directory)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if proc.name.isdigit() and "link_delay_handler.py" in cmdline and f"/{LAB_DIRECTORY}" in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+DELAYED = """
+link_profiles:
+  lan: {rate: 40mbit, delay: 10ms}
+  lossy: {rate: 8mbit, delay: 5ms, loss: 10%}
+links:
+  - {from: orin, to: server, profile: lan, symmetric: true}
+  - {from: server, to: xavier, profile: lossy}
+"""
+
+
+def test_a_delay_profile_on_the_netem_path_without_netem_is_refused_before_anything_changes(lab, tmp_path):
     if os.path.isdir("/sys/module/sch_netem"):
         pytest.skip("this kernel has sch_netem: the refusal cannot happen here")
     before = {n: qdiscs(n) for n in NODES}
@@ -126,11 +170,61 @@ def test_a_delay_profile_without_netem_is_refused_before_anything_changes(lab, t
         "links:\n  - {from: orin, to: server, profile: lan}\n  - {from: server, to: xavier, profile: wan}\n"
         "  - {from: orin-nx, to: server, profile: wifi-up}\n",
     )
-    proc = run_cli("link", "apply", "-i", str(lab), "--links", str(f))
+    with delay_path_set(lab, "netem"):
+        proc = run_cli("link", "apply", "-i", str(lab), "--links", str(f))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "sch_netem" in proc.stderr and "orin:" in proc.stderr and "server:" in proc.stderr
     assert "orin-nx" not in proc.stderr  # its rate-only profile is fine; nothing is applied anyway
     assert {n: qdiscs(n) for n in NODES} == before and journals(lab) == []
+
+
+def test_delay_and_loss_take_the_nfqueue_path_on_the_receiver_and_verify_then_clear_leaves_nothing(lab, tmp_path):
+    """The NFQUEUE delay path: rules on each receiver, a handler there, RTT and one-way loss as
+    configured (ping -U, iperf3 UDP), TCP near the rate; a foreign rule survives the clear."""
+    before = {n: (qdiscs(n), mangle(n)) for n in NODES}
+    foreign = ["iptables", "-w", "-t", "mangle", "-A", "POSTROUTING", "-o", "data0", "-p", "udp", "-m", "udp",
+               "--dport", "9", "-j", "ACCEPT"]  # fmt: skip
+    subprocess.run(["ip", "netns", "exec", f"{PREFIX}-server", *foreign], check=True)
+    f = links_file(tmp_path, DELAYED)
+    with delay_path_set(lab, "nfqueue") as inventory:
+        try:
+            nfqueue_path_checks(inventory, f)
+        finally:
+            cleared = run_cli("link", "clear", "-i", str(inventory))
+    assert cleared.returncode == 0, cleared.stdout + cleared.stderr
+    assert handler_pids() == []
+    assert " ".join(foreign[4:]) in " ".join(mangle("server"))  # theirs stays
+    subprocess.run(["ip", "netns", "exec", f"{PREFIX}-server", *[w if w != "-A" else "-D" for w in foreign]],
+                   check=True)  # fmt: skip
+    assert {n: (qdiscs(n), mangle(n)) for n in NODES} == before
+    assert journals(lab) == []
+
+
+def nfqueue_path_checks(inventory: Path, f: Path) -> None:
+    """Applied through the CLI: where the rules and handlers are, and what verify measures."""
+    proc = run_cli("link", "apply", "-i", str(inventory), "--links", str(f), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    applied = json.loads(proc.stdout)["applied"]["outcomes"]
+    held = {(d["sender"], d["receiver"]): d["holder"] for o in applied for c in o["value"]["chains"]
+            for d in c["directions"]}  # fmt: skip
+    assert held == {("orin", "server"): "server", ("server", "orin"): "orin", ("server", "xavier"): "xavier"}
+    assert {p["delay_path"] for o in applied for p in o["value"]["plans"]} == {"nfqueue"}
+    server, xavier = mangle("server"), mangle("xavier")
+    assert "-A PREROUTING -i data0 -j TB-IN-data0" in server
+    assert f"-A TB-IN-data0 -s {data_address('orin')}/32 -j NFQUEUE --queue-num 8100 --queue-bypass" in server
+    drop = [r for r in xavier if "statistic" in r]
+    assert len(drop) == 1 and f"-s {data_address('server')}/32" in drop[0] and "0.1000000" in drop[0], xavier
+    assert len(handler_pids()) == 3  # server, orin and xavier each receive a delayed direction
+
+    inv = load_lab(inventory)
+    rows = {(r.source, r.destination): r for r in verify_links(inv, links_from_file(inv, f), duration_s=2)}
+    assert all(r.within_tolerance for r in rows.values()), rows
+    there_and_back = rows[("orin", "server")]
+    assert there_and_back.measured_rtt_ms == pytest.approx(20, abs=1.0), there_and_back
+    assert there_and_back.measured_rate_bit_s == pytest.approx(40e6, rel=0.10)
+    lossy = rows[("server", "xavier")]
+    assert lossy.loss_pct == pytest.approx(10, abs=3.5) and lossy.loss_packets >= 900, lossy
+    assert lossy.measured_rtt_ms == pytest.approx(5, abs=1.0), lossy  # the way back has no delay
 
 
 def test_the_interface_of_the_ssh_session_is_never_shaped(lab):

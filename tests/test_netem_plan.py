@@ -47,7 +47,7 @@ def lines(commands):
 
 def test_egress_plan_has_one_htb_class_per_destination_and_netem_only_where_asked(plans):
     server = plans[("s", "egress")]
-    assert server.interface == "eth1" and server.needs_netem
+    assert server.interface == "eth1" and server.uses_netem
     assert lines(server.apply_commands()) == [
         "tc qdisc replace dev eth1 root handle 1f7b: htb",
         "tc class replace dev eth1 parent 1f7b: classid 1f7b:1 htb rate 40000000bit ceil 40000000bit burst 25000b cburst 25000b quantum 50000",
@@ -60,7 +60,7 @@ def test_egress_plan_has_one_htb_class_per_destination_and_netem_only_where_aske
     assert lines(server.undo_commands()) == ["tc qdisc del dev eth1 root handle 1f7b: htb"]
     assert lines(server.apply_commands(ours_in_place=True)) == lines(server.apply_commands())[1:]
     device = plans[("d", "egress")]
-    assert not device.needs_netem
+    assert not device.uses_netem
     assert lines(device.apply_commands())[1] == (
         "tc class replace dev eth1 parent 1f7b: classid 1f7b:1 htb rate 40000000bit ceil 40000000bit burst 25000b cburst 25000b quantum 50000"
     )  # 5MBps is 40 mbit

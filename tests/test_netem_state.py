@@ -241,10 +241,10 @@ def test_a_links_file_is_checked_against_the_inventory_with_its_own_lines(invent
 def test_the_shipped_examples_load():
     inventory = load_inventory(REPO / "inventory.yaml")
     links = links_from_file(inventory, REPO / "examples" / "links" / "wifi-delay.yaml")
-    assert len(links) == 6 and all(lk.profile.needs_netem for lk in links)
+    assert len(links) == 6 and all(lk.profile.has_delay_or_loss for lk in links)
     for group in HAT_DISTANCE_GROUPS:
         trace = load_trace(REPO / "examples" / "traces" / f"hat-{group}.csv")
-        assert trace.duration_s > 100 and not trace.needs_netem
+        assert trace.duration_s > 100 and not trace.has_delay_or_loss
 
 
 def test_a_u32_filters_match_value_is_its_destination_address():

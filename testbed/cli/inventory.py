@@ -66,7 +66,7 @@ def inventory_show(
         out.print(groups)
     if inv.spec.link_profiles:
         profiles = Table(title="link profiles (one direction each)")
-        for column in ("profile", "rate", "delay", "jitter", "loss", "needs netem"):
+        for column in ("profile", "rate", "delay", "jitter", "loss", "needs a delay path"):
             profiles.add_column(column)
         for name, p in inv.spec.link_profiles.items():
             profiles.add_row(
@@ -75,7 +75,7 @@ def inventory_show(
                 format_duration(p.delay_s) if p.delay_s is not None else "",
                 format_duration(p.jitter_s) if p.jitter_s is not None else "",
                 f"{p.loss_pct:g}%" if p.loss_pct is not None else "",
-                "yes" if p.needs_netem else "no",
+                "yes" if p.has_delay_or_loss else "no",
             )
         out.print(profiles)
     if inv.links:

@@ -53,11 +53,14 @@ def link_apply(
     as_json: JsonOption = False,
 ) -> None:
     """Shape the inventory's links (default), or those of --links, --profile or --trace, as one
-    transaction: refuse up front, changing nothing, when a node lacks the data interface, when the
-    interface carries the SSH session, when a profile needs delay/jitter/loss and the kernel has no
-    sch_netem, or when a foreign qdisc is in the way (exit 2). Each node journals its interfaces
-    before the first tc command; tc is read back and compared with the plan; if any node fails,
-    every node is undone (exit 1). Applying again replaces the shaping in place."""
+    transaction. Rate is an HTB class on the sender. Delay, jitter and loss (one way each) take the
+    node's delay path: netem under the class where the kernel has sch_netem, else iptables NFQUEUE
+    rules on the receiver and a user-space delay handler there (defaults.delay_path: auto, netem or
+    nfqueue). Refuses up front, changing nothing, when a node lacks the data interface, when the
+    interface carries the SSH session, when no delay path can run, or when a foreign qdisc is in the
+    way (exit 2). Each node journals its interfaces, rules and handler before anything changes; tc
+    and iptables are read back and compared with the plan; if any node fails, every node is undone
+    (exit 1). Applying again replaces the shaping in place."""
     from netem.plan import queue_limit_packets
     from testbed.links.apply import apply_plans, apply_trace
     from testbed.links.plans import compile_plan
@@ -92,15 +95,19 @@ def link_apply(
         out.print_json(data=jsonable({"applied": result.applied, "trace": started}))
     else:
         table = Table(title="links shaped (read back and matching the plan)" if result.ok else "shaping failed")
-        for column in ("node", "device", "direction", "peer", "profile", "rate", "queue"):
+        for column in ("node", "device", "direction", "peer", "profile", "rate", "queue", "delay/loss"):
             table.add_column(column, overflow="fold")
+        held_on = {(d.sender, d.receiver): f"nfqueue on {d.holder}" for o in result.applied.outcomes if o.value
+                   for c in o.value.chains for d in c.directions}  # fmt: skip
         for o in result.applied.outcomes:
             for plan in o.value.plans if o.value else ():
                 for p in plan.peers:
+                    pair = (plan.node, p.peer) if plan.direction == "egress" else (p.peer, plan.node)
+                    path = held_on.get(pair, "netem") if p.profile.has_delay_or_loss else ""
                     table.add_row(
                         plan.node, plan.shaped_device, plan.direction, p.peer, p.profile_name,
                         format_rate(p.profile.rate_bit_s) if p.profile.rate_bit_s else "",
-                        f"{queue_limit_packets(p.profile)} packets",
+                        f"{queue_limit_packets(p.profile)} packets", path,
                     )  # fmt: skip
         out.print(table)
         if started is not None:
@@ -170,23 +177,34 @@ def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: Json
 def link_verify(
     inventory: InventoryOption = Path("inventory.yaml"),
     duration: Annotated[float, typer.Option("--duration", help="Seconds of iperf3 per direction.", min=1)] = 3.0,
+    links_file: Annotated[
+        Path | None,
+        typer.Option("--links", help="Verify the links of this YAML file (as given to 'link apply --links')."),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Measure every shaped direction of the inventory's links, one at a time: iperf3 from the
     source's data address to a server bound to the destination's data address (TCP goodput, first
-    second omitted), and ping RTT and loss where netem shapes delay or loss. Prints measured
-    against target; exits 0 when every direction is within tolerance (rate within 10%), else 1."""
+    second omitted); where a direction or its way back has delay, the round trip with ping -U (user
+    to user: it includes delay held on the receiver); where it has loss, its one-way loss over
+    iperf3 UDP datagrams. Prints measured against target; exits 0 when every direction is within
+    tolerance (rate within 10%, RTT within 1 ms + 10%, loss within 3 binomial deviations), else 1."""
     from testbed.links.verify import RATE_TOLERANCE, verify_links
 
     inv = load_lab(inventory)
-    if not inv.links:
-        raise TestbedError(f"{inventory} has no links to verify")
-    rows = verify_links(inv, duration_s=duration, say=_say)
+    links = inv.links
+    if links_file is not None:
+        from testbed.inventory import links_from_file
+
+        links = links_from_file(inv, links_file)
+    if not links:
+        raise TestbedError(f"{links_file or inventory} has no links to verify")
+    rows = verify_links(inv, links, duration_s=duration, say=_say)
     if as_json:
         out.print_json(data=jsonable(rows))
     else:
         table = Table(title=f"link verification (rate within {RATE_TOLERANCE:.0%})")
-        for column in ("from", "to", "profile", "target", "measured", "error", "RTT ms", "ok", "note"):
+        for column in ("from", "to", "profile", "target", "measured", "error", "RTT ms", "loss %", "ok", "note"):
             table.add_column(column, overflow="fold")
         for r in rows:
             table.add_row(
@@ -194,7 +212,8 @@ def link_verify(
                 format_rate(r.target_rate_bit_s) if r.target_rate_bit_s else "",
                 f"{r.measured_rate_bit_s / 1e6:.2f} mbit" if r.measured_rate_bit_s else "",
                 f"{r.rate_error_pct:+.1f}%" if r.rate_error_pct is not None else "",
-                f"{r.measured_rtt_ms:.2f}" if r.measured_rtt_ms is not None else "",
+                f"{r.measured_rtt_ms:.2f} of {r.target_rtt_ms:g}" if r.measured_rtt_ms is not None else "",
+                f"{r.loss_pct:.2f} of {r.target_loss_pct:g}" if r.loss_pct is not None else "",
                 "[green]yes[/]" if r.within_tolerance else "[red]no[/]", escape(r.note),
             )  # fmt: skip
         out.print(table)
@@ -204,9 +223,10 @@ def link_verify(
 
 @link_app.command("clear")
 def link_clear(inventory: InventoryOption = Path("inventory.yaml")) -> None:
-    """Undo all shaping from each node's own journal: stop the trace player, remove only our qdiscs
-    (handle 1f7b:, our ingress qdisc) and ifb devices, and check that each interface is back to
-    what it was before the first apply. Works after the controller was killed mid-apply. Safe to
+    """Undo all shaping from each node's own journal: stop the trace player and the delay handler,
+    remove only our qdiscs (handle 1f7b:, our ingress qdisc), ifb devices and iptables chains
+    (TB-IN-*, TB-EG-* and the jumps into them), and check that each interface is back to what it
+    was before the first apply. Works after the controller was killed mid-apply. Safe to
     run again; exits 1 if a node could not be cleared."""
     from testbed.links.apply import clear_nodes
 

@@ -31,9 +31,17 @@ NEIGHBOUR_TABLE_HARD = "net.ipv4.neigh.default.gc_thresh3"
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    return run_checked(["ip", *args], check=check)
+
+
+def run_checked(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run one of this machine's commands; a failure is the emulation host's (NodeError)."""
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    except FileNotFoundError:
+        raise NodeError(HOST, f"`{argv[0]}` is not installed (make system-packages installs it)") from None
     if check and proc.returncode != 0:
-        raise NodeError(HOST, f"`ip {' '.join(args)}` failed: {proc.stderr.strip() or proc.returncode}")
+        raise NodeError(HOST, f"`{' '.join(argv)}` failed: {proc.stderr.strip() or proc.returncode}")
     return proc
 
 
@@ -123,11 +131,20 @@ class HostChanges:
         ip("netns", "add", name)
         ip("-n", name, "link", "set", "lo", "up")
 
-    def veth_into(self, host_name: str, bridge: str, netns: str, inner_name: str, address: str, prefixlen: int) -> None:
-        """A veth pair: ``host_name`` on ``bridge``, ``inner_name`` with ``address`` inside ``netns``."""
+    def veth_into(
+        self, host_name: str, bridge: str, netns: str, inner_name: str, address: str, prefixlen: int,
+        *, per_packet: bool = False,
+    ) -> None:
+        """A veth pair: ``host_name`` on ``bridge``, ``inner_name`` with ``address`` inside ``netns``.
+        ``per_packet``: segmentation and receive offloads off at both ends, so that tc and the NFQUEUE
+        delay path see wire-sized packets, not 64 KB GSO bursts (needs ethtool)."""
         self._ours(host_name)
         self.journal.record("veth", host_name, netns=netns)
         ip("link", "add", host_name, "type", "veth", "peer", "name", inner_name, "netns", netns)
+        if per_packet:
+            offloads = ["tso", "off", "gso", "off", "gro", "off"]
+            run_checked(["ethtool", "-K", host_name, *offloads])
+            run_checked(["ip", "netns", "exec", netns, "ethtool", "-K", inner_name, *offloads])
         ip("link", "set", host_name, "master", bridge, "up")
         ip("-n", netns, "addr", "add", f"{address}/{prefixlen}", "dev", inner_name)
         ip("-n", netns, "link", "set", inner_name, "up")

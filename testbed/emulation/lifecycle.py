@@ -198,6 +198,7 @@ def _build_netns(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say)
             NODE_DATA_INTERFACE,
             node.data_address,
             plan.data_network.prefixlen,
+            per_packet=True,
         )
         initial = node.initial_power_mode
         group = changes.cgroup(node.cgroup, initial.cpus if initial else None)

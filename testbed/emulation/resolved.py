@@ -39,12 +39,13 @@ class NodeAccess:
 
 
 def source_digest(inventory: Inventory) -> str:
-    """A digest of what ``up`` builds from (nodes and emulation settings, not links or profiles)."""
+    """A digest of what ``up`` builds from (nodes and emulation settings, not links, profiles or the
+    delay path they take)."""
     spec = inventory.spec
     payload = {
         "nodes": [n.model_dump(mode="json") for n in spec.nodes],
         "emulation": spec.emulation.model_dump(mode="json", exclude={"instance"}),
-        "defaults": spec.defaults.model_dump(mode="json"),
+        "defaults": spec.defaults.model_dump(mode="json", exclude={"delay_path"}),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -117,9 +118,10 @@ def load_lab(path: str | Path) -> Inventory:
             f"{inventory.path} changed (nodes, defaults or emulation) since `testbed emulate up`; "
             f"run `testbed emulate down -i {inventory.path}` and `up` again"
         )
-    # Groups, profiles and links are not built into the testbed: the user's file is the truth for
-    # them even when edited after `up`.
+    # Groups, profiles, links and their delay path are not built into the testbed: the user's file is
+    # the truth for them even when edited after `up`.
     shaping = {k: getattr(inventory.spec, k) for k in ("groups", "link_profiles", "links")}
+    shaping["defaults"] = running.spec.defaults.model_copy(update={"delay_path": inventory.spec.defaults.delay_path})
     return dataclasses.replace(
         running, spec=running.spec.model_copy(update=shaping), groups=inventory.groups, links=inventory.links
     )

@@ -84,6 +84,9 @@ class Defaults(_Strict):
     workdir: SafePath = "~/hil-testbed"
     venv: SafePath | None = None  # the per-node virtual environment of `testbed provision`; <workdir>/venv
     registry_access: StrictBool = True  # False: nodes get a wheelhouse from the controller instead of PyPI
+    # How delay, jitter and loss are applied: netem (a tc qdisc), nfqueue (iptables and a user-space
+    # handler, for kernels without sch_netem), or auto (netem where the node's kernel has it).
+    delay_path: Literal["auto", "netem", "nfqueue"] = "auto"
 
     @property
     def venv_path(self) -> str:

@@ -1,34 +1,38 @@
 """Applying tc plans to nodes as one transaction, reading them back, and undoing them.
 
 ``apply_plans`` first probes every node it will touch (reachable, data interface present, not the
-interface of the SSH session, sch_netem present where a profile needs it, no foreign qdiscs in the
-way) and refuses, changing nothing, when any problem is found. Then, on each node: the journal is
-written (snapshot of the interfaces before the first apply), the plan's commands run with sudo,
-and tc is read back and compared with the plan. When any node fails, every node already touched
-is undone. ``clear_nodes`` undoes from the nodes' journals alone, so it also works after the
-controller was killed.
+interface of the SSH session, a delay path where a profile has delay, jitter or loss, no foreign
+qdiscs in the way) and refuses, changing nothing, when any problem is found. The delay path is
+chosen per node from the probe (``defaults.delay_path``; auto: netem where the kernel has it, else
+the NFQUEUE path of :mod:`netem.nfqueue`). Then, on each node: the journal is written (snapshot of
+the interfaces before the first apply, the iptables chains and the delay handler about to exist),
+the plan's commands run with sudo, the delay handler starts, and tc and iptables are read back and
+compared with the plan. When any node fails, every node already touched is undone. ``clear_nodes``
+undoes from the nodes' journals alone, so it also works after the controller was killed.
 
-One concept, the tc transaction on the nodes (probe, refuse, journal, apply, read back, undo),
-over ~430 lines.
+One concept, the link transaction on the nodes (probe, refuse, journal, apply, read back, undo).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
+import shlex
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from foundation.errors import NodeError, TestbedError
+from netem import nfqueue
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan
 from netem.tc_state import InterfaceState, differences, parse_read, read_script, split_sections
-from netem.trace import BandwidthTrace, NodeSchedule, schedules
+from netem.trace import BandwidthTrace, NodeSchedule, delay_timelines, schedules
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
 from testbed.links.node_journal import DeviceSnapshot, LinkJournal
-from testbed.links.plans import compile_plan, traced_links
+from testbed.links.plans import compile_plan, link_topology, traced_links
 from testbed.transport import Transport, open_transport
 from testbed.transport.base import prefix_words, quote_path
 from testbed.transport.fanout import FanOutResult, NodeOutcome, fan_out
@@ -44,6 +48,26 @@ NETEM_PROBE = (
 )
 
 
+def nfqueue_probe(python: str) -> str:
+    """sh that prints ``ready`` when the NFQUEUE delay path can run on the node, else ``missing:``
+    and what is missing (iptables, the kernel's nfnetlink_queue, the Python binding)."""
+    py = shlex.quote(python)
+    return (
+        "why=''; command -v iptables >/dev/null 2>&1 || why=\"$why iptables\"; "
+        "{ [ -e /proc/net/netfilter/nfnetlink_queue ] || [ -d /sys/module/nfnetlink_queue ] "
+        "|| grep -qs /nfnetlink_queue.ko \"/lib/modules/$(uname -r)/modules.builtin\" "
+        "|| modprobe -n -q nfnetlink_queue 2>/dev/null; } || why=\"$why nfnetlink_queue\"; "
+        f"{py} -c 'import netfilterqueue' 2>/dev/null || why=\"$why python-netfilterqueue\"; "
+        'if [ -z "$why" ]; then echo ready; else echo "missing:$why"; fi'
+    )
+
+
+def iptables_read_script(sudo_words: Sequence[str]) -> str:
+    """sh that prints our table's rules (``iptables -S``), empty where iptables is not installed."""
+    words = shlex.join([*sudo_words, "iptables", "-w", "-t", nfqueue.TABLE, "-S"])
+    return f"command -v iptables >/dev/null 2>&1 && {words} 2>/dev/null; true"
+
+
 @dataclass(frozen=True)
 class NodeProbe:
     """What one node looks like before we touch it."""
@@ -54,6 +78,15 @@ class NodeProbe:
     netem: str  # loaded, builtin, module or missing
     journal: LinkJournal | None
     states: dict[str, InterfaceState]
+    nfqueue: str = "missing: not probed"  # ready, or what the NFQUEUE delay path lacks
+    iptables: str = ""  # iptables -t mangle -S
+
+    def delay_path(self, preference: str) -> str:
+        """The delay path of the classes this node shapes (``defaults.delay_path``): netem where asked,
+        or asked for auto and the kernel has sch_netem, else nfqueue."""
+        if preference == "netem" or (preference == "auto" and self.netem != "missing"):
+            return "netem"
+        return "nfqueue"
 
 
 def _interface_of(addr_json: str, address: str | None) -> str | None:
@@ -74,21 +107,27 @@ def _interface_of(addr_json: str, address: str | None) -> str | None:
     return None
 
 
-def probe_script(devices: Sequence[str], workdir: str) -> str:
+def probe_script(devices: Sequence[str], workdir: str, python: str = "python3", sudo_words: Sequence[str] = ()) -> str:
     """sh that reads, in sections, everything :func:`refusals` and the apply need to know of a node."""
     return "\n".join(
         [
             'echo "#### ssh"; echo "${SSH_CONNECTION:-}"',
             'echo "#### addr"; ip -j addr show 2>/dev/null || echo "[]"',
             f'echo "#### netem"; {NETEM_PROBE}',
+            f'echo "#### nfqueue"; {nfqueue_probe(python)}',
+            f'echo "#### iptables"; {iptables_read_script(sudo_words)}',
             node_journal.read_script(workdir),
             read_script(devices),
         ]
     )
 
 
-def probe_node(transport: Transport, node: NodeSpec, devices: Sequence[str], workdir: str) -> NodeProbe:
-    output = transport.run_script(probe_script(devices, workdir), timeout_s=30.0).check().stdout
+def probe_node(
+    transport: Transport, node: NodeSpec, devices: Sequence[str], workdir: str, python: str = "python3"
+) -> NodeProbe:
+    sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
+    script = probe_script(devices, workdir, python, sudo_words)
+    output = transport.run_script(script, timeout_s=30.0).check().stdout
     sections = split_sections(output)
     ssh = sections.get("ssh", "").split()
     addr_json = sections.get("addr", "")
@@ -103,6 +142,8 @@ def probe_node(transport: Transport, node: NodeSpec, devices: Sequence[str], wor
         netem=sections.get("netem", "").strip() or "missing",
         journal=journal,
         states=parse_read(output),
+        nfqueue=sections.get("nfqueue", "").strip() or "missing: not probed",
+        iptables=sections.get("iptables", ""),
     )
 
 
@@ -134,8 +175,11 @@ def refusals(probe: NodeProbe, plans: Sequence[TcPlan]) -> list[str]:
                     f"{where} carries the node's {what}: shaping it could cut the controller off; "
                     "give the node a separate data interface"
                 )
-        if p.needs_netem and probe.netem == "missing":
-            problems.append(f"{where}: the profile needs delay, jitter or loss, but the kernel has no sch_netem module")
+        if p.has_delay_or_loss and p.delay_path == "netem" and probe.netem == "missing":
+            problems.append(
+                f"{where}: a profile has delay, jitter or loss and defaults.delay_path is netem, but the kernel "
+                "has no sch_netem; set delay_path to auto (the NFQUEUE path) or drop delay/jitter/loss"
+            )
         root = state.root_qdisc
         if root is not None and root.get("handle") not in ("0:", f"{HTB_HANDLE}:") and not p.ifb:
             problems.append(
@@ -153,7 +197,51 @@ def refusals(probe: NodeProbe, plans: Sequence[TcPlan]) -> list[str]:
     return problems
 
 
-def _journal_for(probe: NodeProbe, plans: Sequence[TcPlan]) -> LinkJournal:
+def chain_refusals(probe: NodeProbe, chains: Sequence[nfqueue.NfqueueRules]) -> list[str]:
+    """Why this node cannot hold the NFQUEUE chains of the directions it receives (empty: go ahead)."""
+    if not chains or probe.nfqueue == "ready":
+        return []
+    directions = ", ".join(f"{d.sender} -> {d.receiver}" for c in chains for d in c.directions)
+    return [
+        f"{probe.node}: the NFQUEUE delay path is not ready ({probe.nfqueue}) for {directions} (the kernel has no "
+        "sch_netem); install iptables and the NetfilterQueue Python package (it needs libnetfilter-queue), or "
+        "drop delay/jitter/loss from the profile"
+    ]
+
+
+def assign_delay_paths(
+    plans: Sequence[TcPlan], probes: Mapping[str, NodeProbe], preference: str
+) -> tuple[TcPlan, ...]:
+    """The plans, each on its node's delay path (:meth:`NodeProbe.delay_path`)."""
+    out = []
+    for p in plans:
+        probe = probes.get(p.node)
+        path = probe.delay_path(preference) if probe is not None else "netem"
+        out.append(dataclasses.replace(p, delay_path=path))
+    return tuple(out)
+
+
+def chains_by_node(chains: Sequence[nfqueue.NfqueueRules]) -> dict[str, tuple[nfqueue.NfqueueRules, ...]]:
+    by_node: dict[str, list[nfqueue.NfqueueRules]] = {}
+    for c in chains:
+        by_node.setdefault(c.node, []).append(c)
+    return {name: tuple(cs) for name, cs in by_node.items()}
+
+
+def handler_files(directory: str) -> dict[str, str]:
+    """Where the delay handler's script, config, pidfile, log and stats live on the node."""
+    return {
+        "script": f"{directory}/link_delay_handler.py",
+        "config": f"{directory}/delay-handler.json",
+        "pidfile": f"{directory}/delay-handler.pid",
+        "log": f"{directory}/delay-handler.log",
+        "stats": f"{directory}/delay-handler.jsonl",
+    }
+
+
+def _journal_for(
+    probe: NodeProbe, plans: Sequence[TcPlan], chains: Sequence[nfqueue.NfqueueRules], handler_pidfile: str | None
+) -> LinkJournal:
     devices = {}
     for dev in plan_devices(plans):
         state = probe.states.get(dev)
@@ -163,6 +251,8 @@ def _journal_for(probe: NodeProbe, plans: Sequence[TcPlan]) -> LinkJournal:
         devices=devices,
         ingress_on=tuple(p.interface for p in plans if p.ifb),
         ifbs=tuple(p.ifb for p in plans if p.ifb),
+        chains=tuple((c.interface, c.hook_side) for c in chains),
+        handler_pidfile=handler_pidfile if any(c.queues for c in chains) else None,
         extra={"written_unix_s": round(time.time(), 3), "by": "testbed link apply"},
     )
     return probe.journal.merged_with(new) if probe.journal else new
@@ -199,6 +289,23 @@ def commands_for(plan: TcPlan, states: dict[str, InterfaceState]) -> list[list[s
     return commands + plan.apply_commands(ours_in_place=ours)
 
 
+def iptables_commands_for(chains: Sequence[nfqueue.NfqueueRules], probe: NodeProbe) -> list[list[str]]:
+    """The iptables commands of a node's chains, given what its mangle table holds now: our chains
+    are flushed and refilled in place, chains of an earlier apply that are no longer planned go."""
+    planned = {(c.interface, c.hook_side) for c in chains}
+    listing = probe.iptables
+    commands: list[list[str]] = []
+    stale = [c for c in (probe.journal.chains if probe.journal else ()) if c not in planned]
+    if stale:
+        commands += LinkJournal(devices={}, chains=tuple(stale)).chain_undo_commands(listing)
+    present = nfqueue.chains_in(listing)
+    for c in chains:
+        commands += c.apply_commands(
+            chain_exists=c.chain in present, jump_exists=nfqueue.has_jump(listing, c.interface, c.hook_side)
+        )
+    return commands
+
+
 @dataclass(frozen=True)
 class NodeApplied:
     node: str
@@ -206,36 +313,104 @@ class NodeApplied:
     commands: int
     states: dict[str, InterfaceState]
     changed: bool = True  # False: the node already held the plans (ours, read back), nothing was sent
+    chains: tuple[nfqueue.NfqueueRules, ...] = ()  # the NFQUEUE delay path's chains it holds
 
 
-def holds_plans(probe: NodeProbe, plans: Sequence[TcPlan]) -> bool:
+def holds_plans(probe: NodeProbe, plans: Sequence[TcPlan], chains: Sequence[nfqueue.NfqueueRules] = ()) -> bool:
     """Whether the node already holds ``plans`` as our shaping, exactly as read when probing, with no
-    trace player running: then applying them would change nothing. (Netem's delay and loss are not
-    compared, so a plan that needs netem is always applied.)"""
-    if probe.journal is None or probe.journal.trace_pidfile or any(p.needs_netem for p in plans):
+    trace player running: then applying them would change nothing. (Delay and loss are not compared,
+    so a plan that has them is always applied, and its delay handler restarted.)"""
+    if probe.journal is None or probe.journal.trace_pidfile or any(p.has_delay_or_loss for p in plans) or chains:
         return False
+    if probe.journal.chains and probe.journal.chain_undo_commands(probe.iptables):
+        return False  # an earlier apply's NFQUEUE chains are still there
     return not any(differences(p, probe.states) for p in plans)
 
 
-def apply_on_node(transport: Transport, probe: NodeProbe, plans: Sequence[TcPlan], workdir: str) -> NodeApplied:
-    """Journal first, then the commands, then read back and compare. Raises :class:`NodeError`
-    naming the interface and the difference when the read-back does not match. A node that already
-    holds the plans is left alone (its journal keeps the snapshot from before the first apply)."""
-    if holds_plans(probe, plans):
+def node_directory(transport: Transport, workdir: str) -> str:
+    """The journal's directory on the node, as an absolute path (argv words are not expanded by a
+    shell, so what a detached process is given must be absolute)."""
+    return transport.run_script("echo " + quote_path(node_journal.journal_dir(workdir))).check().stdout.strip()
+
+
+HANDLER_SOURCE = Path(__file__).resolve().parents[2] / "nodes" / "link_delay_handler.py"
+HANDLER_READY_S = 10.0
+
+
+def start_delay_handler(transport: Transport, directory: str, python: str, config: dict) -> None:
+    """Store the handler and its config, start it detached (with sudo: binding a queue needs
+    CAP_NET_ADMIN) and wait until it says every queue is bound."""
+    files = handler_files(directory)
+    node_journal.store(transport, files["script"], HANDLER_SOURCE.read_bytes())
+    node_journal.store(transport, files["config"], json.dumps(config).encode())
+    transport.run_script(f"rm -f {quote_path(files['stats'])}", sudo=True).check()  # one log per handler
+    transport.start_background(
+        [python, files["script"], files["config"], files["stats"]],
+        pidfile=files["pidfile"], logfile=files["log"], sudo=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + HANDLER_READY_S
+    check = (
+        f"grep -qs '\"event\": \"ready\"' {quote_path(files['stats'])} && echo ready; "
+        f"kill -0 \"$(cat {quote_path(files['pidfile'])})\" 2>/dev/null || echo gone; "
+        f"tail -n 5 {quote_path(files['log'])} 2>/dev/null"
+    )
+    while True:
+        lines = transport.run_script(check, sudo=True).stdout.splitlines()
+        if lines[:1] == ["ready"]:
+            return
+        if "gone" in lines[:2] or time.monotonic() > deadline:
+            detail = " | ".join(line for line in lines if line not in ("gone", "ready")) or "no output"
+            raise NodeError(transport.node, f"the NFQUEUE delay handler did not bind its queues: {detail}")
+        time.sleep(0.1)
+
+
+def retime_delay_handler(
+    transport: Transport, directory: str, start_unix_s: float, timelines: Mapping[int, list]
+) -> None:
+    """Give the running delay handler a trace's delay rows per queue, reckoned from ``start_unix_s``
+    (its config is rewritten, then SIGHUP makes it read the rows again)."""
+    files = handler_files(directory)
+    config = json.loads(transport.run_script(f"cat {quote_path(files['config'])}", sudo=True).check().stdout)
+    config["start_unix_s"] = start_unix_s
+    for queue in config["queues"]:
+        queue["timeline"] = timelines.get(queue["queue_num"], [])
+    node_journal.store(transport, files["config"], json.dumps(config).encode())
+    transport.run_script(f"kill -HUP \"$(cat {quote_path(files['pidfile'])})\"", sudo=True).check()
+
+
+def apply_on_node(
+    transport: Transport, probe: NodeProbe, plans: Sequence[TcPlan], workdir: str, *,
+    chains: Sequence[nfqueue.NfqueueRules] = (), python: str = "python3", seed: int = 0,
+) -> NodeApplied:
+    """Journal first, then the commands, then the delay handler, then read back and compare.
+    Raises :class:`NodeError` naming the interface and the difference when the read-back does not
+    match. A node that already holds the plans is left alone (its journal keeps the snapshot from
+    before the first apply)."""
+    if holds_plans(probe, plans, chains):
         return NodeApplied(probe.node, tuple(plans), 0, probe.states, changed=False)
-    journal = _journal_for(probe, plans)
+    directory = node_directory(transport, workdir)
+    files = handler_files(directory)
+    journal = _journal_for(probe, plans, chains, files["pidfile"])
     if journal.trace_pidfile:  # a trace still playing would overwrite the new rates
         transport.stop_background(journal.trace_pidfile, sudo=True)
         journal = journal.with_trace(None)
-    commands = [c for p in plans for c in commands_for(p, probe.states)]
+    if probe.journal is not None and probe.journal.handler_pidfile:  # the new config starts a new one
+        transport.stop_background(probe.journal.handler_pidfile, sudo=True)
+    commands = [c for p in plans for c in commands_for(p, probe.states)] + iptables_commands_for(chains, probe)
     sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
-    node_journal.write(transport, workdir, journal)
+    node_journal.write(transport, workdir, journal)  # names the chains and the handler before they exist
     transport.run_script(node_journal.commands_script(commands, sudo_words), timeout_s=60.0).check()
+    if any(c.queues for c in chains):
+        config = nfqueue.handler_config(chains, seed=seed)
+        start_delay_handler(transport, directory, python, config)
     states = read_states(transport, plan_devices(plans))
     problems = [d for p in plans for d in differences(p, states)]
+    if chains:
+        listing = transport.run_script(iptables_read_script(sudo_words), timeout_s=30.0).check().stdout
+        problems += [d for c in chains for d in nfqueue.rule_differences(c, listing)]
     if problems:
         raise NodeError(probe.node, "read-back differs from the plan: " + "; ".join(problems))
-    return NodeApplied(probe.node, tuple(plans), len(commands), states)
+    return NodeApplied(probe.node, tuple(plans), len(commands), states, chains=tuple(chains))
 
 
 @dataclass(frozen=True)
@@ -248,23 +423,31 @@ class NodeCleared:
 
 
 def clear_on_node(transport: Transport, node: str, workdir: str) -> NodeCleared:
-    """Undo from the node's journal: stop the trace player, remove what we own, compare with the
-    snapshot, then drop the journal."""
+    """Undo from the node's journal: stop the trace player and the delay handler, remove what we own
+    (qdiscs, ifbs, iptables chains), compare with the snapshot, then drop the journal."""
     journal = node_journal.read(transport, workdir)
     if journal is None:
         return NodeCleared(node, False, 0, None, ())
     stopped = None
     if journal.trace_pidfile:
         stopped = transport.stop_background(journal.trace_pidfile, sudo=True)
+    if journal.handler_pidfile:
+        transport.stop_background(journal.handler_pidfile, sudo=True)
     devices = list(dict.fromkeys([*journal.devices, *journal.ingress_on, *journal.ifbs]))
+    sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
+
+    def read_listing() -> str:
+        if not journal.chains:
+            return ""
+        return transport.run_script(iptables_read_script(sudo_words), timeout_s=30.0).check().stdout
+
     states = read_states(transport, devices)
-    commands = journal.undo_commands(states)
+    commands = journal.chain_undo_commands(read_listing()) + journal.undo_commands(states)
     if commands:
-        sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
         transport.run_script(node_journal.commands_script(commands, sudo_words), timeout_s=60.0).check()
-    after = read_states(transport, devices)
-    leftovers = journal.snapshot_differences(after)
-    still_ours = journal.undo_commands(after)
+    after, listing = read_states(transport, devices), read_listing()
+    leftovers = journal.snapshot_differences(after, listing)
+    still_ours = journal.undo_commands(after) + journal.chain_undo_commands(listing)
     if still_ours:
         raise NodeError(node, "after undo, still ours: " + "; ".join(" ".join(c) for c in still_ours))
     transport.run_script(node_journal.remove_script(workdir), timeout_s=30.0).check()
@@ -292,14 +475,20 @@ def plans_by_node(plans: Sequence[TcPlan]) -> dict[str, list[TcPlan]]:
     return by_node
 
 
-def probe_nodes(inventory: Inventory, plans: Sequence[TcPlan]) -> FanOutResult[NodeProbe]:
+def probe_nodes(
+    inventory: Inventory, plans: Sequence[TcPlan], also: Sequence[str] = ()
+) -> FanOutResult[NodeProbe]:
+    """Probe the nodes of ``plans`` (reading their plans' devices) and the nodes ``also`` (chain
+    holders without a tc plan: their journal, kernel and iptables)."""
     by_node = plans_by_node(plans)
+    names = list(dict.fromkeys([*by_node, *also]))
 
     def probe(name: str) -> NodeProbe:
         with open_transport(inventory, inventory.node(name)) as t:
-            return probe_node(t, inventory.node(name), plan_devices(by_node[name]), _workdir(inventory))
+            node, devices = inventory.node(name), plan_devices(by_node.get(name, []))
+            return probe_node(t, node, devices, _workdir(inventory), inventory.spec.defaults.python)
 
-    return fan_out(list(by_node), probe, description="probing interfaces")
+    return fan_out(names, probe, description="probing interfaces")
 
 
 def apply_plans(
@@ -308,26 +497,43 @@ def apply_plans(
     *,
     say: Say = lambda _: None,
     probes: Mapping[str, NodeProbe] | None = None,
+    seed: int = 0,
+    traced: Collection[tuple[str, str]] = (),
 ) -> ApplyResult:
     """Apply all plans or none: refuse up front (TestbedError, nothing changed) when a node is
     unfit; when applying fails on any node, undo every node (NodeError outcomes say why). Nodes
     that carry shaping from an earlier apply but have no plan now are cleared, so what is shaped
     afterwards is exactly the plans. ``probes``: what a run plan read from the nodes moments before
-    (its tc commands were reconciled against them); nodes without one are probed now."""
+    (its tc commands were reconciled against them); nodes without one are probed now. Each plan
+    goes on its node's delay path; ``seed`` seeds the NFQUEUE handlers' jitter and loss draws;
+    ``traced``: the (sender, receiver) pairs a trace drives (their handlers draw the rows' loss)."""
     by_node = plans_by_node(plans)
     probe_of = {name: probe for name, probe in (probes or {}).items() if name in by_node}
-    missing = [p for p in plans if p.node not in probe_of]
-    if missing:
-        fresh = probe_nodes(inventory, missing)
+
+    def probe_more(missing: Sequence[TcPlan], also: Sequence[str] = ()) -> None:
+        fresh = probe_nodes(inventory, missing, also)
         if not fresh.ok:
             failed = "; ".join(f"{o.node}: {o.error}" for o in fresh.failed)
             raise NodeError("probe", f"cannot reach every node to shape, nothing changed: {failed}")
         probe_of.update(fresh.values())
-    found = [r for name, probe in probe_of.items() for r in refusals(probe, by_node[name])]
+
+    missing = [p for p in plans if p.node not in probe_of]
+    if missing:
+        probe_more(missing)
+    plans = assign_delay_paths(plans, probe_of, inventory.spec.defaults.delay_path)
+    by_node = plans_by_node(plans)
+    chains = chains_by_node(nfqueue.compile_chains(link_topology(inventory), plans, traced))
+    holders = [name for name in chains if name not in probe_of]
+    if holders:  # receivers that shape nothing themselves hold the rules of what they receive
+        probe_more([], [name for name in holders if name not in (probes or {})])
+        probe_of.update({name: (probes or {})[name] for name in holders if name in (probes or {})})
+    found = [r for name, probe in probe_of.items() for r in refusals(probe, by_node.get(name, []))]
+    found += [r for name, cs in chains.items() for r in chain_refusals(probe_of[name], cs)]
     if found:
         raise TestbedError("refusing to shape links, nothing was changed:\n  " + "\n  ".join(found))
+    touched = list(dict.fromkeys([*by_node, *chains]))
     # The plans say what is shaped: nodes shaped earlier that have no plan now are cleared.
-    others = [n for n in shapeable_nodes(inventory) if n not in by_node]
+    others = [n for n in shapeable_nodes(inventory) if n not in touched]
     for o in clear_nodes(inventory, others).outcomes:
         if not o.ok:
             say(f"{o.node}: could not clear its earlier shaping: {o.error}")
@@ -336,13 +542,16 @@ def apply_plans(
 
     def apply(name: str) -> NodeApplied:
         with open_transport(inventory, inventory.node(name)) as t:
-            return apply_on_node(t, probe_of[name], by_node[name], _workdir(inventory))
+            return apply_on_node(
+                t, probe_of[name], by_node.get(name, []), _workdir(inventory), chains=chains.get(name, ()),
+                python=inventory.spec.defaults.python, seed=seed,
+            )  # fmt: skip
 
-    applied = fan_out(list(by_node), apply, description="shaping links")
+    applied = fan_out(touched, apply, description="shaping links")
     rolled_back = None
     if not applied.ok:
         say("shaping failed on " + ", ".join(o.node for o in applied.failed) + "; undoing every node")
-        rolled_back = clear_nodes(inventory, list(by_node))
+        rolled_back = clear_nodes(inventory, touched)
     return ApplyResult(applied, rolled_back)
 
 
@@ -423,6 +632,7 @@ def apply_trace(
     say: Say = lambda _: None,
     plans: Sequence[TcPlan] | None = None,
     probes: Mapping[str, NodeProbe] | None = None,
+    seed: int = 0,
 ) -> tuple[ApplyResult, TraceStarted | None]:
     """Apply the traces' first rows as a plan (a transaction, as :func:`apply_plans`), then start a
     player on every shaped node for the later rows. The journal names each player before it starts,
@@ -430,18 +640,24 @@ def apply_trace(
     drive scaled) replace the plans compiled from the inventory's links and the traces' first rows."""
     links, driven = traced_links(inventory, traces)
     plans = tuple(plans) if plans is not None else compile_plan(inventory, links)
-    result = apply_plans(inventory, plans, say=say, probes=probes)
+    result = apply_plans(inventory, plans, say=say, probes=probes, seed=seed, traced=tuple(driven))
     if not result.ok:
         return result, None
     start_unix_s = time.time()
+    applied = [o.value for o in result.applied.outcomes if o.value]
+    plans = tuple(p for a in applied for p in a.plans)  # on their delay paths
     node_schedules = schedules(plans, driven, prefix_words(sudo=inventory.spec.defaults.sudo, env=None))
+    timelines = delay_timelines([c for a in applied for c in a.chains], driven)
     workdir = _workdir(inventory)
     player = PLAYER_SOURCE.read_bytes()
 
+    def retime(name: str) -> None:
+        with open_transport(inventory, inventory.node(name)) as t:
+            retime_delay_handler(t, node_directory(t, workdir), start_unix_s, timelines[name])
+
     def start(schedule: NodeSchedule) -> str:
         with open_transport(inventory, inventory.node(schedule.node)) as t:
-            # argv words are not expanded by a shell: the player's paths must be absolute
-            directory = t.run_script("echo " + quote_path(node_journal.journal_dir(workdir))).check().stdout.strip()
+            directory = node_directory(t, workdir)
             journal = node_journal.read(t, workdir)
             if journal is None:
                 raise NodeError(schedule.node, "its link journal vanished after apply")
@@ -460,6 +676,9 @@ def apply_trace(
 
     by_node = {s.node: s for s in node_schedules}
     started = fan_out(list(by_node), lambda name: start(by_node[name]), description="starting trace players")
+    if started.ok and timelines:
+        retimed = fan_out(list(timelines), retime, description="giving delay handlers the trace")
+        started = started if retimed.ok else FanOutResult(retimed.failed, retimed.wall_s)
     if not started.ok:
         say("starting the trace failed on " + ", ".join(o.node for o in started.failed) + "; undoing every node")
         rolled_back = clear_nodes(inventory, list(dict.fromkeys(p.node for p in plans)))

@@ -1,6 +1,7 @@
 """The link journal kept on each shaped node: what its interfaces looked like before we touched
-them, and what we own there (root qdiscs, ingress qdiscs, ifb devices, a trace player). It is
-written before the first tc command runs, so ``testbed link clear`` can undo from it alone, also
+them, and what we own there (root qdiscs, ingress qdiscs, ifb devices, iptables chains of the NFQUEUE
+delay path, its delay handler, a trace player). It is written before the first tc or iptables
+command runs and before a handler starts, so ``testbed link clear`` can undo from it alone, also
 after the controller was killed halfway through an apply.
 """
 
@@ -11,6 +12,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from netem import nfqueue
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE
 from netem.tc_state import InterfaceState, split_sections
 from testbed.transport.base import Transport, quote_path
@@ -41,6 +43,8 @@ class LinkJournal:
     ingress_on: tuple[str, ...] = ()  # devices we put an ingress qdisc on
     ifbs: tuple[str, ...] = ()  # ifb devices we created
     trace_pidfile: str | None = None  # the trace player running on the node, if any
+    chains: tuple[tuple[str, str], ...] = ()  # (interface, direction) of each iptables chain we made
+    handler_pidfile: str | None = None  # the NFQUEUE delay handler, if any
     extra: dict = field(default_factory=dict)  # written_unix_s, by
 
     def merged_with(self, newer: LinkJournal) -> LinkJournal:
@@ -51,11 +55,16 @@ class LinkJournal:
             ingress_on=tuple(dict.fromkeys(self.ingress_on + newer.ingress_on)),
             ifbs=tuple(dict.fromkeys(self.ifbs + newer.ifbs)),
             trace_pidfile=newer.trace_pidfile or self.trace_pidfile,
+            chains=tuple(dict.fromkeys(self.chains + newer.chains)),
+            handler_pidfile=newer.handler_pidfile or self.handler_pidfile,
             extra=newer.extra,
         )
 
     def with_trace(self, pidfile: str | None) -> LinkJournal:
         return replace(self, trace_pidfile=pidfile)
+
+    def with_handler(self, pidfile: str | None) -> LinkJournal:
+        return replace(self, handler_pidfile=pidfile)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -65,6 +74,8 @@ class LinkJournal:
                 "ingress_on": list(self.ingress_on),
                 "ifbs": list(self.ifbs),
                 "trace_pidfile": self.trace_pidfile,
+                "chains": [list(c) for c in self.chains],
+                "handler_pidfile": self.handler_pidfile,
                 **self.extra,
             },
             indent=1,
@@ -75,12 +86,14 @@ class LinkJournal:
         data = json.loads(text)
         if data.get("format") != JOURNAL_FORMAT:
             raise ValueError(f"link journal format {data.get('format')!r} is not {JOURNAL_FORMAT}")
-        known = {"format", "devices", "ingress_on", "ifbs", "trace_pidfile"}
+        known = {"format", "devices", "ingress_on", "ifbs", "trace_pidfile", "chains", "handler_pidfile"}
         return cls(
             devices={d: DeviceSnapshot(tuple(s["qdiscs"]), s["class_text"]) for d, s in data["devices"].items()},
             ingress_on=tuple(data["ingress_on"]),
             ifbs=tuple(data["ifbs"]),
             trace_pidfile=data.get("trace_pidfile"),
+            chains=tuple((c[0], c[1]) for c in data.get("chains", ())),
+            handler_pidfile=data.get("handler_pidfile"),
             extra={k: v for k, v in data.items() if k not in known},
         )
 
@@ -105,9 +118,22 @@ class LinkJournal:
                 commands.append(["tc", "qdisc", "del", "dev", dev, "root", "handle", f"{HTB_HANDLE}:", "htb"])
         return commands
 
-    def snapshot_differences(self, states: dict[str, InterfaceState]) -> list[str]:
-        """Where the devices differ from the snapshot (after undo this should be empty)."""
-        problems = []
+    def chain_undo_commands(self, listing: str) -> list[list[str]]:
+        """Remove our iptables chains that are still there (``listing``: ``iptables -t mangle -S``):
+        each jump into one, then the chain. Rules of others are never touched."""
+        commands: list[list[str]] = []
+        present = nfqueue.chains_in(listing)
+        for interface, direction in self.chains:
+            jump = nfqueue.has_jump(listing, interface, direction)
+            chain = nfqueue.chain_name(interface, direction) in present
+            if jump or chain:
+                commands += nfqueue.undo_chain_commands(interface, direction, jump=jump, chain=chain)
+        return commands
+
+    def snapshot_differences(self, states: dict[str, InterfaceState], listing: str = "") -> list[str]:
+        """Where the devices differ from the snapshot, and which of our chains are left (after undo
+        this should be empty)."""
+        problems = [f"iptables: {nfqueue.TABLE} still has {' '.join(c)}" for c in self.chain_undo_commands(listing)]
         for dev, snap in self.devices.items():
             s = states.get(dev)
             now = s.qdiscs if s is not None else ()

@@ -1,11 +1,16 @@
 """Measuring shaped links: iperf3 throughput per direction between data addresses, and ping RTT
-and loss where the kernel has netem. The result is a table of measured against target, kept as
-data so a run's manifest can store it.
+and loss where a direction has delay or loss (on either delay path). The result is a table of
+measured against target, kept as data so a run's manifest can store it.
+
+RTT is ping's user-to-user time (``ping -U``): plain ping times the reply by its kernel receive stamp,
+which is taken before the NFQUEUE delay path holds the packet on the receiving node, so it would
+miss the way back's delay.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -14,15 +19,19 @@ from typing import Any
 
 from foundation.errors import NodeError
 from testbed.inventory import DirectedLink, Inventory
-from testbed.links.apply import NETEM_PROBE
 from testbed.links.node_journal import journal_dir
 from testbed.transport import Transport, open_transport
 from testbed.transport.base import quote_path
 
 RATE_TOLERANCE = 0.10  # measured TCP goodput within 10% of the HTB rate (headers cost about 4%)
 RTT_TOLERANCE_S = 0.001  # plus 10% of the target
+PING_COUNT = 100
+PING_INTERVAL_S = 0.02
+UDP_BYTES = 1000  # one-way loss is counted over UDP datagrams of this size
+UDP_MAX_BIT_S = 8e6  # at most this rate (1000 datagrams a second), at most half the shaped rate
 FIRST_PORT = 5301
 CONNECT_RETRY_S = 10.0
+IPERF3_ATTEMPTS = 2
 
 _PING_RTT = re.compile(r"= ([\d.]+)/([\d.]+)/([\d.]+)/([\d.]+) ms")
 _PING_LOSS = re.compile(r"([\d.]+)% packet loss")
@@ -40,9 +49,12 @@ class LinkMeasurement:
     measured_rate_bit_s: float | None = None
     rate_error_pct: float | None = None
     retransmits: int | None = None
-    measured_rtt_ms: float | None = None
+    measured_rtt_ms: float | None = None  # ping -U, round trip
     rtt_mdev_ms: float | None = None
-    loss_pct: float | None = None
+    round_trip_loss_pct: float | None = None  # ping's: lost one way or the other
+    target_loss_pct: float | None = None  # this direction's, one way
+    loss_pct: float | None = None  # this direction's, one way (iperf3 UDP)
+    loss_packets: int | None = None
     within_tolerance: bool = False
     note: str = ""
 
@@ -70,40 +82,76 @@ def parse_ping(text: str) -> tuple[float, float, float]:
     return float(rtt.group(2)), float(rtt.group(4)), float(loss.group(1))
 
 
+def loss_tolerance_pct(expected_pct: float, packets: int) -> float:
+    """How far a loss measured over ``packets`` may be from ``expected_pct``: three binomial standard
+    deviations plus one packet."""
+    p = expected_pct / 100
+    return 100 * (3 * math.sqrt(p * (1 - p) / packets) + 1 / packets)
+
+
+def iperf3_udp_loss(report: dict) -> tuple[float, int]:
+    """(one-way loss %, packets sent) from ``iperf3 -u -J``, as the receiver counted them."""
+    if "error" in report:
+        raise ValueError(report["error"])
+    received = (report.get("end") or {}).get("sum_received") or (report.get("end") or {}).get("sum")
+    if not received or not received.get("packets"):
+        raise ValueError("iperf3 printed no UDP packet counts (the test did not run)")
+    return 100 * received["lost_packets"] / received["packets"], int(received["packets"])
+
+
 def _run_iperf3(
-    src: Transport, dst: Transport, src_addr: str, dst_addr: str, port: int, duration_s: float, workdir: str
+    src: Transport, dst: Transport, src_addr: str, dst_addr: str, port: int, duration_s: float, workdir: str,
+    *, udp_bit_s: float | None = None,
 ) -> tuple[float, int | None]:
+    """TCP goodput (bit/s, retransmits); with ``udp_bit_s``, UDP at that rate: (loss %, packets).
+    A test that broke off after connecting (iperf3's control connection crosses the same lossy link)
+    is run once more with a fresh server."""
     base = f"{journal_dir(workdir)}/iperf3-{port}"
     dst.run_script(f"mkdir -p {quote_path(journal_dir(workdir))}").check()
-    dst.start_background(
-        ["iperf3", "-s", "-1", "-B", dst_addr, "-p", str(port)], pidfile=base + ".pid", logfile=base + ".log"
-    )
-    try:
-        deadline = time.monotonic() + CONNECT_RETRY_S
-        while True:
-            argv = ["iperf3", "-c", dst_addr, "-B", src_addr, "-p", str(port), "-t", f"{duration_s:g}", "-O", "1", "-J"]
-            result = src.run(argv, timeout_s=duration_s + 30)
-            try:
-                return iperf3_goodput(json.loads(result.stdout or "{}"))
-            except (ValueError, json.JSONDecodeError) as exc:
-                if "connect" not in str(exc) or time.monotonic() > deadline:
+    for attempt in range(IPERF3_ATTEMPTS):
+        dst.start_background(
+            ["iperf3", "-s", "-1", "-B", dst_addr, "-p", str(port)], pidfile=base + ".pid", logfile=base + ".log"
+        )
+        try:
+            deadline = time.monotonic() + CONNECT_RETRY_S
+            while True:
+                argv = ["iperf3", "-c", dst_addr, "-B", src_addr, "-p", str(port), "-t", f"{duration_s:g}", "-J"]
+                argv += ["-O", "1"] if udp_bit_s is None else ["-u", "-b", str(round(udp_bit_s)), "-l", str(UDP_BYTES)]
+                result = src.run(argv, timeout_s=duration_s + 30)
+                try:
+                    report = json.loads(result.stdout or "{}")
+                    return iperf3_goodput(report) if udp_bit_s is None else iperf3_udp_loss(report)
+                except (ValueError, json.JSONDecodeError) as exc:
                     detail = f"{exc} {result.stderr.strip()}".strip()
-                    raise NodeError(src.node, f"iperf3 to {dst_addr}:{port} failed: {detail}") from None
-                time.sleep(0.2)  # the server is not listening yet
-    finally:
-        dst.stop_background(base + ".pid")
+                    if "connect" in str(exc) and time.monotonic() < deadline:
+                        time.sleep(0.2)  # the server is not listening yet
+                        continue
+                    if attempt + 1 == IPERF3_ATTEMPTS:
+                        raise NodeError(src.node, f"iperf3 to {dst_addr}:{port} failed: {detail}") from None
+                    break
+        finally:
+            dst.stop_background(base + ".pid")
+    raise AssertionError("unreachable")
 
 
-def measure_link(inventory: Inventory, link: DirectedLink, *, port: int, duration_s: float) -> LinkMeasurement:
+def measure_link(
+    inventory: Inventory, link: DirectedLink, *, port: int, duration_s: float,
+    all_links: Sequence[DirectedLink] | None = None,
+) -> LinkMeasurement:
+    """One direction, measured against its profile (``all_links``: the set it belongs to, where its
+    way back is looked up; the inventory's links by default)."""
     src_node, dst_node = inventory.node(link.source), inventory.node(link.destination)
     target_rate = link.profile.rate_bit_s
     target_rtt = None
-    if link.profile.delay_s:
-        back = next((x for x in inventory.links if (x.source, x.destination) == (link.destination, link.source)), None)
-        target_rtt = 1000 * (link.profile.delay_s + ((back.profile.delay_s or 0) if back else 0))
+    target_loss = link.profile.loss_pct or None
+    every = inventory.links if all_links is None else all_links
+    back = next((x.profile for x in every if (x.source, x.destination) == (link.destination, link.source)), None)
+    if link.profile.delay_s or (back is not None and back.delay_s):
+        target_rtt = 1000 * ((link.profile.delay_s or 0) + ((back.delay_s or 0) if back else 0))
 
     def row(**measured: Any) -> LinkMeasurement:
-        return LinkMeasurement(link.source, link.destination, link.profile_name, target_rate, target_rtt, **measured)
+        return LinkMeasurement(link.source, link.destination, link.profile_name, target_rate, target_rtt,
+                               target_loss_pct=target_loss, **measured)  # fmt: skip
 
     if "android" in (src_node.kind, dst_node.kind):
         return row(note="not measured: iperf3 on phones is not supported yet")
@@ -116,26 +164,31 @@ def measure_link(inventory: Inventory, link: DirectedLink, *, port: int, duratio
         )
         ok = True
         error_pct = None
-        if target_rate:
+        note = ""
+        if target_rate and not target_loss:
             error_pct = 100 * (measured - target_rate) / target_rate
             ok = abs(error_pct) <= 100 * RATE_TOLERANCE
-        rtt = mdev = loss = None
-        note = ""
-        if link.profile.needs_netem:
-            if src.run_script(NETEM_PROBE).check().stdout.strip() == "missing":
-                note = "delay and loss not measured: no sch_netem"
-                ok = False
-            else:
-                ping = src.run(
-                    ["ping", "-c", "20", "-i", "0.2", "-I", src_node.data.address, dst_node.data.address],
-                    timeout_s=30,
-                )
-                rtt, mdev, loss = parse_ping(ping.stdout)
-                if target_rtt is not None:
-                    ok = ok and abs(rtt - target_rtt) <= 1000 * RTT_TOLERANCE_S + 0.1 * target_rtt
+        elif target_rate:
+            note = "goodput not compared with the rate: TCP under loss is held back by the loss"
+        rtt = mdev = rt_loss = loss = loss_packets = None
+        if target_rtt is not None:
+            ping = src.run(
+                ["ping", "-U", "-q", "-c", str(PING_COUNT), "-i", f"{PING_INTERVAL_S:g}", "-I", src_node.data.address,
+                 dst_node.data.address],
+                timeout_s=30 + PING_COUNT * PING_INTERVAL_S,
+            )  # fmt: skip
+            rtt, mdev, rt_loss = parse_ping(ping.stdout)
+            ok = ok and abs(rtt - target_rtt) <= 1000 * RTT_TOLERANCE_S + 0.1 * target_rtt
+        if target_loss is not None:
+            udp_bit_s = min(UDP_MAX_BIT_S, (target_rate or 2 * UDP_MAX_BIT_S) / 2)
+            loss, loss_packets = _run_iperf3(
+                src, dst, src_node.data.address, dst_node.data.address, port, duration_s, workdir, udp_bit_s=udp_bit_s
+            )
+            ok = ok and abs(loss - target_loss) <= loss_tolerance_pct(target_loss, loss_packets)
     return row(
         measured_rate_bit_s=measured, rate_error_pct=error_pct, retransmits=retransmits, measured_rtt_ms=rtt,
-        rtt_mdev_ms=mdev, loss_pct=loss, within_tolerance=ok, note=note,
+        rtt_mdev_ms=mdev, round_trip_loss_pct=rt_loss, loss_pct=loss, loss_packets=int(loss_packets or 0) or None,
+        within_tolerance=ok, note=note,
     )  # fmt: skip
 
 
@@ -149,10 +202,11 @@ def verify_links(
     """Measure each direction in turn (one at a time: a reverse flow's ACKs share the shaped
     class of the other direction). A node error becomes that row's note, not an exception."""
     rows = []
-    for i, link in enumerate(links if links is not None else inventory.links):
+    links = tuple(links if links is not None else inventory.links)
+    for i, link in enumerate(links):
         say(f"measuring {link.source} -> {link.destination} ({link.profile.describe()})")
         try:
-            rows.append(measure_link(inventory, link, port=FIRST_PORT + i, duration_s=duration_s))
+            rows.append(measure_link(inventory, link, port=FIRST_PORT + i, duration_s=duration_s, all_links=links))
         except NodeError as exc:
             rows.append(
                 LinkMeasurement(link.source, link.destination, link.profile_name, link.profile.rate_bit_s,
