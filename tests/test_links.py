@@ -23,7 +23,7 @@ from testbed.emulation.resolved import load_lab
 from testbed.inventory import links_from_file
 from testbed.links.apply import apply_plans, clear_nodes, show_nodes
 from testbed.links.plans import compile_plan
-from testbed.links.verify import verify_links
+from testbed.links.verify import parse_ping, verify_links
 from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
@@ -315,32 +315,67 @@ def test_a_two_step_trace_changes_throughput_at_the_step(lab, tmp_path):
     assert cleared.returncode == 0 and "trace player" in cleared.stdout, cleared.stdout + cleared.stderr
 
 
-def test_link_clear_restores_everything_after_the_controller_is_killed_mid_apply(lab):
-    before = {n: qdiscs(n) for n in NODES}
-    apply = subprocess.Popen(
-        [sys.executable, "-m", "testbed", "link", "apply", "-i", str(lab)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+def ping_rtt_ms(src: str, dst: str, count: int) -> float:
+    out = subprocess.run(
+        ["ip", "netns", "exec", f"{PREFIX}-{src}", "ping", "-U", "-q", "-c", str(count), "-i", "0.05",
+         data_address(dst)], capture_output=True, text=True, check=True, timeout=30,
     )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not journals(lab) and apply.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    os.killpg(apply.pid, signal.SIGKILL)  # the first node has journaled: tc commands are under way
-    apply.wait()
-    assert journals(lab), "the apply finished before it could be killed"
-    # A command the killed controller had already sent may still land on a node (sshd runs what it
-    # received). A person runs clear after the crash, not in the same millisecond: wait until the
-    # nodes' journals have stopped changing.
-    seen, stable_since = journals(lab), time.monotonic()
-    while time.monotonic() - stable_since < 1.0:
-        assert time.monotonic() < deadline + 30
-        time.sleep(0.05)
-        if (now := journals(lab)) != seen:
-            seen, stable_since = now, time.monotonic()
-    proc = run_cli("link", "clear", "-i", str(lab))
+    return parse_ping(out.stdout)[0]
+
+
+def test_a_trace_plays_its_delay_and_loss_columns_on_the_nfqueue_path(lab, tmp_path):
+    """delay_ms is one way, each direction: 5 ms both ways, then 25 ms from t = 3 s; the handler on
+    each receiver plays the rows (the player plays the rates)."""
+    trace = tmp_path / "delay-step.csv"
+    trace.write_text("t_s,up_rate,down_rate,delay_ms,loss_pct\n0,40mbit,40mbit,5,0\n3,40mbit,40mbit,25,0\n")
+    with delay_path_set(lab, "nfqueue"):
+        proc = run_cli("link", "apply", "-i", str(lab), "--trace", f"orin={trace}")
+        applied = time.monotonic()  # t = 0 of the trace was a little before
+        try:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            early = ping_rtt_ms("orin", "server", 20)  # within the first 1.5 s
+            time.sleep(max(0.0, applied + 3.3 - time.monotonic()))
+            late = ping_rtt_ms("orin", "server", 20)
+            assert early == pytest.approx(10, abs=1.0) and late == pytest.approx(50, abs=1.0), (early, late)
+            stats = next((lab.parent / "state" / "nodes" / "server" / "home").glob(
+                "hil-testbed/netem/delay-handler.jsonl")).read_text()  # fmt: skip
+            assert '"event": "reloaded", "unix_s"' in stats and '"timeline_rows": 1' in stats
+        finally:
+            cleared = run_cli("link", "clear", "-i", str(lab))
+    assert cleared.returncode == 0, cleared.stdout + cleared.stderr
+    assert handler_pids() == [] and journals(lab) == []
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["rate", "nfqueue-delay"])
+def test_link_clear_restores_everything_after_the_controller_is_killed_mid_apply(lab, tmp_path, delayed):
+    """SIGKILL once the first node has journaled; clear leaves no qdisc, rule or handler of ours."""
+    before = {n: (qdiscs(n), mangle(n)) for n in NODES}
+    extra = ["--links", str(links_file(tmp_path, DELAYED))] if delayed else []
+    with delay_path_set(lab, "nfqueue" if delayed else "auto"):
+        apply = subprocess.Popen(
+            [sys.executable, "-m", "testbed", "link", "apply", "-i", str(lab), *extra],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not journals(lab) and apply.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        os.killpg(apply.pid, signal.SIGKILL)  # the first node has journaled: commands are under way
+        apply.wait()
+        assert journals(lab), "the apply finished before it could be killed"
+        # A command the killed controller had already sent may still land on a node (sshd runs what it
+        # received). A person runs clear after the crash, not in the same millisecond: wait until the
+        # nodes' journals have stopped changing.
+        seen, stable_since = journals(lab), time.monotonic()
+        while time.monotonic() - stable_since < 1.0:
+            assert time.monotonic() < deadline + 30
+            time.sleep(0.05)
+            if (now := journals(lab)) != seen:
+                seen, stable_since = now, time.monotonic()
+        proc = run_cli("link", "clear", "-i", str(lab))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert {n: qdiscs(n) for n in NODES} == before
-    assert journals(lab) == []
+    assert {n: (qdiscs(n), mangle(n)) for n in NODES} == before
+    assert journals(lab) == [] and handler_pids() == []
 
 
 def test_link_commands_explain_themselves_and_bad_input_exits_2(lab, tmp_path):

@@ -375,7 +375,9 @@ def retime_delay_handler(
     for queue in config["queues"]:
         queue["timeline"] = timelines.get(queue["queue_num"], [])
     node_journal.store(transport, files["config"], json.dumps(config).encode())
-    transport.run_script(f"kill -HUP \"$(cat {quote_path(files['pidfile'])})\"", sudo=True).check()
+    how = transport.signal_background(files["pidfile"], "HUP", sudo=True)
+    if how != "signalled":
+        raise NodeError(transport.node, f"the NFQUEUE delay handler is not running ({how}): the trace's delays")
 
 
 def apply_on_node(

@@ -197,6 +197,19 @@ echo $state
 """
 
 
+def background_signal_script(pidfile: str, signal_name: str) -> str:
+    """sh that sends ``signal_name`` (e.g. HUP) to the process a pidfile names, if it is still that
+    process; prints ``signalled``, ``stale`` or ``absent``."""
+    if not signal_name.isalnum():
+        raise ValueError(f"not a signal name: {signal_name!r}")
+    return f"""P={_node_path(pidfile, "pidfile")}
+[ -s "$P" ] || {{ echo absent; exit 0; }}
+read pid start < "$P"
+if [ "$({_starttime("$pid")})" != "$start" ]; then echo stale; exit 0; fi
+kill -{signal_name} "$pid" && echo signalled
+"""
+
+
 def copy_from(source: BinaryIO, sink: Any, offset: int, progress: Callable[[int], None] | None) -> None:
     """Copy ``source`` from byte ``offset`` on to the same place in ``sink``, 1 MiB at a time,
     telling ``progress`` the bytes written so far after each chunk."""
@@ -350,6 +363,11 @@ class Transport(ABC):
         """
         script = background_stop_script(pidfile, grace_s)
         result = self.run_script(script, timeout_s=grace_s + 30.0, sudo=sudo).check()
+        return result.stdout.strip().splitlines()[-1]
+
+    def signal_background(self, pidfile: str, signal_name: str, *, sudo: bool = False) -> str:
+        """Send a signal to the process named by ``pidfile`` (``signalled``, ``stale`` or ``absent``)."""
+        result = self.run_script(background_signal_script(pidfile, signal_name), timeout_s=30.0, sudo=sudo).check()
         return result.stdout.strip().splitlines()[-1]
 
     def __enter__(self) -> Transport:

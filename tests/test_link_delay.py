@@ -1,0 +1,195 @@
+"""The NFQUEUE delay path without a kernel: where its rules go (exact iptables commands), how they
+are read back and undone, and the delay handler's timing and loss models (nodes/link_delay_handler).
+The path on real namespaces, rules and handlers is in test_links.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import statistics
+
+import pytest
+
+from netem import nfqueue
+from netem.plan import compile_plan
+from netem.profile import DirectedLink, LinkProfile
+from netem.topology import LinkNode, LinkTopology
+from nodes import link_delay_handler as handler
+from testbed.links.node_journal import LinkJournal
+
+
+def topology(links: list[tuple[str, str, dict]]) -> LinkTopology:
+    nodes = (
+        LinkNode("s", "eth1", "10.250.0.1", True, ("server",)),
+        LinkNode("d", "eth1", "10.250.0.2", True, ("device",)),
+        LinkNode("p", "wlan0", "10.250.0.3", False, ("device",)),  # a phone: runs no tc or iptables
+    )
+    directed = tuple(DirectedLink(a, b, "x", LinkProfile.model_validate(profile)) for a, b, profile in links)
+    return LinkTopology("lab.yaml", nodes, directed)
+
+
+def chains_of(topo: LinkTopology, traced=()) -> dict[tuple[str, str], nfqueue.NfqueueRules]:
+    plans = tuple(p.__class__(**{**p.__dict__, "delay_path": "nfqueue"}) for p in compile_plan(topo))
+    return {(c.node, c.hook_side): c for c in nfqueue.compile_chains(topo, plans, traced)}
+
+
+def lines(commands):
+    return [" ".join(c) for c in commands]
+
+
+def test_rules_sit_on_the_receiver_except_for_a_phone_and_their_commands_are_exact():
+    topo = topology([
+        ("d", "s", {"rate": "40mbit", "delay": "10ms"}),
+        ("s", "d", {"rate": "40mbit", "delay": "10ms", "loss": "1%"}),
+        ("s", "p", {"rate": "8mbit", "delay": "30ms", "jitter": "5ms", "distribution": "normal"}),
+        ("p", "s", {"rate": "8mbit", "loss": "2%"}),  # shaped on s's ifb; the loss is s's too
+    ])  # fmt: skip
+    chains = chains_of(topo)
+    assert set(chains) == {("s", "ingress"), ("d", "ingress"), ("s", "egress")}
+    assert lines(chains[("d", "ingress")].apply_commands()) == [
+        "iptables -w -t mangle -N TB-IN-eth1",
+        "iptables -w -t mangle -A TB-IN-eth1 -s 10.250.0.1/32 -m statistic --mode random --probability 0.01000000000 -j DROP",
+        "iptables -w -t mangle -A TB-IN-eth1 -s 10.250.0.1/32 -j NFQUEUE --queue-num 8100 --queue-bypass",
+        "iptables -w -t mangle -I PREROUTING 1 -i eth1 -j TB-IN-eth1",
+    ]  # fmt: skip
+    on_server = chains[("s", "ingress")]
+    assert lines(on_server.apply_commands(chain_exists=True, jump_exists=True)) == [
+        "iptables -w -t mangle -F TB-IN-eth1",
+        "iptables -w -t mangle -A TB-IN-eth1 -s 10.250.0.2/32 -j NFQUEUE --queue-num 8101 --queue-bypass",
+        "iptables -w -t mangle -A TB-IN-eth1 -s 10.250.0.3/32 -m statistic --mode random --probability 0.02000000000 -j DROP",
+    ]  # fmt: skip
+    # The phone cannot hold rules: what it receives is delayed on the sender, before its HTB class.
+    to_phone = chains[("s", "egress")]
+    assert lines(to_phone.apply_commands())[-2:] == [
+        "iptables -w -t mangle -A TB-EG-eth1 -d 10.250.0.3/32 -j NFQUEUE --queue-num 8100 --queue-bypass",
+        "iptables -w -t mangle -I POSTROUTING 1 -o eth1 -j TB-EG-eth1",
+    ]
+    assert lines(to_phone.undo_commands()) == [
+        "iptables -w -t mangle -D POSTROUTING -o eth1 -j TB-EG-eth1",
+        "iptables -w -t mangle -F TB-EG-eth1",
+        "iptables -w -t mangle -X TB-EG-eth1",
+    ]
+    (queue,) = to_phone.queues
+    assert queue == {
+        "queue_num": 8100, "from": "s", "to": "p", "delay_s": 0.03, "jitter_s": 0.005, "distribution": "normal",
+        "reorder": False, "queue_length": nfqueue.queue_length_packets(to_phone.directions[0].profile),
+    }  # fmt: skip
+    assert on_server.queues[0]["queue_num"] == 8101  # numbers are per node, over both of s's chains
+    assert chains[("d", "ingress")].queues[0]["queue_num"] == 8100
+
+
+def test_correlated_and_traced_loss_go_to_the_handler_and_queues_are_sized_from_rate_and_delay():
+    topo = topology([
+        ("d", "s", {"rate": "8mbit", "loss": "5%", "loss_correlation": "50%"}),
+        ("s", "d", {"rate": "8mbit", "delay": "1us", "loss": "3%"}),
+    ])  # fmt: skip
+    correlated = chains_of(topo)[("s", "ingress")]
+    (rule,) = correlated.directions[0].rule_words()  # no kernel DROP: the handler draws it
+    assert "NFQUEUE" in rule and "statistic" not in rule
+    assert correlated.queues[0]["loss_pct"] == 5 and correlated.queues[0]["loss_correlation_pct"] == 50
+    traced = chains_of(topo, traced={("s", "d")})[("d", "ingress")]
+    (rule,) = traced.directions[0].rule_words()  # a trace's rows change the loss: the handler's
+    assert "statistic" not in rule and traced.queues[0]["loss_pct"] == 3
+    # 1.5 x (40 mbit / 1500 B) x (50 ms + 4 x 10 ms + 20 ms) = 550 packets: below the kernel's 1024
+    assert nfqueue.queue_length_packets(LinkProfile.model_validate({"rate": "40mbit", "delay": "50ms",
+                                                                    "jitter": "10ms"})) == 1024  # fmt: skip
+    # 1 gbit and 50 ms: 1.5 x 83333 x 0.07 = 8750 packets; a delay-only link is sized as 1 gbit
+    assert nfqueue.queue_length_packets(LinkProfile.model_validate({"rate": "1gbit", "delay": "50ms"})) == 8750
+    assert nfqueue.queue_length_packets(LinkProfile.model_validate({"delay": "50ms"})) == 8750
+
+
+LISTING = """-P PREROUTING ACCEPT
+-P POSTROUTING ACCEPT
+-N TB-IN-eth1
+-N THEIRS
+-A PREROUTING -i eth1 -j TB-IN-eth1
+-A PREROUTING -i eth1 -j THEIRS
+-A TB-IN-eth1 -s 10.250.0.1/32 -m statistic --mode random --probability 0.00999999978 -j DROP
+-A TB-IN-eth1 -s 10.250.0.1/32 -j NFQUEUE --queue-num 8100 --queue-bypass
+-A THEIRS -j ACCEPT
+"""
+
+
+def test_read_back_compares_rules_with_iptables_precision_and_undo_touches_only_ours():
+    chain = chains_of(topology([("s", "d", {"delay": "10ms", "loss": "1%"})]))[("d", "ingress")]
+    assert nfqueue.rule_differences(chain, LISTING) == []
+    wrong = LISTING.replace("0.00999999978", "0.02000000019")
+    assert "chain TB-IN-eth1" in nfqueue.rule_differences(chain, wrong)[0]
+    unjumped = LISTING.replace("-A PREROUTING -i eth1 -j TB-IN-eth1\n", "")
+    assert "no jump" in nfqueue.rule_differences(chain, unjumped)[0]
+    journal = LinkJournal(devices={}, chains=(("eth1", "ingress"), ("eth1", "egress")))
+    assert lines(journal.chain_undo_commands(LISTING)) == [
+        "iptables -w -t mangle -D PREROUTING -i eth1 -j TB-IN-eth1",
+        "iptables -w -t mangle -F TB-IN-eth1",
+        "iptables -w -t mangle -X TB-IN-eth1",
+    ]  # the egress chain is not there, and THEIRS is not ours
+    assert lines(journal.chain_undo_commands(unjumped))[0] == "iptables -w -t mangle -F TB-IN-eth1"
+    assert journal.chain_undo_commands("-P PREROUTING ACCEPT\n") == []
+    again = LinkJournal.from_json(journal.to_json())
+    assert again.chains == journal.chains and again.handler_pidfile is None
+
+
+def queue(**spec) -> handler.DelayQueue:
+    return handler.DelayQueue({"queue_num": 8100, "queue_length": 1024, **spec}, random.Random(7))
+
+
+def test_release_times_keep_order_unless_reordering_is_allowed_and_jitter_has_the_configured_spread():
+    in_order = queue(delay_s=0.02, jitter_s=0.005, distribution="normal")
+    dues = [in_order.due(t * 1e-4) for t in range(20000)]  # a packet every 0.1 ms: jitter would reorder
+    assert all(b >= a for a, b in itertools.pairwise(dues))
+    free = queue(delay_s=0.02, jitter_s=0.005, distribution="normal", reorder=True)
+    dues = [free.due(t * 1e-4) for t in range(20000)]
+    assert any(b < a for a, b in itertools.pairwise(dues))
+    offsets = [d - t * 1e-4 - 0.02 for t, d in enumerate(dues)]
+    assert statistics.mean(offsets) == pytest.approx(0, abs=1e-4)
+    assert statistics.pstdev(offsets) == pytest.approx(0.005, rel=0.03)
+    rng = random.Random(3)
+    uniform = [handler.jitter_draw(rng, 0.006, None) for _ in range(20000)]  # netem's default
+    assert max(uniform) <= 0.006 and min(uniform) >= -0.006
+    assert statistics.pstdev(uniform) == pytest.approx(0.006 / 3**0.5, rel=0.03)
+    for shape in ("pareto", "paretonormal"):
+        draws = [handler.jitter_draw(rng, 0.004, shape) for _ in range(50000)]
+        assert statistics.mean(draws) == pytest.approx(0, abs=2e-4), shape
+        assert statistics.pstdev(draws) == pytest.approx(0.004, rel=0.15), shape
+        assert statistics.mean(d > 0.008 for d in draws) > statistics.mean(d < -0.008 for d in draws)  # a long tail
+    never_early = queue(delay_s=0.001, jitter_s=0.01)
+    assert min(never_early.due(0.0) for _ in range(1000)) >= 0.0  # no packet leaves before it came
+
+
+def test_gilbert_loss_keeps_the_mean_and_makes_bursts_as_correlated():
+    for p_pct, rho_pct in ((5, 0), (5, 50), (20, 25)):
+        model = handler.GilbertLoss(p_pct, rho_pct, random.Random(11))
+        drops = [model.drop() for _ in range(200_000)]
+        assert statistics.mean(drops) == pytest.approx(p_pct / 100, rel=0.05), (p_pct, rho_pct)
+        bursts, run = [], 0
+        for lost in drops:
+            if lost:
+                run += 1
+            elif run:
+                bursts.append(run)
+                run = 0
+        p, rho = p_pct / 100, rho_pct / 100
+        assert statistics.mean(bursts) == pytest.approx(1 / (1 - (p + rho * (1 - p))), rel=0.05), (p_pct, rho_pct)
+
+
+def test_trace_rows_change_delay_and_loss_on_time_and_a_reload_takes_up_a_new_start(tmp_path):
+    config = {"seed": 1, "start_unix_s": None, "queues": [
+        {"queue_num": 8100, "queue_length": 1024, "delay_s": 0.005, "loss_pct": 0.0, "loss_correlation_pct": 0.0},
+    ]}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with open(tmp_path / "log.jsonl", "a") as log:
+        h = handler.Handler(config, log)
+        (q,) = h.queues
+        q.advance(100.0)
+        assert q.delay_s == 0.005 and q.loss.p == 0
+        config["start_unix_s"] = 1_000_000_000.0  # long ago: every row is due
+        config["queues"][0]["timeline"] = [[2, 0.02, 10], [4, 0.05, None]]
+        path.write_text(json.dumps(config))
+        h.reload(str(path))
+        q.advance(3.0)
+        assert (q.delay_s, q.loss.p) == (0.02, 0.1)
+        q.advance(4.0)
+        assert (q.delay_s, q.loss.p) == (0.05, 0.1)  # a row without loss keeps the last
+    assert '"event": "reloaded"' in (tmp_path / "log.jsonl").read_text()
