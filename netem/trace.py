@@ -101,6 +101,10 @@ def load_trace(path: str | Path) -> BandwidthTrace:
                 values[column] = parse(cells[column])
             except units.UnitError as exc:
                 problems.append(InputProblem(str(path), line, column, exc.problem, exc.hint))
+                continue
+            if not values[column]:
+                problems.append(InputProblem(str(path), line, column, "a rate of 0 would stop the link (HTB has no 0)",
+                                             "give a small rate instead, e.g. 8kbit"))  # fmt: skip
         for column in ("delay_ms", "loss_pct"):
             raw = cells.get(column, "")
             try:
@@ -128,12 +132,18 @@ def load_trace(path: str | Path) -> BandwidthTrace:
 
 
 def write_trace(trace: BandwidthTrace, path: str | Path) -> None:
+    """Write a trace CSV (the delay_ms and loss_pct columns only when a row has them)."""
+    extra = any(s.delay_s is not None or s.loss_pct is not None for s in trace.steps)
     with open(path, "w", newline="") as f:
         f.write(f"# {trace.source}\n")
         w = csv.writer(f)
-        w.writerow(COLUMNS[:3])
+        w.writerow(COLUMNS if extra else COLUMNS[:3])
         for s in trace.steps:
-            w.writerow([f"{s.t_s:g}", f"{s.up_bit_s / MB_S:.2f}MBps", f"{s.down_bit_s / MB_S:.2f}MBps"])
+            row = [f"{s.t_s:g}", f"{s.up_bit_s / MB_S:.9g}MBps", f"{s.down_bit_s / MB_S:.9g}MBps"]
+            if extra:
+                row.append("" if s.delay_s is None else f"{s.delay_s * 1000:g}")
+                row.append("" if s.loss_pct is None else f"{s.loss_pct:g}")
+            w.writerow(row)
 
 
 def hat_trace(

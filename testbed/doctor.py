@@ -83,6 +83,13 @@ def check_host() -> list[Capability]:
             "an SSH server per emulated node",
         )
     )
+    for tool, package, why, required in (
+        ("ethtool", "ethtool", "wire-sized packets on emulated data veths (TSO/GSO/GRO off)", True),
+        ("ping", "iputils-ping", "link verify's round-trip times (ping -U)", False),
+    ):
+        found = shutil.which(tool)
+        caps.append(Capability(tool, found is not None, found or f"not installed (apt-get install {package})", why,
+                               required))  # fmt: skip
     ok, detail = _tool_version(["iperf3", "--version"])
     caps.append(
         Capability("iperf3", ok, detail if ok else "not installed (apt-get install iperf3)", "measuring shaped links")
@@ -105,6 +112,9 @@ def check_host() -> list[Capability]:
     return caps
 
 
+OPTIONAL = ("netem", "nfqueue")  # without both, rate shaping still works
+
+
 def _kernel_capabilities(root: bool) -> list[Capability]:
     names = [
         ("netns", "network namespaces", "one namespace per emulated node"),
@@ -115,9 +125,10 @@ def _kernel_capabilities(root: bool) -> list[Capability]:
         ("ingress", "tc qdisc ingress", "shaping traffic into a node"),
         ("ifb", "ifb devices", "ingress shaping through an ifb"),
         ("netem", "tc qdisc netem", "delay, jitter and loss"),
+        ("nfqueue", "iptables NFQUEUE and statistic", "delay, jitter and loss without netem (the NFQUEUE path)"),
     ]
     if not root:
-        return [Capability(key, False, "not checked: needs root", why, key != "netem") for key, _, why in names]
+        return [Capability(key, False, "not checked: needs root", why, key not in OPTIONAL) for key, _, why in names]
     ns = f"tbdoctor{os.getpid()}"
     results: dict[str, tuple[bool, str]] = {}
 
@@ -145,6 +156,10 @@ def _kernel_capabilities(root: bool) -> list[Capability]:
                 for key, args in qdiscs.items():
                     step(key, ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "tbd0", "root", *args])
                 step("ingress", ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "tbd1", "ingress"])
+                mangle = ["ip", "netns", "exec", ns, "iptables", "-w", "-t", "mangle", "-A", "PREROUTING", "-i", "tbd1"]
+                if step("nfqueue", [*mangle, "-m", "statistic", "--mode", "random", "--probability", "0.5", "-j",
+                                    "DROP"]):  # fmt: skip
+                    step("nfqueue", [*mangle, "-j", "NFQUEUE", "--queue-num", "8100", "--queue-bypass"])
         finally:
             _run(["ip", "netns", "del", ns])
     caps = []
@@ -152,10 +167,21 @@ def _kernel_capabilities(root: bool) -> list[Capability]:
         ok, detail = results.get(key, (False, "not checked (an earlier step failed)"))
         if key == "netem" and not ok:
             detail = (
-                "MISSING on this kernel (no sch_netem): delay, jitter and loss cannot be emulated here; "
-                "rate shaping works. " + detail
+                "MISSING on this kernel (no sch_netem): delay, jitter and loss take the NFQUEUE path "
+                "where it works (below); rate shaping works. " + detail
             )
-        caps.append(Capability(key, ok, f"{label}: {detail}", why, required=key != "netem"))
+        if key == "nfqueue" and ok and importlib.util.find_spec("netfilterqueue") is None:
+            ok, detail = False, "the rules work, but the NetfilterQueue Python package is missing (make venv)"
+        caps.append(Capability(key, ok, f"{label}: {detail}", why, required=key not in OPTIONAL))
+    netem, nfqueue = (results.get(k, (False, ""))[0] for k in ("netem", "nfqueue"))
+    nfqueue = nfqueue and importlib.util.find_spec("netfilterqueue") is not None
+    path = "netem (a tc qdisc)" if netem else "nfqueue (iptables on the receiver + a user-space handler)"
+    caps.append(
+        Capability(
+            "delay-path", netem or nfqueue, ("auto takes " + path) if netem or nfqueue else "none: neither works here",
+            "link profiles with delay, jitter or loss", required=False,
+        )
+    )  # fmt: skip
     return caps
 
 

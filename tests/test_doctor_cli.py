@@ -33,7 +33,11 @@ def test_doctor_reports_each_capability_and_leaves_no_trace():
         "ingress",
         "ifb",
         "netem",
+        "nfqueue",
+        "delay-path",
         "cgroup-cpu",
+        "ethtool",
+        "ping",
         "nsenter/unshare",
         "sshd",
         "iperf3",
@@ -41,7 +45,11 @@ def test_doctor_reports_each_capability_and_leaves_no_trace():
         "torch",
     }
     assert set(caps) == expected
-    assert caps["netem"]["required"] is False
+    assert caps["netem"]["required"] is False and caps["nfqueue"]["required"] is False
+    # Without netem, delay takes the NFQUEUE path where doctor found it working.
+    assert caps["delay-path"]["ok"] == (caps["netem"]["ok"] or caps["nfqueue"]["ok"])
+    if caps["nfqueue"]["ok"] and not caps["netem"]["ok"]:
+        assert "nfqueue" in caps["delay-path"]["detail"]
     required_missing = [n for n, c in caps.items() if c["required"] and not c["ok"]]
     assert proc.returncode == (1 if required_missing else 0)
     # What doctor says about netem agrees with the kernel, checked independently.

@@ -37,6 +37,7 @@ from typing import Any
 
 from foundation.errors import NodeError, TestbedError
 from foundation.jsonable import jsonable
+from foundation.seeds import derive_seed
 from nodes.contracts.durable import SyncedLines, write_json_atomic
 from nodes.contracts.rank_dirs import device_glob
 from nodes.workers.methods import method_named
@@ -329,15 +330,23 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
     started = None
     plans = plan.tc_plans
     state.shaped_nodes = tuple(dict.fromkeys(p.node for p in plans))
+    seed = derive_seed(plan.run_id, "links")  # the delay handlers' jitter and loss draws
     if plan.trace is not None:
-        result, started = apply_trace(lab, {d: plan.trace for d in plan.devices}, plans=plans, probes=plan.probes)
+        result, started = apply_trace(lab, {d: plan.trace for d in plan.devices}, plans=plans, probes=plan.probes,
+                                      seed=seed)  # fmt: skip
     else:
-        result = apply_plans(lab, plans, probes=plan.probes)
+        result = apply_plans(lab, plans, probes=plan.probes, seed=seed)
     state.links["applied"] = [
-        {"node": p.node, "device": p.shaped_device, "direction": p.direction,
+        {"node": p.node, "device": p.shaped_device, "direction": p.direction, "delay_path": p.delay_path,
          "peers": [{"peer": x.peer, "profile": x.profile_name, "rate_bit_s": x.profile.rate_bit_s} for x in p.peers],
          "commands": [" ".join(c) for c in p.apply_commands()], "changed": o.value.changed}
         for o in result.applied.outcomes if o.value for p in o.value.plans
+    ]  # fmt: skip
+    # the NFQUEUE delay path: which node holds each delayed direction's rules, and the handler's queues
+    state.links["nfqueue"] = [
+        {"node": c.node, "chain": c.chain, "hook": c.hook_side, "seed": seed, "queues": list(c.queues),
+         "rules": c.rule_lines(), "directions": [f"{d.sender}->{d.receiver}" for d in c.directions]}
+        for o in result.applied.outcomes if o.value for c in o.value.chains
     ]  # fmt: skip
     if started is not None:
         state.links["trace"] = {"file": link.trace, "duration_s": started.duration_s, "logfiles": started.logfiles}

@@ -38,7 +38,7 @@ from testbed.campaign.plan_commands import PlannedCommand, normalised_line, plan
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
 from testbed.context_service import LIFETIME_MARGIN_S, ServicePlan, run_scales, service_plans
 from testbed.inventory import DirectedLink, Inventory, links_from_file
-from testbed.links.apply import NodeProbe, plan_devices, plans_by_node, probe_nodes
+from testbed.links.apply import NodeProbe, assign_delay_paths, plan_devices, plans_by_node, probe_nodes
 from testbed.node_context import (
     NodeContext,
     resolve_context,
@@ -332,6 +332,10 @@ def plan_run(
         failed = reads.read_probes(lab, tc_plans)
         unresolved += [f"{node}: tc state not read ({error})" for node, error in failed.items()]
         probes = reads.probes_for(tc_plans)
+        # each shaping node's delay path (netem, or NFQUEUE rules on the receivers) as the apply will take it
+        plan = dataclasses.replace(plan, tc_plans=assign_delay_paths(tc_plans, probes, lab.spec.defaults.delay_path))
+    elif any(p.has_delay_or_loss for p in tc_plans):
+        unresolved.append("the delay path (netem, or NFQUEUE without sch_netem) is chosen when the nodes are read")
     commands = plan_commands(campaign, plan, probes)
     return dataclasses.replace(plan, unresolved=tuple(unresolved), commands=tuple(commands), probes=probes)
 

@@ -17,7 +17,19 @@ from testbed.campaign.spec import Campaign
 from testbed.context_service import STOP_GRACE_S
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
-from testbed.links.apply import commands_for, plan_devices, plans_by_node, probe_script, shapeable_nodes
+from testbed.links.apply import (
+    HANDLER_READY_S,
+    chains_by_node,
+    commands_for,
+    handler_files,
+    handler_ready_script,
+    iptables_commands_for,
+    iptables_read_script,
+    plan_devices,
+    plans_by_node,
+    probe_script,
+    shapeable_nodes,
+)
 from testbed.node_context import HOME_SCRIPT, NodeContext, unresolved_context
 from testbed.power import driver_command, set_action
 from testbed.split_run import launch_argv, launch_env, mpiexec_search_script, rank_listing_script, run_dir_on
@@ -44,6 +56,7 @@ from testbed.worker_pool import (
 )
 
 if TYPE_CHECKING:
+    from netem.nfqueue import NfqueueRules
     from testbed.campaign.plan import RunPlan
 
 WHEN = ("once", "per-campaign", "if-missing", "polled", "on-failure", "live", "if-cold", "if-differs", "at-release")
@@ -120,7 +133,7 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
               _sh(mpiexec_search_script(ctx[settings.server].python)))  # fmt: skip
     for name, plans in plans_by_node(plan.tc_plans).items():
         lines.add(name, "plan", "read the interfaces, journal and kernel",
-                  _sh(probe_script(plan_devices(plans), lab.spec.defaults.workdir)))  # fmt: skip
+                  _sh(_probe_script(lab, plan_devices(plans))))  # fmt: skip
     for name in plan.nodes:
         lines.add(name, "preflight", "reach the node", command_line(["true"]))
     # configure: power modes, each set (journaled, read back) only where the node is not in it already
@@ -231,29 +244,68 @@ def _service_lines(lines: _Lines, plan: RunPlan) -> None:
                   command_line(context.command(service.check_argv(context.python))), "polled")  # fmt: skip
 
 
+def _probe_script(lab: Inventory, devices: Sequence[str]) -> str:
+    sudo_words = prefix_words(sudo=lab.spec.defaults.sudo, env=None)
+    return probe_script(devices, lab.spec.defaults.workdir, lab.spec.defaults.python, sudo_words)
+
+
+def run_chains(lab: Inventory, plan: RunPlan) -> dict[str, tuple[NfqueueRules, ...]]:
+    """The NFQUEUE delay path's chains of the run's shaping, per node that holds them."""
+    from netem.nfqueue import compile_chains
+    from testbed.links.plans import link_topology, traced_links
+
+    traced = traced_links(lab, {d: plan.trace for d in plan.devices})[1] if plan.trace is not None else {}
+    return chains_by_node(compile_chains(link_topology(lab), plan.tc_plans, tuple(traced)))
+
+
 def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:
     if not plan.tc_plans:
         return
     lab = lines.lab
     workdir = lab.spec.defaults.workdir
     by_node = plans_by_node(plan.tc_plans)
+    chains = run_chains(lab, plan)
     sudo_words = prefix_words(sudo=lab.spec.defaults.sudo, env=None)
-    for name, plans in by_node.items():
+    touched = list(dict.fromkeys([*by_node, *chains]))
+    for name in touched:
         if name not in probes:  # the plan's own read is reused when it has one
             lines.add(name, "configure", "read the interfaces, journal and kernel before shaping",
-                      _sh(probe_script(plan_devices(plans), workdir)), "live")  # fmt: skip
+                      _sh(_probe_script(lab, plan_devices(by_node.get(name, [])))), "live")  # fmt: skip
     for name in shapeable_nodes(lab):
-        if name not in by_node:
+        if name not in touched:
             lines.add(name, "configure", "clear earlier shaping of a node this run does not shape",
                       _sh(node_journal.read_script(workdir)))  # fmt: skip
-    for name, plans in by_node.items():
+    for name in touched:
+        plans, held = by_node.get(name, []), chains.get(name, ())
         probe = probes.get(name)
         when = "if-differs" if probe is not None else "live"
         commands = [c for p in plans for c in (commands_for(p, probe.states) if probe else p.apply_commands())]
-        lines.store(name, "configure", "write the link journal (the interfaces as they were)",
+        commands += iptables_commands_for(held, probe) if probe else [c for r in held for c in r.apply_commands()]
+        queued = any(r.queues for r in held)
+        directory = plan.contexts[name].path(node_journal.journal_dir(workdir)) if name in plan.contexts else None
+        if queued:
+            lines.add(name, "configure", "where the delay handler lives",
+                      _sh("echo " + quote_path(node_journal.journal_dir(workdir))), when)  # fmt: skip
+            lines.add(name, "configure", "stop the delay handler of an earlier apply",
+                      _sh(background_stop_script(handler_files(directory or "~")["pidfile"], 5.0)), "live")  # fmt: skip
+        lines.store(name, "configure", "write the link journal (the interfaces, rules and handler as they were)",
                     node_journal.journal_path(workdir), "if-differs")  # fmt: skip
         lines.add(name, "configure", "shape the links", _sh(node_journal.commands_script(commands, sudo_words)), when)
-        lines.add(name, "configure", "read tc back", _sh(_read_script(plan_devices(plans))), "if-differs")
+        if queued and directory is not None:
+            files = handler_files(directory)
+            argv = [*sudo_words, lab.spec.defaults.python, files["script"], files["config"], files["stats"]]
+            lines.store(name, "configure", "store the delay handler", files["script"], when)
+            lines.store(name, "configure", "store the delay handler's queues", files["config"], when)
+            lines.add(name, "configure", "start the delay handler afresh", _sh(f"rm -f {quote_path(files['stats'])}"),
+                      when)  # fmt: skip
+            lines.detached(name, "configure", "start the delay handler (detached)", argv, files["pidfile"],
+                           files["log"], when)  # fmt: skip
+            lines.add(name, "configure", f"wait until it has bound its queues (at most {HANDLER_READY_S:g} s)",
+                      _sh(handler_ready_script(files)), "polled")  # fmt: skip
+        if plans:
+            lines.add(name, "configure", "read tc back", _sh(_read_script(plan_devices(plans))), "if-differs")
+        if held:
+            lines.add(name, "configure", "read iptables back", _sh(iptables_read_script(sudo_words)), when)
     if plan.trace is not None:
         _trace_lines(lines, plan)
 
@@ -305,16 +357,27 @@ def _link_restore_lines(lines: _Lines, plan: RunPlan) -> None:
     lab = lines.lab
     workdir = lab.spec.defaults.workdir
     sudo_words = prefix_words(sudo=lab.spec.defaults.sudo, env=None)
-    for name, plans in plans_by_node(plan.tc_plans).items():
+    by_node, chains = plans_by_node(plan.tc_plans), run_chains(lab, plan)
+    for name in dict.fromkeys([*by_node, *chains]):
+        plans, held = by_node.get(name, []), chains.get(name, ())
         journal_devices = list(dict.fromkeys(plan_devices(plans) + [p.interface for p in plans if p.ifb]))
-        for what, line in (
-            ("read the link journal", _sh(node_journal.read_script(workdir))),
-            ("read tc before undoing", _sh(_read_script(journal_devices))),
-            ("undo the shaping (only what the journal says is ours)",
-             _sh(node_journal.commands_script(_undo_for(plans), sudo_words))),
+        undo = [c for r in held for c in r.undo_commands()] + _undo_for(plans)
+        steps = [("read the link journal", _sh(node_journal.read_script(workdir)))]
+        if any(r.queues for r in held) and name in plan.contexts:
+            pidfile = handler_files(plan.contexts[name].path(node_journal.journal_dir(workdir)))["pidfile"]
+            steps.append(("stop the delay handler", _sh(background_stop_script(pidfile, 5.0))))
+        steps.append(("read tc before undoing", _sh(_read_script(journal_devices))))
+        if held:
+            steps.append(("read iptables before undoing", _sh(iptables_read_script(sudo_words))))
+        undo_line = _sh(node_journal.commands_script(undo, sudo_words))
+        steps += [
+            ("undo the shaping (only what the journal says is ours)", undo_line),
             ("read tc after undoing", _sh(_read_script(journal_devices))),
-            ("drop the link journal", _sh(node_journal.remove_script(workdir))),
-        ):  # fmt: skip
+        ]
+        if held:
+            steps.append(("read iptables after undoing", _sh(iptables_read_script(sudo_words))))
+        steps.append(("drop the link journal", _sh(node_journal.remove_script(workdir))))
+        for what, line in steps:
             lines.add(name, "restore", what, line, "at-release")
 
 

@@ -25,9 +25,10 @@ def doctor(
     as_json: JsonOption = False,
 ) -> None:
     """Report what this machine can do for an emulated testbed (root, namespaces, veth, bridges,
-    tc qdiscs, cgroup CPU quotas, sshd, iperf3, mpiexec, torch), by trying each in a scratch
-    namespace. Exits 1 if something the emulated testbed needs is missing. netem is optional:
-    without it, rate shaping works and delay/jitter/loss are reported as unavailable."""
+    tc qdiscs, iptables NFQUEUE, cgroup CPU quotas, sshd, ethtool, ping, iperf3, mpiexec, torch), by
+    trying each in a scratch namespace. Exits 1 if something the emulated testbed needs is missing.
+    netem and NFQUEUE are optional: delay, jitter and loss take netem where the kernel has it, else
+    the NFQUEUE path (the 'delay-path' row says which); without either, rate shaping still works."""
     from testbed.doctor import check_host
 
     if inventory.exists():

@@ -263,3 +263,41 @@ def link_hat_trace(
     trace = hat_trace(group, seed=seed, duration_s=duration)
     write_trace(trace, output)
     out.print(f"wrote {len(trace.steps)} steps over {trace.duration_s:g} s to {output}")
+
+
+@link_app.command("import-mahimahi")
+def link_import_mahimahi(
+    uplink: Annotated[Path, typer.Argument(help="Mahimahi trace of the device's uplink (one delivery ms per line).")],
+    downlink: Annotated[Path, typer.Argument(help="Mahimahi trace of the downlink.")],
+    output: Annotated[Path, typer.Option("--out", help="Our trace CSV to write.")],
+    bin_s: Annotated[
+        float, typer.Option("--bin", help="Seconds per row: opportunities are counted in bins.", min=0.01)
+    ] = 1.0,
+    delay_ms: Annotated[
+        float | None, typer.Option("--delay-ms", help="One-way delay to put on every row (each direction).", min=0)
+    ] = None,
+    loss_pct: Annotated[
+        float | None,
+        typer.Option("--loss-pct", help="One-way loss to put on every row (each direction).", min=0, max=100),
+    ] = None,
+) -> None:
+    """Turn a pair of Mahimahi link traces (e.g. its cellular traces) into our trace CSV for 'link apply
+    --trace' or a campaign's link.trace. Each Mahimahi line is a millisecond at which one 1500-byte
+    packet may be delivered; the opportunities in each --bin seconds become that row's rate (packets x
+    1500 B x 8 / bin). A bin without any gets 8 kbit (HTB cannot stop a link) and the import says how
+    many. Mahimahi traces repeat: the shorter one repeats over the longer. Mahimahi's own delay and
+    loss shells are separate: give them with --delay-ms and --loss-pct."""
+    from netem.mahimahi import MIN_RATE_BIT_S, import_mahimahi
+    from netem.trace import write_trace
+
+    imported = import_mahimahi(uplink, downlink, bin_s=bin_s, delay_ms=delay_ms, loss_pct=loss_pct)
+    write_trace(imported.trace, output)
+    steps = imported.trace.steps
+    mean = [sum(getattr(s, f"{c}_bit_s") for s in steps) / len(steps) for c in ("up", "down")]
+    out.print(
+        f"wrote {len(steps)} rows over {imported.trace.duration_s:g} s to {output} "
+        f"(mean up {format_rate(mean[0])}, down {format_rate(mean[1])})"
+    )
+    if imported.empty_bins:
+        err.print(f"[yellow]{imported.empty_bins} bins had no delivery opportunity: they carry "
+                  f"{format_rate(MIN_RATE_BIT_S)}[/]", highlight=False)  # fmt: skip

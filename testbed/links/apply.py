@@ -252,7 +252,7 @@ def _journal_for(
         ingress_on=tuple(p.interface for p in plans if p.ifb),
         ifbs=tuple(p.ifb for p in plans if p.ifb),
         chains=tuple((c.interface, c.hook_side) for c in chains),
-        handler_pidfile=handler_pidfile if any(c.queues for c in chains) else None,
+        handler_pidfile=handler_pidfile,
         extra={"written_unix_s": round(time.time(), 3), "by": "testbed link apply"},
     )
     return probe.journal.merged_with(new) if probe.journal else new
@@ -349,19 +349,24 @@ def start_delay_handler(transport: Transport, directory: str, python: str, confi
         pidfile=files["pidfile"], logfile=files["log"], sudo=True,
     )  # fmt: skip
     deadline = time.monotonic() + HANDLER_READY_S
-    check = (
-        f"grep -qs '\"event\": \"ready\"' {quote_path(files['stats'])} && echo ready; "
-        f"kill -0 \"$(cat {quote_path(files['pidfile'])})\" 2>/dev/null || echo gone; "
-        f"tail -n 5 {quote_path(files['log'])} 2>/dev/null"
-    )
     while True:
-        lines = transport.run_script(check, sudo=True).stdout.splitlines()
+        lines = transport.run_script(handler_ready_script(files), sudo=True).stdout.splitlines()
         if lines[:1] == ["ready"]:
             return
         if "gone" in lines[:2] or time.monotonic() > deadline:
             detail = " | ".join(line for line in lines if line not in ("gone", "ready")) or "no output"
             raise NodeError(transport.node, f"the NFQUEUE delay handler did not bind its queues: {detail}")
         time.sleep(0.1)
+
+
+def handler_ready_script(files: Mapping[str, str]) -> str:
+    """sh that prints ``ready`` once the handler logged that its queues are bound, ``gone`` if it is
+    not running, then the tail of its output."""
+    return (
+        f"grep -qs '\"event\": \"ready\"' {quote_path(files['stats'])} && echo ready; "
+        f"kill -0 \"$(cut -d' ' -f1 {quote_path(files['pidfile'])})\" 2>/dev/null || echo gone; "
+        f"tail -n 5 {quote_path(files['log'])} 2>/dev/null"
+    )
 
 
 def retime_delay_handler(
@@ -390,9 +395,10 @@ def apply_on_node(
     before the first apply)."""
     if holds_plans(probe, plans, chains):
         return NodeApplied(probe.node, tuple(plans), 0, probe.states, changed=False)
-    directory = node_directory(transport, workdir)
-    files = handler_files(directory)
-    journal = _journal_for(probe, plans, chains, files["pidfile"])
+    queued = any(c.queues for c in chains)
+    directory = node_directory(transport, workdir) if queued else None  # the handler's files need a path
+    files = handler_files(directory) if directory is not None else None
+    journal = _journal_for(probe, plans, chains, files["pidfile"] if files else None)
     if journal.trace_pidfile:  # a trace still playing would overwrite the new rates
         transport.stop_background(journal.trace_pidfile, sudo=True)
         journal = journal.with_trace(None)
@@ -402,10 +408,9 @@ def apply_on_node(
     sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
     node_journal.write(transport, workdir, journal)  # names the chains and the handler before they exist
     transport.run_script(node_journal.commands_script(commands, sudo_words), timeout_s=60.0).check()
-    if any(c.queues for c in chains):
-        config = nfqueue.handler_config(chains, seed=seed)
-        start_delay_handler(transport, directory, python, config)
-    states = read_states(transport, plan_devices(plans))
+    if directory is not None:
+        start_delay_handler(transport, directory, python, nfqueue.handler_config(chains, seed=seed))
+    states = read_states(transport, plan_devices(plans)) if plans else {}
     problems = [d for p in plans for d in differences(p, states)]
     if chains:
         listing = transport.run_script(iptables_read_script(sudo_words), timeout_s=30.0).check().stdout
