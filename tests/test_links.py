@@ -106,7 +106,8 @@ def test_reapplying_changes_in_place_and_removes_classes_no_longer_planned(lab, 
     inv = load_lab(lab)
     first = apply_plans(inv, compile_plan(inv))  # the inventory's links: server -> three devices
     assert first.ok
-    fewer = links_from_file(inv, links_file(tmp_path, "links:\n  - {from: server, to: orin, profile: wifi-up}\n"))
+    fewer = links_from_file(inv, links_file(
+        tmp_path, "link_profiles:\n  p64: {rate: 64mbit}\nlinks:\n  - {from: server, to: orin, profile: p64}\n"))
     second = apply_plans(inv, compile_plan(inv, fewer))
     assert second.ok, [o.error for o in second.applied.failed]
     server = {o.node: o.value for o in show_nodes(inv, ["server"]).outcomes}["server"]
@@ -166,9 +167,9 @@ def test_a_delay_profile_on_the_netem_path_without_netem_is_refused_before_anyth
     before = {n: qdiscs(n) for n in NODES}
     f = links_file(
         tmp_path,
-        "link_profiles:\n  lan: {rate: 40mbit, delay: 5ms}\n  wan: {rate: 8mbit, loss: 1%}\n"
+        "link_profiles:\n  lan: {rate: 40mbit, delay: 5ms}\n  wan: {rate: 8mbit, loss: 1%}\n  fast: {rate: 64mbit}\n"
         "links:\n  - {from: orin, to: server, profile: lan}\n  - {from: server, to: xavier, profile: wan}\n"
-        "  - {from: orin-nx, to: server, profile: wifi-up}\n",
+        "  - {from: orin-nx, to: server, profile: fast}\n",
     )
     with delay_path_set(lab, "netem"):
         proc = run_cli("link", "apply", "-i", str(lab), "--links", str(f))

@@ -34,7 +34,7 @@ from testbed.links import node_journal
 from testbed.links.node_journal import DeviceSnapshot, LinkJournal
 from testbed.links.plans import compile_plan, link_topology, traced_links
 from testbed.transport import Transport, open_transport
-from testbed.transport.base import prefix_words, quote_path
+from testbed.transport.base import background_alive_test, prefix_words, quote_path
 from testbed.transport.fanout import FanOutResult, NodeOutcome, fan_out
 
 Say = Callable[[str], None]
@@ -80,6 +80,7 @@ class NodeProbe:
     states: dict[str, InterfaceState]
     nfqueue: str = "missing: not probed"  # ready, or what the NFQUEUE delay path lacks
     iptables: str = ""  # iptables -t mangle -S
+    handler_config: dict | None = None  # the config of the delay handler running there, if one runs
 
     def delay_path(self, preference: str) -> str:
         """The delay path of the classes this node shapes (``defaults.delay_path``): netem where asked,
@@ -117,9 +118,18 @@ def probe_script(devices: Sequence[str], workdir: str, python: str = "python3", 
             f'echo "#### nfqueue"; {nfqueue_probe(python)}',
             f'echo "#### iptables"; {iptables_read_script(sudo_words)}',
             node_journal.read_script(workdir),
+            handler_read_script(workdir),
             read_script(devices),
         ]
     )
+
+
+def handler_read_script(workdir: str) -> str:
+    """sh that prints, in a ``#### handler`` section, the running delay handler's config (nothing when
+    none runs): a re-apply with the same queues leaves it alone."""
+    files = handler_files(node_journal.journal_dir(workdir))
+    return (f'echo "#### handler"; if {background_alive_test(files["pidfile"])}; then '
+            f"cat {quote_path(files['config'])}; fi; echo")  # fmt: skip
 
 
 def probe_node(
@@ -144,7 +154,16 @@ def probe_node(
         states=parse_read(output),
         nfqueue=sections.get("nfqueue", "").strip() or "missing: not probed",
         iptables=sections.get("iptables", ""),
+        handler_config=_json_or_none(sections.get("handler", "")),
     )
+
+
+def _json_or_none(text: str) -> dict | None:
+    try:
+        value = json.loads(text) if text.strip() else None
+    except json.JSONDecodeError:
+        return None  # half written: a new handler is started
+    return value if isinstance(value, dict) else None
 
 
 def read_states(transport: Transport, devices: Sequence[str]) -> dict[str, InterfaceState]:
@@ -316,14 +335,26 @@ class NodeApplied:
     chains: tuple[nfqueue.NfqueueRules, ...] = ()  # the NFQUEUE delay path's chains it holds
 
 
-def holds_plans(probe: NodeProbe, plans: Sequence[TcPlan], chains: Sequence[nfqueue.NfqueueRules] = ()) -> bool:
-    """Whether the node already holds ``plans`` as our shaping, exactly as read when probing, with no
-    trace player running: then applying them would change nothing. (Delay and loss are not compared,
-    so a plan that has them is always applied, and its delay handler restarted.)"""
-    if probe.journal is None or probe.journal.trace_pidfile or any(p.has_delay_or_loss for p in plans) or chains:
+def holds_plans(
+    probe: NodeProbe, plans: Sequence[TcPlan], chains: Sequence[nfqueue.NfqueueRules] = (), seed: int = 0
+) -> bool:
+    """Whether the node already holds ``plans`` and ``chains`` as our shaping, exactly as read when
+    probing, with no trace player running: then applying them would change nothing. That includes
+    the rules read back and a delay handler running with the same queues and seed. (netem's delay
+    and loss are not compared, so a plan on the netem delay path with them is always applied.)"""
+    if probe.journal is None or probe.journal.trace_pidfile or any(p.uses_netem for p in plans):
         return False
-    if probe.journal.chains and probe.journal.chain_undo_commands(probe.iptables):
-        return False  # an earlier apply's NFQUEUE chains are still there
+    if set(probe.journal.chains) != {(c.interface, c.hook_side) for c in chains}:
+        return False  # an earlier apply's chains that are not planned now, or planned ones missing
+    if any(nfqueue.rule_differences(c, probe.iptables) for c in chains):
+        return False
+    if any(c.queues for c in chains):
+        running = probe.handler_config
+        wanted = json.loads(json.dumps(nfqueue.handler_config(chains, seed=seed)))
+        random = any(q["jitter_s"] or "loss_pct" in q for q in wanted["queues"])
+        keys = [k for k in wanted if k != "seed" or random]  # the seed matters only to jitter and loss draws
+        if running is None or any(running.get(k) != wanted[k] for k in keys):
+            return False
     return not any(differences(p, probe.states) for p in plans)
 
 
@@ -393,7 +424,7 @@ def apply_on_node(
     Raises :class:`NodeError` naming the interface and the difference when the read-back does not
     match. A node that already holds the plans is left alone (its journal keeps the snapshot from
     before the first apply)."""
-    if holds_plans(probe, plans, chains):
+    if holds_plans(probe, plans, chains, seed):
         return NodeApplied(probe.node, tuple(plans), 0, probe.states, changed=False)
     queued = any(c.queues for c in chains)
     directory = node_directory(transport, workdir) if queued else None  # the handler's files need a path

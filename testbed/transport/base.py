@@ -197,6 +197,13 @@ echo $state
 """
 
 
+def background_alive_test(pidfile: str) -> str:
+    """A shell test that succeeds while the process a pidfile names is still that process."""
+    p = _node_path(pidfile, "pidfile")
+    return (f'{{ [ -s {p} ] && read pid start < {p} && [ -n "$pid" ] && '
+            f'[ "$({_starttime("$pid")})" = "$start" ]; }}')  # fmt: skip
+
+
 def background_signal_script(pidfile: str, signal_name: str) -> str:
     """sh that sends ``signal_name`` (e.g. HUP) to the process a pidfile names, if it is still that
     process; prints ``signalled``, ``stale`` or ``absent``."""
