@@ -272,7 +272,7 @@ def killed_applies(lab, lab_dir: Path, inventory: Path, trials: int, seed: int) 
     rng = random.Random(seed)
     rows = []
     for trial in range(trials):
-        wait_s = rng.uniform(0.05, 1.2)
+        wait_s = rng.uniform(0.05, 0.75)  # an apply of these links takes about 0.8 s
         proc = subprocess.Popen([sys.executable, "-m", "testbed", "link", "apply", "-i", str(inventory), "--links",
                                  str(links)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)  # fmt: skip
@@ -300,9 +300,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rtts", type=float, nargs="+", default=[1, 5, 20, 50], help="round trips to check, ms")
     parser.add_argument("--loss-packets", type=int, default=100_000)
-    parser.add_argument("--rates-pps", type=int, nargs="+", default=[5000, 10000, 20000, 30000, 40000, 60000])
+    parser.add_argument("--rates-pps", type=int, nargs="+", default=[5000, 10000, 20000, 40000, 60000, 80000, 100000, 130000])
     parser.add_argument("--load-seconds", type=float, default=7.0)
-    parser.add_argument("--kills", type=int, default=6)
+    parser.add_argument("--kills", type=int, default=8)
     parser.add_argument("--output", default="link_delay")
     args = parser.parse_args()
     with emulated_lab(inventory_text) as lab:

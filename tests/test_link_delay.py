@@ -12,10 +12,12 @@ import statistics
 import pytest
 
 from netem import nfqueue
+from netem import plan as netem_plan
 from netem.plan import compile_plan
 from netem.profile import DirectedLink, LinkProfile
 from netem.topology import LinkNode, LinkTopology
 from nodes import link_delay_handler as handler
+from testbed.links.apply import parse_handler_report
 from testbed.links.node_journal import LinkJournal
 
 
@@ -193,3 +195,31 @@ def test_trace_rows_change_delay_and_loss_on_time_and_a_reload_takes_up_a_new_st
         q.advance(4.0)
         assert (q.delay_s, q.loss.p) == (0.05, 0.1)  # a row without loss keeps the last
     assert '"event": "reloaded"' in (tmp_path / "log.jsonl").read_text()
+
+
+def test_on_the_nfqueue_path_the_class_leaf_is_a_pfifo_and_the_netem_path_keeps_netem():
+    topo = topology([("s", "d", {"rate": "40mbit", "delay": "10ms", "loss": "1%"})])
+    (plan,) = compile_plan(topo)
+    assert plan.uses_netem and plan.leaf_kind(plan.peers[0]) == "netem"
+    assert "netem delay 10000us loss 1%" in " ".join(plan.apply_commands()[2])
+    on_nfqueue = plan.__class__(**{**plan.__dict__, "delay_path": "nfqueue"})
+    assert not on_nfqueue.uses_netem and on_nfqueue.has_delay_or_loss
+    assert on_nfqueue.apply_commands()[2][-3:] == ["pfifo", "limit", str(netem_plan.queue_limit_packets(
+        plan.peers[0].profile))]  # fmt: skip
+
+
+def test_a_handler_report_sums_its_seconds_since_the_run_began_and_says_whether_it_still_runs():
+    lines = [
+        {"event": "ready", "unix_s": 90.0},
+        {"event": "stats", "unix_s": 99.0, "queue_num": 8100, "packets": 50, "late_mean_ms": 9.0, "late_max_ms": 9.0,
+         "dropped": 0},
+        {"event": "stats", "unix_s": 101.0, "queue_num": 8100, "packets": 200, "late_mean_ms": 0.05,
+         "late_max_ms": 0.4, "dropped": 3},
+        {"event": "stats", "unix_s": 102.0, "queue_num": 8100, "packets": 100, "late_mean_ms": None,
+         "late_max_ms": 0.0, "dropped": 0},
+    ]  # fmt: skip
+    text = "\n".join(json.dumps(line) for line in lines)
+    report = parse_handler_report("b", "alive\n" + text + "\n{half a line", since_unix_s=100.0)
+    assert (report.alive, report.seconds, report.packets, report.dropped) == (True, 2, 300, 3)
+    assert (report.late_mean_ms_worst_second, report.late_max_ms) == (0.05, 0.4)
+    assert not parse_handler_report("b", text, since_unix_s=100.0).alive

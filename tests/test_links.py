@@ -226,6 +226,18 @@ def nfqueue_path_checks(inventory: Path, f: Path) -> None:
     lossy = rows[("server", "xavier")]
     assert lossy.loss_pct == pytest.approx(10, abs=3.5) and lossy.loss_packets >= 900, lossy
     assert lossy.measured_rtt_ms == pytest.approx(5, abs=1.0), lossy  # the way back has no delay
+    # the same links again: every node already holds its rules and a handler with the same queues
+    pids = sorted(handler_pids())
+    again = apply_plans(inv, compile_plan(inv, links_from_file(inv, f)))
+    assert again.ok and not any(o.value.changed for o in again.applied.outcomes), again
+    assert sorted(handler_pids()) == pids
+    # link show reads the chains back and each handler's last second: the pings and iperf3 just went through
+    shown = run_cli("link", "show", "-i", str(inventory), "--json")
+    assert shown.returncode == 0, shown.stderr
+    server = next(n for n in json.loads(shown.stdout) if n["node"] == "server")
+    assert list(server["chains"]) == ["TB-IN-data0"] and len(server["chains"]["TB-IN-data0"]) == 2
+    (queue,) = server["delay_handler"]
+    assert (queue["from"], queue["to"], queue["delay_s"]) == ("orin", "server", 0.01) and queue["dropped"] == 0
 
 
 def test_the_interface_of_the_ssh_session_is_never_shaped(lab):

@@ -57,6 +57,7 @@ class _Request(object):
         self.wants_migration: Optional[bool] = None
         self.failure: Optional[str] = None
         self.failed: Set[str] = set()
+        self.why: Dict[str, str] = {}  # a failed stream's error
         self.finished = False
 
     def open(self, name: str, endpoint: str, ids: List[int], budget: int) -> None:
@@ -70,6 +71,7 @@ class _Request(object):
     def take(self, name: str, kind: str, payload, stamp: float) -> None:
         if kind == "failed":
             self.failed.add(name)
+            self.why[name] = str(payload)
             if name == self.source:
                 self.failure, self.finished = "%s: %s" % (name, payload), True
             elif name == self.target:  # the migration is given up: the source streams on
@@ -138,7 +140,8 @@ def dispatch_request(request_id: int, prompt_ids: Sequence[int], max_tokens: int
                     request.open(endpoint, endpoint, request.prompt, max_tokens)
         waiting = [s for e, s in due.items() if e not in request.streams and math.isfinite(s)]
         if request.winner is None and not waiting and set(request.streams) <= request.failed:
-            failures = "; ".join(sorted(request.failed)) or "the route starts neither endpoint"
+            failures = "; ".join("%s (%s)" % (name, request.why.get(name, "?")) for name in sorted(request.failed))
+            failures = failures or "the route starts neither endpoint"
             request.failure = "no endpoint answered: %s" % failures
             break
         wait = min(waiting) - elapsed if waiting and request.winner is None else 1.0

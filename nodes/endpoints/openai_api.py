@@ -322,10 +322,16 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+# socketserver listens with a backlog of 5: every device's calibration (4 streams each) and a race's
+# two streams at once overflowed it on a busy server, and clients saw connections reset.
+LISTEN_BACKLOG = 128
+
+
 def make_server(endpoint: Endpoint, host: str, port: int) -> Tuple[ThreadingHTTPServer, int]:
     """The HTTP server (not started) and the port it bound (``port`` 0: any free one)."""
     handler = type("BoundHandler", (Handler,), {"endpoint": endpoint})
-    server = ThreadingHTTPServer((host, port), handler)
+    server_class = type("EndpointServer", (ThreadingHTTPServer,), {"request_queue_size": LISTEN_BACKLOG})
+    server = server_class((host, port), handler)
     server.daemon_threads = True
     return server, server.server_address[1]
 

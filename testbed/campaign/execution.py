@@ -351,6 +351,7 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
     if started is not None:
         state.links["trace"] = {"file": link.trace, "duration_s": started.duration_s, "logfiles": started.logfiles}
     _require(result.applied, "shaping links")
+    state.links["shaped_unix_s"] = time.time()
     events.write("links_shaped", nodes=list(state.shaped_nodes))
     # what tc read back right after applying (or, where nothing was applied, what the node held then)
     state.links["read_back"] = {o.node: jsonable(o.value.states) for o in result.applied.outcomes if o.value}
@@ -451,6 +452,7 @@ def _collect(campaign: Campaign, run: PlannedRun, directory: Path, state: _RunSt
             state.recording = None
     write_results(directory / "workers" / "ranks", state.schedules, directory)
     _fidelity(directory, state)
+    _delay_fidelity(campaign, state)
     if errors:
         raise TestbedError("; ".join(errors))
 
@@ -476,6 +478,27 @@ def _fidelity(directory: Path, state: _RunState) -> None:
         worst = max(flagged, key=lambda n: flagged[n])
         state.flag = (f"fidelity: {flagged[worst]:.1%} of {worst}'s paced steps overran their target (limit "
                       f"{VIOLATION_LIMIT:.0%}); raise target.dilation")  # fmt: skip
+
+
+def _delay_fidelity(campaign: Campaign, state: _RunState) -> None:
+    """The NFQUEUE delay handlers' record of the run (how late their releases were) into the manifest;
+    a handler that stopped flags the run: its directions went undelayed (--queue-bypass)."""
+    from testbed.links.apply import read_delay_handlers
+    from testbed.links.node_journal import journal_dir
+
+    held = {c["node"] for c in state.links.get("nfqueue", ()) if c["queues"]}
+    if not held or "shaped_unix_s" not in state.links:
+        return
+    plan = _plan(state)
+    workdir = campaign.inventory.spec.defaults.workdir
+    directories = {name: plan.contexts[name].path(journal_dir(workdir)) for name in sorted(held)}
+    read = read_delay_handlers(campaign.inventory, directories, state.links["shaped_unix_s"])
+    state.links["delay_handlers"] = {o.node: jsonable(o.value) if o.value else {"error": o.error}
+                                     for o in read.outcomes}  # fmt: skip
+    stopped = [o.node for o in read.outcomes if o.value is not None and not o.value.alive]
+    if stopped:
+        state.flag = (f"fidelity: the NFQUEUE delay handler on {', '.join(stopped)} was not running at the end of "
+                      "the run: what it delays may have passed undelayed; see the node's delay-handler.log")
 
 
 def _plan(state: _RunState) -> RunPlan:

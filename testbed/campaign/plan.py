@@ -280,7 +280,9 @@ def plan_run(
             tc_plans = compile_plan(lab, links)
         except TestbedError as exc:  # e.g. an emulated testbed that is not up has no data interfaces yet
             unresolved.append(f"link shaping cannot be planned now: {exc}")
-    touched = tuple(dict.fromkeys([*names, *(p.node for p in tc_plans)]))  # shaping reaches beyond the run's nodes
+    # shaping reaches beyond the run's nodes: to the senders of its classes and, on the NFQUEUE delay
+    # path, to the receivers that hold the delayed directions' rules
+    touched = tuple(dict.fromkeys([*names, *(p.node for p in tc_plans), *delay_holders(lab, tc_plans)]))
     contexts = {name: unresolved_context(lab, lab.node(name)) for name in touched}
     reads = reads if reads is not None else NodeReads()
     if live:
@@ -338,6 +340,17 @@ def plan_run(
         unresolved.append("the delay path (netem, or NFQUEUE without sch_netem) is chosen when the nodes are read")
     commands = plan_commands(campaign, plan, probes)
     return dataclasses.replace(plan, unresolved=tuple(unresolved), commands=tuple(commands), probes=probes)
+
+
+def delay_holders(lab: Inventory, tc_plans: Sequence[TcPlan]) -> list[str]:
+    """The nodes that would hold the NFQUEUE rules of the plans' delayed directions."""
+    if not any(p.has_delay_or_loss for p in tc_plans):
+        return []
+    from netem.nfqueue import compile_chains
+    from testbed.links.plans import link_topology
+
+    on_nfqueue = [dataclasses.replace(p, delay_path="nfqueue") for p in tc_plans]
+    return list(dict.fromkeys(c.node for c in compile_chains(link_topology(lab), on_nfqueue)))
 
 
 def pool_lifetime_s(campaign: Campaign) -> float:

@@ -23,6 +23,7 @@ from testbed.links.apply import (
     commands_for,
     handler_files,
     handler_ready_script,
+    handler_report_script,
     iptables_commands_for,
     iptables_read_script,
     plan_devices,
@@ -210,6 +211,11 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
         for sampler in plan.telemetry.samplers:
             pidfile = sampler_paths(ctx[sampler.node], plan.telemetry.session)[1]
             lines.add(sampler.node, "collect", "stop the sampler", _sh(background_stop_script(pidfile, 5.0)))
+    for name, held in run_chains(lab, plan).items():
+        if any(r.queues for r in held):
+            handler = handler_files(ctx[name].path(node_journal.journal_dir(lab.spec.defaults.workdir)))
+            lines.add(name, "collect", "read the delay handler's record of the run",
+                      _sh(handler_report_script(handler)))  # fmt: skip
     for service in plan.services:
         lines.add(service.node, "restore", "stop the LLM service",
                   _sh(background_stop_script(service.files.pidfile, STOP_GRACE_S)))  # fmt: skip

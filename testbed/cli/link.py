@@ -124,7 +124,9 @@ def link_apply(
 def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: JsonOption = False) -> None:
     """Print what is shaped on every node, read back from tc (not from the inventory): each HTB
     class with its peer, rate, queue and the bytes, packets and drops counted since it was
-    applied, and whether a trace player runs. Exits 1 if a node cannot be read."""
+    applied, and whether a trace player runs; on the NFQUEUE delay path, each receiver's handler:
+    its directions, delays and last second (packets, how late its releases were, held, dropped).
+    Exits 1 if a node cannot be read."""
     from testbed.links.apply import show_nodes
 
     inv = load_lab(inventory)
@@ -138,6 +140,7 @@ def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: Json
                 {
                     "node": o.node, "error": o.error, "journal": v is not None and v.journal is not None,
                     "classes": {d: jsonable(s.classes) for d, s in v.states.items()} if v else {},
+                    "chains": v.chains if v else {}, "delay_handler": list(v.handler) if v else [],
                     "qdiscs": {d: list(s.qdiscs) for d, s in v.states.items()} if v else {},
                 }
             )  # fmt: skip
@@ -168,6 +171,22 @@ def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: Json
         for o in result.outcomes:
             if o.value is not None and o.value.journal is not None and o.value.journal.trace_pidfile:
                 out.print(f"{o.node}: a trace player was started ({o.value.journal.trace_pidfile})")
+        delayed = Table(title="NFQUEUE delay path: each receiver's handler, its last second")
+        for column in ("node", "direction", "delay", "packets", "late mean / max ms", "held", "dropped"):
+            delayed.add_column(column, overflow="fold")
+        for o in result.outcomes:
+            v = o.value
+            if v is None or not v.chains:
+                continue
+            if not v.handler:
+                delayed.add_row(o.node, "; ".join(r for lines in v.chains.values() for r in lines[1:]),
+                                "", "", "[yellow]handler not running: packets pass undelayed[/]", "", "")  # fmt: skip
+            for q in v.handler:
+                late = f"{q['late_mean_ms'] if q['late_mean_ms'] is not None else '-'} / {q['late_max_ms']}"
+                delayed.add_row(o.node, f"{q.get('from')} -> {q.get('to')}", f"{1000 * q['delay_s']:g} ms",
+                                str(q["packets"]), late, str(q["held"]), str(q["dropped"]))  # fmt: skip
+        if delayed.rows:
+            out.print(delayed)
     if not result.ok:
         _print_outcome_errors(result)
         raise typer.Exit(1)

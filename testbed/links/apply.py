@@ -344,7 +344,9 @@ def holds_plans(
     and loss are not compared, so a plan on the netem delay path with them is always applied.)"""
     if probe.journal is None or probe.journal.trace_pidfile or any(p.uses_netem for p in plans):
         return False
-    if set(probe.journal.chains) != {(c.interface, c.hook_side) for c in chains}:
+    present = nfqueue.chains_in(probe.iptables)
+    ours_there = {c for c in probe.journal.chains if nfqueue.chain_name(*c) in present}
+    if ours_there != {(c.interface, c.hook_side) for c in chains}:
         return False  # an earlier apply's chains that are not planned now, or planned ones missing
     if any(nfqueue.rule_differences(c, probe.iptables) for c in chains):
         return False
@@ -425,7 +427,7 @@ def apply_on_node(
     match. A node that already holds the plans is left alone (its journal keeps the snapshot from
     before the first apply)."""
     if holds_plans(probe, plans, chains, seed):
-        return NodeApplied(probe.node, tuple(plans), 0, probe.states, changed=False)
+        return NodeApplied(probe.node, tuple(plans), 0, probe.states, changed=False, chains=tuple(chains))
     queued = any(c.queues for c in chains)
     directory = node_directory(transport, workdir) if queued else None  # the handler's files need a path
     files = handler_files(directory) if directory is not None else None
@@ -632,6 +634,8 @@ class NodeShaping:
     node: str
     journal: LinkJournal | None
     states: dict[str, InterfaceState]
+    chains: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # our iptables chains, as -S prints
+    handler: tuple[dict, ...] = ()  # the delay handler's latest stats line per queue (none: not running)
 
 
 def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanOutResult[NodeShaping]:
@@ -644,9 +648,76 @@ def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanO
             journal = node_journal.read(t, _workdir(inventory))
             if journal:
                 devices += [*journal.devices, *journal.ifbs]
-            return NodeShaping(name, journal, read_states(t, list(dict.fromkeys(devices))))
+            states = read_states(t, list(dict.fromkeys(devices)))
+            if journal is None or not journal.chains:
+                return NodeShaping(name, journal, states)
+            sudo_words = prefix_words(sudo=t.use_sudo, env=None)
+            listing = t.run_script(iptables_read_script(sudo_words), timeout_s=30.0).check().stdout
+            chains = {nfqueue.chain_name(i, side): nfqueue.chain_lines(listing, nfqueue.chain_name(i, side))
+                      for i, side in journal.chains}  # fmt: skip
+            handler: tuple[dict, ...] = ()
+            if journal.handler_pidfile:
+                files = handler_files(journal.handler_pidfile.rsplit("/", 1)[0])
+                text = t.run_script(f"if {background_alive_test(files['pidfile'])}; then tail -n 64 "
+                                    f"{quote_path(files['stats'])}; fi", sudo=True).stdout  # fmt: skip
+                latest: dict[int, dict] = {}
+                for line in text.splitlines():
+                    record = _json_or_none(line)
+                    if record and record.get("event") == "stats":
+                        latest[record["queue_num"]] = record
+                handler = tuple(latest[k] for k in sorted(latest))
+            return NodeShaping(name, journal, states, chains, handler)
 
-    return fan_out(names, show, description="reading tc")
+    return fan_out(names, show, description="reading tc and iptables")
+
+
+def handler_report_script(files: Mapping[str, str]) -> str:
+    """sh that prints ``alive`` while the delay handler runs, then its latest stats lines."""
+    return (f"if {background_alive_test(files['pidfile'])}; then echo alive; fi; "
+            f"tail -n {HANDLER_REPORT_LINES} {quote_path(files['stats'])} 2>/dev/null; true")  # fmt: skip
+
+
+HANDLER_REPORT_LINES = 20_000  # a queue's line a second: hours of a few queues
+
+
+@dataclass(frozen=True)
+class DelayHandlerReport:
+    """What one node's delay handler did since a time: per second and queue, how late its releases
+    were (the NFQUEUE path's own delay error), and whether it still runs."""
+
+    node: str
+    alive: bool
+    seconds: int  # stats lines (one per queue and second)
+    packets: int
+    late_mean_ms_worst_second: float | None
+    late_max_ms: float | None
+    dropped: int  # drawn by the handler (correlated or trace loss)
+
+
+def parse_handler_report(node: str, output: str, since_unix_s: float) -> DelayHandlerReport:
+    lines = output.splitlines()
+    alive = bool(lines) and lines[0] == "alive"
+    stats = [r for r in (_json_or_none(line) for line in lines[1 if alive else 0:])
+             if r and r.get("event") == "stats" and r.get("unix_s", 0) >= since_unix_s]  # fmt: skip
+    means = [r["late_mean_ms"] for r in stats if r.get("late_mean_ms") is not None]
+    return DelayHandlerReport(
+        node, alive, len(stats), sum(r["packets"] for r in stats), max(means) if means else None,
+        max((r["late_max_ms"] for r in stats), default=None), sum(r["dropped"] for r in stats),
+    )
+
+
+def read_delay_handlers(
+    inventory: Inventory, directories: Mapping[str, str], since_unix_s: float
+) -> FanOutResult[DelayHandlerReport]:
+    """Each node's delay handler record since ``since_unix_s`` (``directories``: node -> the journal's
+    directory there, as a path)."""
+
+    def read(name: str) -> DelayHandlerReport:
+        with open_transport(inventory, inventory.node(name)) as t:
+            output = t.run_script(handler_report_script(handler_files(directories[name])), timeout_s=30.0).stdout
+            return parse_handler_report(name, output, since_unix_s)
+
+    return fan_out(list(directories), read, description="reading delay handlers")
 
 
 PLAYER_SOURCE = Path(__file__).resolve().parents[2] / "nodes" / "link_trace_player.py"
