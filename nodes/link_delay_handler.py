@@ -208,6 +208,9 @@ class Handler(object):
                 q.advance(now - self.start_mono)
             wait = IDLE_WAIT_S if not self.held else max(0.0, self.held[0][0] - now - SPIN_S)
             wait = min(wait, max(0.0, next_stats - now))
+            for q in self.queues:  # a trace's next row is taken up on time, also on an idle link
+                if q.timeline:
+                    wait = min(wait, max(0.0, self.start_mono + q.timeline[0][0] - now))
             try:
                 readable, _w, _x = select.select(list(fds), [], [], wait)
             except InterruptedError:

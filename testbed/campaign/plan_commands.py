@@ -290,10 +290,11 @@ def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:
         queued = any(r.queues for r in held)
         directory = plan.contexts[name].path(node_journal.journal_dir(workdir)) if name in plan.contexts else None
         if queued:
+            earlier = handler_files(directory or node_journal.journal_dir(workdir))["pidfile"]
             lines.add(name, "configure", "where the delay handler lives",
                       _sh("echo " + quote_path(node_journal.journal_dir(workdir))), when)  # fmt: skip
             lines.add(name, "configure", "stop the delay handler of an earlier apply",
-                      _sh(background_stop_script(handler_files(directory or "~")["pidfile"], 5.0)), "live")  # fmt: skip
+                      _sh(background_stop_script(earlier, 5.0)), "live")  # fmt: skip
         lines.store(name, "configure", "write the link journal (the interfaces, rules and handler as they were)",
                     node_journal.journal_path(workdir), "if-differs")  # fmt: skip
         lines.add(name, "configure", "shape the links", _sh(node_journal.commands_script(commands, sudo_words)), when)

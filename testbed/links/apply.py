@@ -353,8 +353,8 @@ def holds_plans(
     if any(c.queues for c in chains):
         running = probe.handler_config
         wanted = json.loads(json.dumps(nfqueue.handler_config(chains, seed=seed)))
-        random = any(q["jitter_s"] or "loss_pct" in q for q in wanted["queues"])
-        keys = [k for k in wanted if k != "seed" or random]  # the seed matters only to jitter and loss draws
+        drawn = any(q["jitter_s"] or "loss_pct" in q for q in wanted["queues"])
+        keys = [k for k in wanted if k != "seed" or drawn]  # the seed matters only to jitter and loss draws
         if running is None or any(running.get(k) != wanted[k] for k in keys):
             return False
     return not any(differences(p, probe.states) for p in plans)

@@ -43,7 +43,7 @@ class LinkJournal:
     ingress_on: tuple[str, ...] = ()  # devices we put an ingress qdisc on
     ifbs: tuple[str, ...] = ()  # ifb devices we created
     trace_pidfile: str | None = None  # the trace player running on the node, if any
-    chains: tuple[tuple[str, str], ...] = ()  # (interface, direction) of each iptables chain we made
+    chains: tuple[tuple[str, str], ...] = ()  # (interface, hook side) of each iptables chain we made
     handler_pidfile: str | None = None  # the NFQUEUE delay handler, if any
     extra: dict = field(default_factory=dict)  # written_unix_s, by
 
@@ -62,9 +62,6 @@ class LinkJournal:
 
     def with_trace(self, pidfile: str | None) -> LinkJournal:
         return replace(self, trace_pidfile=pidfile)
-
-    def with_handler(self, pidfile: str | None) -> LinkJournal:
-        return replace(self, handler_pidfile=pidfile)
 
     def to_json(self) -> str:
         return json.dumps(
