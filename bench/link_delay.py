@@ -300,7 +300,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rtts", type=float, nargs="+", default=[1, 5, 20, 50], help="round trips to check, ms")
     parser.add_argument("--loss-packets", type=int, default=100_000)
-    parser.add_argument("--rates-pps", type=int, nargs="+", default=[5000, 10000, 20000, 40000, 60000, 80000, 100000, 130000])
+    parser.add_argument("--rates-pps", type=int, nargs="+",
+                        default=[5000, 10000, 20000, 40000, 60000, 80000, 100000, 130000])
     parser.add_argument("--load-seconds", type=float, default=7.0)
     parser.add_argument("--kills", type=int, default=8)
     parser.add_argument("--output", default="link_delay")
