@@ -392,7 +392,7 @@ def test_link_clear_restores_everything_after_the_controller_is_killed_mid_apply
 
 
 def test_link_commands_explain_themselves_and_bad_input_exits_2(lab, tmp_path):
-    for command in ("apply", "show", "verify", "clear", "hat-trace"):
+    for command in ("apply", "show", "verify", "clear", "hat-trace", "import-mahimahi"):
         proc = run_cli("link", command, "--help")
         assert proc.returncode == 0 and len(proc.stdout) > 300, command
     bad = tmp_path / "bad.csv"
