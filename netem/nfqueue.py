@@ -10,9 +10,11 @@ host would count against TCP small queues (which allow about 1 ms of pacing in t
 link's delay; netem orphans its packets for this reason, NFQUEUE cannot) and a packet dropped there
 is retried by the sender instead of lost. Only a receiver that cannot run iptables (a phone) has its
 rules on the sender, in mangle POSTROUTING, matching the receiver's address, with those limits.
-Random loss is decided in the kernel before the queue, so a dropped packet costs the handler nothing;
-correlated loss (a Gilbert chain) and a trace's loss are drawn by the handler. Every rule carries
-``--queue-bypass``: with no handler bound, packets pass undelayed, never blackholed.
+Loss is decided in the kernel before the queue, so a dropped packet costs the handler nothing: random
+loss with ``-m statistic``, correlated loss as a Gilbert chain whose bad state is the other end's
+address in an ``xt_recent`` list (three rules, no user space). Only a trace's loss, whose rows change
+it, is drawn by the handler. Every NFQUEUE rule carries ``--queue-bypass``: with no handler bound,
+packets pass undelayed, never blackholed.
 """
 
 from __future__ import annotations
@@ -67,22 +69,51 @@ class DelayedDirection:
     interface: str  # the holder's data interface
     match_address: str  # the sender's address (ingress) or the receiver's (egress)
     queue_num: int | None  # None: kernel loss only, no packet goes through the handler
-    loss_in_handler: bool  # correlated loss, or a trace's (its rows change it)
+    loss_in_handler: bool  # a trace's loss (its rows change it)
 
     @property
     def kernel_drop_probability(self) -> float | None:
-        if self.loss_in_handler or not self.profile.loss_pct:
+        """Independent loss, dropped by ``-m statistic`` (None: no loss, or drawn elsewhere)."""
+        if self.loss_in_handler or not self.profile.loss_pct or self.profile.loss_correlation_pct:
             return None
         return self.profile.loss_pct / 100
 
+    @property
+    def gilbert(self) -> tuple[float, float] | None:
+        """Correlated loss as a two-state Gilbert chain in the kernel: (P(kept -> lost), P(lost -> kept)).
+        With stationary loss p and lag-1 correlation rho: p (1 - rho) and (1 - p)(1 - rho), so that
+        P(lost | lost) = p + rho (1 - p) (the handler's model, nodes/link_delay_handler.GilbertLoss)."""
+        if self.loss_in_handler or not self.profile.loss_pct or not self.profile.loss_correlation_pct:
+            return None
+        p, rho = self.profile.loss_pct / 100, self.profile.loss_correlation_pct / 100
+        return p * (1 - rho), (1 - p) * (1 - rho)
+
+    @property
+    def recent_list(self) -> str:
+        """The xt_recent list that holds this direction's Gilbert state (its sender, or receiver)."""
+        return "tbge_" + self.match_address.replace(".", "_")
+
     def rule_words(self) -> list[list[str]]:
-        """This direction's rules in the holder's chain: a statistic DROP, then the NFQUEUE."""
+        """This direction's rules in the holder's chain: loss (a statistic DROP, or the three rules of a
+        Gilbert chain whose bad state is the other end's address in an xt_recent list), then the NFQUEUE.
+        Words are as ``iptables -S`` prints them, so that the read-back compares them as they are."""
         match = ["-s" if self.hook_side == "ingress" else "-d", f"{self.match_address}/32"]
         rules = []
         probability = self.kernel_drop_probability
         if probability is not None:
             rules.append([*match, "-m", "statistic", "--mode", "random", "--probability", f"{probability:.11f}",
                           "-j", "DROP"])  # fmt: skip
+        if self.gilbert is not None:
+            to_bad, to_good = self.gilbert
+            side = "--rsource" if self.hook_side == "ingress" else "--rdest"
+            listed = ["--name", self.recent_list, "--mask", "255.255.255.255", side]
+            rules += [
+                [*match, "-m", "recent", "!", "--rcheck", *listed, "-m", "statistic", "--mode", "random",
+                 "--probability", f"{to_bad:.11f}", "-m", "recent", "--set", *listed, "-j", "DROP"],
+                [*match, "-m", "recent", "--rcheck", *listed, "-m", "statistic", "--mode", "random",
+                 "--probability", f"{to_good:.11f}", "-m", "recent", "--remove", *listed],
+                [*match, "-m", "recent", "--rcheck", *listed, "-j", "DROP"],
+            ]  # fmt: skip
         if self.queue_num is not None:
             rules.append([*match, "-j", "NFQUEUE", "--queue-num", str(self.queue_num), "--queue-bypass"])
         return rules
@@ -172,7 +203,7 @@ def compile_chains(
         other = topology.node(sender if on_receiver else receiver)
         if holder.data_interface is None or other.data_address is None:
             raise ValueError(f"{holder.name} or {other.name} has no data interface and address")
-        in_handler = (sender, receiver) in traced or bool(profile.loss_pct and profile.loss_correlation_pct)
+        in_handler = (sender, receiver) in traced
         queued = in_handler or bool(profile.delay_s or profile.jitter_s)
         queue_num = None
         if queued:

@@ -7,8 +7,8 @@ handler bound they pass undelayed, never dropped). This handler binds every queu
 config, stamps each packet on arrival, and gives it its verdict (accept) at its due time: arrival +
 delay + a jitter draw, held in one heap ordered by due time. Per queue, due times never go
 backwards unless the queue's ``reorder`` is set, so jitter does not reorder a flow (netem's tfifo
-would). Loss given to a queue (correlated loss, which ``-m statistic`` cannot do, or a trace's,
-whose rows change it) is drawn here as a two-state Gilbert chain; other loss stays in the kernel.
+would). A trace's loss, whose rows change it, is drawn here (a two-state Gilbert chain); other loss,
+correlated loss included, is dropped in the kernel before the queue (netem/nfqueue.py).
 
 The config gives ``start_unix_s`` (t = 0 of a trace, on the controller's clock), ``seed`` and
 ``queues``: each with ``queue_num``, ``from``/``to`` (the direction), ``delay_s``, ``jitter_s``,

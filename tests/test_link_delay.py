@@ -81,15 +81,25 @@ def test_rules_sit_on_the_receiver_except_for_a_phone_and_their_commands_are_exa
     assert chains[("d", "ingress")].queues[0]["queue_num"] == 8100
 
 
-def test_correlated_and_traced_loss_go_to_the_handler_and_queues_are_sized_from_rate_and_delay():
+def test_correlated_loss_is_a_gilbert_chain_in_the_kernel_and_a_traces_loss_goes_to_the_handler():
     topo = topology([
         ("d", "s", {"rate": "8mbit", "loss": "5%", "loss_correlation": "50%"}),
         ("s", "d", {"rate": "8mbit", "delay": "1us", "loss": "3%"}),
     ])  # fmt: skip
     correlated = chains_of(topo)[("s", "ingress")]
-    (rule,) = correlated.directions[0].rule_words()  # no kernel DROP: the handler draws it
-    assert "NFQUEUE" in rule and "statistic" not in rule
-    assert correlated.queues[0]["loss_pct"] == 5 and correlated.queues[0]["loss_correlation_pct"] == 50
+    assert correlated.queues == ()  # no delay: no packet of this direction goes through user space
+    listed = "--name tbge_10_250_0_2 --mask 255.255.255.255 --rsource"
+    # good -> bad with p (1 - rho) = 0.025 (and drop), bad -> good with (1 - p)(1 - rho) = 0.475, bad: drop
+    assert lines(correlated.apply_commands())[1:4] == [
+        f"iptables -w -t mangle -A TB-IN-eth1 -s 10.250.0.2/32 -m recent ! --rcheck {listed} -m statistic --mode "
+        f"random --probability 0.02500000000 -m recent --set {listed} -j DROP",
+        f"iptables -w -t mangle -A TB-IN-eth1 -s 10.250.0.2/32 -m recent --rcheck {listed} -m statistic --mode "
+        f"random --probability 0.47500000000 -m recent --remove {listed}",
+        f"iptables -w -t mangle -A TB-IN-eth1 -s 10.250.0.2/32 -m recent --rcheck {listed} -j DROP",
+    ]  # fmt: skip
+    p, rho = 0.05, 0.5  # the chain's P(lost | lost) is the handler model's
+    to_bad, to_good = correlated.directions[0].gilbert
+    assert (to_bad, 1 - to_good) == pytest.approx((p * (1 - rho), p + rho * (1 - p)))
     traced = chains_of(topo, traced={("s", "d")})[("d", "ingress")]
     (rule,) = traced.directions[0].rule_words()  # a trace's rows change the loss: the handler's
     assert "statistic" not in rule and traced.queues[0]["loss_pct"] == 3

@@ -359,6 +359,38 @@ def test_a_trace_plays_its_delay_and_loss_columns_on_the_nfqueue_path(lab, tmp_p
     assert handler_pids() == [] and journals(lab) == []
 
 
+def test_correlated_loss_is_a_gilbert_chain_in_the_kernel_with_no_handler(lab, tmp_path):
+    """10% loss with 50% correlation: P(lost | lost) = 0.1 + 0.5 x 0.9 = 0.55, so bursts of 1 / 0.45 =
+    2.2 datagrams on average, from three iptables rules (xt_recent holds the bad state), no handler."""
+    from tests.udp_sequence import loss_runs
+
+    f = links_file(tmp_path, "link_profiles:\n  bursty: {rate: 40mbit, loss: 10%, loss_correlation: 50%}\n"
+                             "links:\n  - {from: orin, to: server, profile: bursty}\n")  # fmt: skip
+    count = 20_000
+    with delay_path_set(lab, "nfqueue"):
+        proc = run_cli("link", "apply", "-i", str(lab), "--links", str(f))
+        try:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert handler_pids() == [] and sum("recent" in r for r in mangle("server")) == 3
+            receiver = subprocess.Popen(
+                ["ip", "netns", "exec", f"{PREFIX}-server", sys.executable, "-m", "tests.udp_sequence", "receive",
+                 data_address("server"), "5601", "30"], cwd=REPO, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            time.sleep(0.5)
+            subprocess.run(["ip", "netns", "exec", f"{PREFIX}-orin", sys.executable, "-m", "tests.udp_sequence", "send",
+                            data_address("server"), "5601", str(count), "5000"], cwd=REPO, check=True,
+                           timeout=60)  # fmt: skip
+            got = json.loads(receiver.communicate(timeout=60)[0])
+        finally:
+            cleared = run_cli("link", "clear", "-i", str(lab))
+    assert cleared.returncode == 0, cleared.stdout + cleared.stderr
+    runs = loss_runs(got, count)
+    lost = sum(runs) / count
+    print(f"gilbert: lost {lost:.4f} over {count} datagrams, mean burst {sum(runs) / len(runs):.3f} ({len(runs)} bursts)")
+    assert lost == pytest.approx(0.10, abs=0.025), lost
+    assert sum(runs) / len(runs) == pytest.approx(1 / 0.45, rel=0.15), (len(runs), sum(runs))
+
+
 @pytest.mark.parametrize("delayed", [False, True], ids=["rate", "nfqueue-delay"])
 def test_link_clear_restores_everything_after_the_controller_is_killed_mid_apply(lab, tmp_path, delayed):
     """SIGKILL once the first node has journaled; clear leaves no qdisc, rule or handler of ours."""
