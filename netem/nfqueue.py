@@ -182,6 +182,19 @@ def undo_chain_commands(interface: str, hook_side: str, *, jump: bool = True, ch
     return commands
 
 
+def undo_present_chains(chains: Sequence[tuple[str, str]], listing: str) -> list[list[str]]:
+    """Remove those of ``chains`` ((interface, hook side) pairs) still in ``listing`` (``iptables -S``):
+    each jump into one, then the chain. Rules of others are never touched."""
+    commands: list[list[str]] = []
+    present = chains_in(listing)
+    for interface, hook_side in chains:
+        jump = has_jump(listing, interface, hook_side)
+        chain = chain_name(interface, hook_side) in present
+        if jump or chain:
+            commands += undo_chain_commands(interface, hook_side, jump=jump, chain=chain)
+    return commands
+
+
 def compile_chains(
     topology: LinkTopology, plans: Sequence[TcPlan], traced: Collection[tuple[str, str]] = ()
 ) -> tuple[NfqueueRules, ...]:

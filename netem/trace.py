@@ -205,7 +205,8 @@ def traced_links(
             rate_bit_s=getattr(first, f"{column}_bit_s"),
             delay_s=(first.delay_s or 1e-6) if trace.has_delay_or_loss else None,
             jitter_s=None, distribution=None,
-            loss_pct=first.loss_pct, loss_correlation_pct=None, reorder=False,
+            # the rows change the loss; how bursty it is stays the link's own (netem or the handler's chain)
+            loss_pct=first.loss_pct, loss_correlation_pct=link.profile.loss_correlation_pct, reorder=False,
             # the queue is sized once, for the fastest row (the user's own limit, if given, wins)
             queue_limit_packets=queue_limit_packets(link.profile.model_copy(update={"rate_bit_s": rate_max})),
         )  # fmt: skip

@@ -233,3 +233,18 @@ def test_a_handler_report_sums_its_seconds_since_the_run_began_and_says_whether_
     assert (report.alive, report.seconds, report.packets, report.dropped) == (True, 2, 300, 3)
     assert (report.late_mean_ms_worst_second, report.late_max_ms) == (0.05, 0.4)
     assert not parse_handler_report("b", text, since_unix_s=100.0).alive
+
+
+def test_a_traced_link_keeps_its_profiles_loss_correlation_for_the_handlers_chain(tmp_path):
+    from netem.trace import load_trace, traced_links
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("t_s,up_rate,down_rate,delay_ms,loss_pct\n0,8mbit,8mbit,5,2\n3,8mbit,8mbit,5,10\n")
+    topo = topology([("d", "s", {"rate": "8mbit", "loss": "1%", "loss_correlation": "30%"}), ("s", "d", {})])
+    links, driven = traced_links(topo, {"d": load_trace(trace)})
+    up = links[0]
+    assert (up.profile.loss_pct, up.profile.loss_correlation_pct) == (2, 30)  # the row's loss, the link's burstiness
+    plans = tuple(p.__class__(**{**p.__dict__, "delay_path": "nfqueue"})
+                  for p in compile_plan(LinkTopology(topo.source, topo.nodes, links)))  # fmt: skip
+    chain = {c.node: c for c in nfqueue.compile_chains(topo, plans, tuple(driven))}["s"]
+    assert chain.queues[0]["loss_pct"] == 2 and chain.queues[0]["loss_correlation_pct"] == 30

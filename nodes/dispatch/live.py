@@ -15,7 +15,7 @@ with one model at both ends: they must agree).
 import math
 import queue
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -56,8 +56,7 @@ class _Request(object):
         self.handoff = self.held = self.mismatches = 0
         self.wants_migration: Optional[bool] = None
         self.failure: Optional[str] = None
-        self.failed: Set[str] = set()
-        self.why: Dict[str, str] = {}  # a failed stream's error
+        self.failed: Dict[str, str] = {}  # a failed stream's name -> its error
         self.finished = False
 
     def open(self, name: str, endpoint: str, ids: List[int], budget: int) -> None:
@@ -70,8 +69,7 @@ class _Request(object):
 
     def take(self, name: str, kind: str, payload, stamp: float) -> None:
         if kind == "failed":
-            self.failed.add(name)
-            self.why[name] = str(payload)
+            self.failed[name] = str(payload)
             if name == self.source:
                 self.failure, self.finished = "%s: %s" % (name, payload), True
             elif name == self.target:  # the migration is given up: the source streams on
@@ -139,8 +137,8 @@ def dispatch_request(request_id: int, prompt_ids: Sequence[int], max_tokens: int
                 if endpoint not in request.streams and start_s <= elapsed:
                     request.open(endpoint, endpoint, request.prompt, max_tokens)
         waiting = [s for e, s in due.items() if e not in request.streams and math.isfinite(s)]
-        if request.winner is None and not waiting and set(request.streams) <= request.failed:
-            failures = "; ".join("%s (%s)" % (name, request.why.get(name, "?")) for name in sorted(request.failed))
+        if request.winner is None and not waiting and set(request.streams) <= set(request.failed):
+            failures = "; ".join("%s (%s)" % (name, request.failed[name]) for name in sorted(request.failed))
             failures = failures or "the route starts neither endpoint"
             request.failure = "no endpoint answered: %s" % failures
             break

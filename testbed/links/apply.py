@@ -316,7 +316,7 @@ def iptables_commands_for(chains: Sequence[nfqueue.NfqueueRules], probe: NodePro
     commands: list[list[str]] = []
     stale = [c for c in (probe.journal.chains if probe.journal else ()) if c not in planned]
     if stale:
-        commands += LinkJournal(devices={}, chains=tuple(stale)).chain_undo_commands(listing)
+        commands += nfqueue.undo_present_chains(stale, listing)
     present = nfqueue.chains_in(listing)
     for c in chains:
         commands += c.apply_commands(

@@ -116,16 +116,8 @@ class LinkJournal:
         return commands
 
     def chain_undo_commands(self, listing: str) -> list[list[str]]:
-        """Remove our iptables chains that are still there (``listing``: ``iptables -t mangle -S``):
-        each jump into one, then the chain. Rules of others are never touched."""
-        commands: list[list[str]] = []
-        present = nfqueue.chains_in(listing)
-        for interface, direction in self.chains:
-            jump = nfqueue.has_jump(listing, interface, direction)
-            chain = nfqueue.chain_name(interface, direction) in present
-            if jump or chain:
-                commands += nfqueue.undo_chain_commands(interface, direction, jump=jump, chain=chain)
-        return commands
+        """Remove our iptables chains that are still there (``listing``: ``iptables -t mangle -S``)."""
+        return nfqueue.undo_present_chains(self.chains, listing)
 
     def snapshot_differences(self, states: dict[str, InterfaceState], listing: str = "") -> list[str]:
         """Where the devices differ from the snapshot, and which of our chains are left (after undo

@@ -187,7 +187,7 @@ def measure_link(
             ok = ok and abs(loss - target_loss) <= loss_tolerance_pct(target_loss, loss_packets)
     return row(
         measured_rate_bit_s=measured, rate_error_pct=error_pct, retransmits=retransmits, measured_rtt_ms=rtt,
-        rtt_mdev_ms=mdev, round_trip_loss_pct=rt_loss, loss_pct=loss, loss_packets=int(loss_packets or 0) or None,
+        rtt_mdev_ms=mdev, round_trip_loss_pct=rt_loss, loss_pct=loss, loss_packets=loss_packets,
         within_tolerance=ok, note=note,
     )  # fmt: skip
 
