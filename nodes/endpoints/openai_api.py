@@ -13,9 +13,17 @@ A client that closes its connection cancels its request: generation stops at the
 request is logged as cancelled with the tokens it produced (billing counts them). Every request is
 one line of ``endpoint_requests.jsonl``, written when it ends: its times on this node's monotonic clock
 and whether they were modeled.
+
+Limits (``EndpointLimits``): a body over ``max_body_bytes`` is refused with 413, a missing or bad
+``Content-Length`` with 400; a connection that sends nothing or reads nothing for ``timeout_s`` is
+dropped (a stream it was reading is cancelled); more than ``max_in_flight`` completions at once, or
+more than ``max_connections`` open connections, are refused with 429. Fields are checked strictly
+(``request_checks.py``). With a key, every route asks for it (``Authorization: Bearer KEY``),
+compared in constant time.
 """
 
 import contextlib
+import hmac
 import json
 import os
 import select
@@ -24,43 +32,69 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from nodes.contracts.records import JsonLinesLog
 
 from .generator import PacedGenerator, max_tokens_for
 from .pace import Pace
+from .request_checks import ApiError, CompletionRequest, completion_request
 
-CHAT_TEMPLATE_SUFFIX = "assistant:"
+CONTENT_LENGTH_DIGITS = 18  # more digits than any body this endpoint takes: a bad length, not a big body
+DISCARD_MAX_BYTES = 16 << 20  # a refused body up to this size is read and dropped, so its client hears why
+LINGER_S = 5.0  # at most this long reading what a refused client still sends before the connection closes
+REFUSAL_TIMEOUT_S = 2.0  # a connection over the cap: how long it may take to send its request line
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+class EndpointLimits(NamedTuple):
+    """What one endpoint takes; the defaults fit a campaign's dispatchers (64 requests at once each)."""
 
-    def body(self) -> bytes:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return json.dumps({"error": {"message": self.message, "type": kind, "param": self.param,
-                                     "code": None}}).encode()  # fmt: skip
+    max_body_bytes: int = 1 << 20  # a request's JSON body
+    timeout_s: float = 60.0  # a connection sending nothing (mid-request or idle) or reading nothing is dropped
+    max_in_flight: int = 128  # completions generating at once; more are refused with 429
+    max_connections: int = 512  # connections open at once; more are refused with 429
+    send_buffer_bytes: int = 16 << 10  # the socket's send buffer: a stream that is not read stalls soon
 
 
 class Endpoint(object):
-    """What the HTTP handlers share: the generator, its pace, the model's name and the log."""
+    """What the HTTP handlers share: the generator, its pace, the model's name, the log, the key and
+    the counts the limits are checked against."""
 
     def __init__(self, generator: PacedGenerator, pace: Pace, model_name: str, log_path: Optional[str],
-                 api_key: Optional[str] = None, role: str = "endpoint") -> None:  # fmt: skip
-        self.generator, self.pace, self.model_name, self.api_key = generator, pace, model_name, api_key
+                 api_key: Optional[str] = None, role: str = "endpoint",
+                 limits: Optional[EndpointLimits] = None) -> None:  # fmt: skip
+        self.generator, self.pace, self.model_name = generator, pace, model_name
+        self.limits = limits or EndpointLimits()
+        self._authorization = ("Bearer " + api_key).encode() if api_key else None
         header = {"role": role, "pace": pace.label, "modeled": pace.modeled, "model": model_name,
                   "clock_origin_unix_s": time.time() - time.monotonic()}  # fmt: skip
+        self.log_path = log_path
         self.log = JsonLinesLog(log_path, header) if log_path else None
         self._state = threading.Condition()
         self.served = 0
         self.in_flight = 0
+        self.connections = 0
 
-    def begin(self) -> None:
+    @property
+    def keyed(self) -> bool:
+        return self._authorization is not None
+
+    def authorised(self, header: Optional[str]) -> bool:
+        """Whether an ``Authorization`` header carries the key (constant time; any header without a key)."""
+        if self._authorization is None:
+            return True
+        return hmac.compare_digest((header or "").encode("latin-1", "replace"), self._authorization)
+
+    def _take(self, counter: str, most: int) -> bool:
         with self._state:
-            self.in_flight += 1
+            if getattr(self, counter) >= most:
+                return False
+            setattr(self, counter, getattr(self, counter) + 1)
+            return True
+
+    def try_begin(self) -> bool:
+        """Take a slot for a completion; False when ``max_in_flight`` are generating."""
+        return self._take("in_flight", self.limits.max_in_flight)
 
     def record(self, row: Dict[str, Any]) -> None:
         with self._state:
@@ -69,6 +103,14 @@ class Endpoint(object):
             if self.log is not None:
                 self.log.write(row)  # (flushed as written)
             self._state.notify_all()
+
+    def open_connection(self) -> bool:
+        """Count a new connection; False when ``max_connections`` are open."""
+        return self._take("connections", self.limits.max_connections)
+
+    def connection_closed(self) -> None:
+        with self._state:
+            self.connections -= 1
 
     def close(self, wait_s: float = 10.0) -> None:
         """Close the log once the requests in flight are recorded (at most ``wait_s``)."""
@@ -79,44 +121,53 @@ class Endpoint(object):
                 self.log = None
 
 
-def chat_prompt(messages: Any) -> str:
-    """The chat messages as one prompt (a plain "role: content" template; the tiny model has none)."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", "messages")
-    lines = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise ApiError(400, "messages[%d] needs a string content" % i, "messages")
-        lines.append("%s: %s" % (message.get("role", "user"), message["content"]))
-    return "\n".join(lines + [CHAT_TEMPLATE_SUFFIX])
+def _reject_constant(name: str) -> Any:
+    raise ValueError("%s is not JSON" % name)
 
 
 class Handler(BaseHTTPRequestHandler):
     server_version = "testbed-endpoint/1"
     protocol_version = "HTTP/1.1"
     endpoint: Endpoint  # set on the subclass that ``make_server`` builds
+    _drain_bytes = 0  # what the client may still send after a refusal that closes the connection
 
     def log_message(self, format: str, *args: Any) -> None:  # the request log is ours
         return
 
+    def setup(self) -> None:
+        with contextlib.suppress(OSError):
+            self.request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.endpoint.limits.send_buffer_bytes)
+        super().setup()  # (the socket's timeout: ``timeout``, set by ``make_server``)
+
     def handle(self) -> None:
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            super().handle()  # (a client may cancel between requests of a kept-alive connection)
+        # a client may cancel between requests of a kept-alive connection, or stall past the timeout
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, socket.timeout):
+            super().handle()
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            if self._drain_bytes:
+                self._linger(self._drain_bytes)
 
     # -- routing -------------------------------------------------------------------------------------
     def do_GET(self) -> None:
-        if self.path.rstrip("/") in ("/health", "/v1/health"):
-            self._json(200, {"status": "ok", "pace": self.endpoint.pace.label, "served": self.endpoint.served})
-        elif self.path.rstrip("/") == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": self.endpoint.model_name, "object": "model",
-                                                         "owned_by": "testbed"}]})  # fmt: skip
-        else:
-            self._error(ApiError(404, "no route %s" % self.path))
+        try:
+            self._check_key()
+            if self.path.rstrip("/") in ("/health", "/v1/health"):
+                self._json(200, {"status": "ok", "pace": self.endpoint.pace.label, "served": self.endpoint.served})
+            elif self.path.rstrip("/") == "/v1/models":
+                self._json(200, {"object": "list", "data": [{"id": self.endpoint.model_name, "object": "model",
+                                                             "owned_by": "testbed"}]})  # fmt: skip
+            else:
+                raise ApiError(404, "no route %s" % self.path)
+        except ApiError as error:
+            self._error(error)
 
     def do_POST(self) -> None:
         try:
-            if not self._authorised():
-                raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
+            self._check_key()
             body = self._body()
             if self.path.rstrip("/") == "/v1/completions":
                 self._complete(body, chat=False)
@@ -127,39 +178,36 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as error:
             self._error(error)
 
+    def _check_key(self) -> None:
+        if not self.endpoint.authorised(self.headers.get("Authorization")):
+            self._refuse_unread(self._announced_length())
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
+
     # -- a completion --------------------------------------------------------------------------------
     def _complete(self, body: Dict[str, Any], chat: bool) -> None:
         endpoint = self.endpoint
-        prompt_ids = self._prompt_ids(body, chat)
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "only n = 1 is served", "n")
-        if body.get("logprobs") not in (None, False):
-            raise ApiError(400, "logprobs are not served", "logprobs")
-        asked = body.get("max_completion_tokens", body.get("max_tokens"))
-        if asked is not None and (not isinstance(asked, int) or asked < 1):
-            raise ApiError(400, "max_tokens must be a positive integer", "max_tokens")
-        max_tokens = max_tokens_for(endpoint.generator, len(prompt_ids), asked)
+        generator = endpoint.generator
+        request = completion_request(body, chat, generator.tokenizer.vocab_size, generator.context_tokens,
+                                     generator.encode)  # fmt: skip
+        prompt_ids, seed = request.prompt_ids, request.seed
+        max_tokens = max_tokens_for(generator, len(prompt_ids), request.max_tokens)
         if max_tokens < 1:
             raise ApiError(400, "the prompt (%d tokens) fills the model's context" % len(prompt_ids), "prompt")
-        stream = bool(body.get("stream"))
-        usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
+        if not endpoint.try_begin():
+            raise ApiError(429, "the endpoint has %d requests in flight, the most it serves at once; retry later"
+                           % endpoint.limits.max_in_flight)  # fmt: skip
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         taken = time.monotonic()
         tokens: List[int] = []
         stamps: List[float] = []
-        seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or seed < 0):
-            raise ApiError(400, "seed must be a non-negative integer", "seed")
         pace = endpoint.pace.seeded(seed) if seed is not None else endpoint.pace
-        endpoint.begin()
         row: Dict[str, Any] = {"id": ident, "client": self.client_address[0],  # which node asked
-                               "route": "chat" if chat else "completions", "stream": stream,
+                               "route": "chat" if chat else "completions", "stream": request.stream,
                                "prompt_tokens": len(prompt_ids), "max_tokens": max_tokens, "taken_s": round(taken, 6),
                                "pace": endpoint.pace.label, "modeled": endpoint.pace.modeled, "seed": seed,
                                "overrun_tokens": 0}  # fmt: skip
         try:
-            cancelled, finish = self._generate(ident, chat, prompt_ids, max_tokens, pace, stream, usage_wanted,
-                                               tokens, stamps, row)  # fmt: skip
+            cancelled, finish = self._generate(ident, chat, request, max_tokens, pace, tokens, stamps, row)
         except Exception as exc:  # the request is logged whatever ended it (in flight counts must fall)
             row.update(cancelled=False, finish_reason="error", error=repr(exc)[:300], completion_tokens=len(tokens))
             endpoint.record(row)
@@ -171,10 +219,12 @@ class Handler(BaseHTTPRequestHandler):
         if cancelled:
             self.close_connection = True
 
-    def _generate(self, ident: str, chat: bool, prompt_ids: List[int], max_tokens: int, pace: Pace, stream: bool,
-                  usage_wanted: bool, tokens: List[int], stamps: List[float], row: Dict[str, Any]) -> Tuple[bool, str]:
-        """Stream (or collect) the tokens; (cancelled, finish reason). A client gone is a cancellation."""
+    def _generate(self, ident: str, chat: bool, request: CompletionRequest, max_tokens: int, pace: Pace,
+                  tokens: List[int], stamps: List[float], row: Dict[str, Any]) -> Tuple[bool, str]:  # fmt: skip
+        """Stream (or collect) the tokens; (cancelled, finish reason). A client gone, or one that reads
+        nothing for the timeout, is a cancellation."""
         endpoint = self.endpoint
+        prompt_ids, stream = request.prompt_ids, request.stream
         finish, overruns = "length", 0
         generator = None
         try:
@@ -196,7 +246,7 @@ class Handler(BaseHTTPRequestHandler):
             usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens),
                      "total_tokens": len(prompt_ids) + len(tokens)}  # fmt: skip
             if stream:
-                if usage_wanted:
+                if request.include_usage:
                     self._event({"id": ident, "object": self._object(chat, True), "created": int(time.time()),
                                  "model": endpoint.model_name, "choices": [], "usage": usage})  # fmt: skip
                 self._raw(b"data: [DONE]\n\n")
@@ -204,26 +254,12 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
             else:
                 self._json(200, self._whole(ident, chat, tokens, finish, usage))
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
             return True, finish
         finally:
             if generator is not None:
                 generator.close()
         return False, finish
-
-    def _prompt_ids(self, body: Dict[str, Any], chat: bool) -> List[int]:
-        generator = self.endpoint.generator
-        if chat:
-            return generator.encode(chat_prompt(body.get("messages")))
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str) and prompt:
-            return generator.encode(prompt)
-        vocab = generator.tokenizer.vocab_size
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            return list(prompt)
-        raise ApiError(400, "prompt must be a non-empty string or a list of token ids below %d" % vocab, "prompt")
 
     @staticmethod
     def _object(chat: bool, stream: bool) -> str:
@@ -276,16 +312,46 @@ class Handler(BaseHTTPRequestHandler):
             if time.monotonic() >= end:
                 return
 
-    def _authorised(self) -> bool:
-        key = self.endpoint.api_key
-        return not key or self.headers.get("Authorization", "") == "Bearer " + key
+    def _announced_length(self) -> int:
+        """What the request says its body holds, for draining after a refusal (0 if it says nothing usable)."""
+        text = (self.headers.get("Content-Length") or "").strip()
+        return int(text) if text.isascii() and text.isdigit() and len(text) <= CONTENT_LENGTH_DIGITS else 0
+
+    def _refuse_unread(self, unread_bytes: int) -> None:
+        """The refusal about to be sent closes the connection: what the client still sends is read and
+        dropped (``DISCARD_MAX_BYTES`` at most) so that it hears the answer instead of a reset."""
+        self.close_connection = True
+        self._drain_bytes = min(DISCARD_MAX_BYTES, max(unread_bytes, 1 << 16))
+
+    def _content_length(self) -> int:
+        """The body's length in bytes: 400 for a missing, malformed or conflicting one, 413 over the cap."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            self._refuse_unread(0)
+            raise ApiError(400, "send the body with a Content-Length header, not a Transfer-Encoding")
+        values = {value.strip() for value in self.headers.get_all("Content-Length") or []}
+        if len(values) != 1:
+            self._refuse_unread(0)
+            raise ApiError(400, "a POST needs one Content-Length header (%d different given)" % len(values))
+        (text,) = values
+        if not (text.isascii() and text.isdigit()) or len(text) > CONTENT_LENGTH_DIGITS:
+            self._refuse_unread(0)
+            raise ApiError(400, "Content-Length must be a whole number of bytes, not %r" % text[:40])
+        length = int(text)
+        if length > self.endpoint.limits.max_body_bytes:
+            self._refuse_unread(length)
+            raise ApiError(413, "the body is %d bytes, over the %d bytes this endpoint takes"
+                           % (length, self.endpoint.limits.max_body_bytes))  # fmt: skip
+        return length
 
     def _body(self) -> Dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
+        length = self._content_length()
+        data = self.rfile.read(length) if length else b""
+        if len(data) < length:
+            raise ConnectionResetError("the client closed the connection inside its body")
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
-        except ValueError:
-            raise ApiError(400, "the body is not JSON") from None
+            body = json.loads(data.decode("utf-8") or "{}", parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, "the body is not JSON (%s)" % type(exc).__name__) from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         return body
@@ -295,16 +361,27 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        if status == 429:
+            self.send_header("Retry-After", "1")
         self.end_headers()
         self.wfile.write(data)
 
     def _error(self, error: ApiError) -> None:
-        data = error.body()
-        self.send_response(error.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self._json(error.status, error.payload())
+
+    def _linger(self, most_bytes: int) -> None:
+        """Say we are done, then read (and drop) what the client still sends, bounded in bytes and time."""
+        deadline = time.monotonic() + min(LINGER_S, self.timeout or LINGER_S)
+        with contextlib.suppress(OSError):
+            self.request.shutdown(socket.SHUT_WR)
+            while most_bytes > 0 and time.monotonic() < deadline:
+                self.request.settimeout(max(0.01, deadline - time.monotonic()))
+                data = self.request.recv(min(1 << 16, most_bytes))
+                if not data:
+                    return
+                most_bytes -= len(data)
 
     def _start_events(self) -> None:
         self.send_response(200)
@@ -322,17 +399,56 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+class _Refusal(Handler):
+    """A connection over ``max_connections``: its request is answered 429 and the connection closed."""
+
+    timeout = REFUSAL_TIMEOUT_S
+
+    def handle(self) -> None:
+        with contextlib.suppress(OSError):  # (timeouts, resets: it is being refused anyway)
+            self.handle_one_request()
+
+    def do_GET(self) -> None:
+        self._refuse_unread(self._announced_length())
+        self._error(ApiError(429, "the endpoint has %d connections open, the most it takes; retry later"
+                             % self.endpoint.limits.max_connections))  # fmt: skip
+
+    do_POST = do_GET
+
+
 # socketserver listens with a backlog of 5: every device's calibration (4 streams each) and a race's
 # two streams at once overflowed it on a busy server, and clients saw connections reset.
 LISTEN_BACKLOG = 128
 
 
+class EndpointServer(ThreadingHTTPServer):
+    """One thread a connection, up to the endpoint's ``max_connections``; those over it are refused."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+    def __init__(self, address: Tuple[str, int], endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        fields = {"endpoint": endpoint, "timeout": endpoint.limits.timeout_s}
+        self.refusal = type("BoundRefusal", (_Refusal,), dict(fields, timeout=min(REFUSAL_TIMEOUT_S,
+                                                                                   endpoint.limits.timeout_s)))
+        super().__init__(address, type("BoundHandler", (Handler,), fields))
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        admitted = self.endpoint.open_connection()
+        try:
+            (self.RequestHandlerClass if admitted else self.refusal)(request, client_address, self)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            if admitted:
+                self.endpoint.connection_closed()
+            self.shutdown_request(request)
+
+
 def make_server(endpoint: Endpoint, host: str, port: int) -> Tuple[ThreadingHTTPServer, int]:
     """The HTTP server (not started) and the port it bound (``port`` 0: any free one)."""
-    handler = type("BoundHandler", (Handler,), {"endpoint": endpoint})
-    server_class = type("EndpointServer", (ThreadingHTTPServer,), {"request_queue_size": LISTEN_BACKLOG})
-    server = server_class((host, port), handler)
-    server.daemon_threads = True
+    server = EndpointServer((host, port), endpoint)
     return server, server.server_address[1]
 
 
@@ -343,4 +459,16 @@ def api_key_from_env(variable: Optional[str]) -> Optional[str]:
     value = os.environ.get(variable)
     if not value:
         raise ValueError("the environment variable %s that should hold the endpoint's key is not set" % variable)
+    return value
+
+
+def api_key_from_file(path: str) -> str:
+    """The key a client must present, read from a file that its owner alone may read (a run's key)."""
+    with open(path, "rb") as handle:
+        mode = os.fstat(handle.fileno()).st_mode
+        if mode & 0o077:
+            raise ValueError("%s holds a key but others may read it (mode %o): chmod 600 it" % (path, mode & 0o777))
+        value = handle.read().decode("utf-8").strip()
+    if not value:
+        raise ValueError("%s holds no key" % path)
     return value
