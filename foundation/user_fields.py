@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field, Strict
 from pydantic_core import PydanticCustomError
 
 from foundation import units
@@ -41,3 +41,13 @@ def unit_validator(parser: Callable[[object], float], what: str) -> Any:
 RateBitS = Annotated[float, unit_validator(units.parse_rate_bit_s, "rate"), Field(gt=0)]
 DurationS = Annotated[float, unit_validator(units.parse_duration_s, "duration"), Field(ge=0)]
 Percent = Annotated[float, unit_validator(units.parse_percent, "percent"), Field(ge=0, le=100)]
+
+
+# A number as a user writes it: an int or a float, never text ('64') or a boolean; finite (the models'
+# allow_inf_nan=False); each field bounds it to what a real value can be.
+Number = Annotated[float, Strict()]
+
+
+# A path or a name the testbed passes on (to a shell, a file name, a run config): not empty, and not
+# endless. (Control and format characters are refused in every string of a file: YamlSource.text_problems.)
+PlainText = Annotated[str, Field(min_length=1, max_length=4096)]

@@ -13,15 +13,17 @@ from __future__ import annotations
 import csv
 import math
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from foundation import units
 from foundation.errors import InputError, InputProblem, TestbedError
+from foundation.user_files import read_user_text
 from netem.nfqueue import NfqueueRules
 from netem.plan import HTB_HANDLE, TcPlan, burst_bytes, netem_args, quantum_bytes, queue_limit_packets
-from netem.profile import DirectedLink, LinkProfile
+from netem.profile import MAX_DELAY_S, MAX_RATE_BIT_S, MIN_RATE_BIT_S, DirectedLink, LinkProfile
 from netem.topology import LinkTopology
 
 COLUMNS = ("t_s", "up_rate", "down_rate", "delay_ms", "loss_pct")
@@ -60,59 +62,76 @@ class BandwidthTrace:
         return self.steps[-1].t_s
 
 
+MAX_ROWS = 1_000_000  # rows of one trace (a day at 0.1 s)
+MAX_TRACE_S = 1e6  # a row's time: 11.6 days
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")  # ASCII digits: no sign, '_', 'inf' or 'nan'
+
+
 def load_trace(path: str | Path) -> BandwidthTrace:
-    """Read a trace CSV; every problem names the file, line and column."""
+    """Read a trace CSV; every problem names the file, line and column. Rates must lie where a link
+    profile's may (:data:`~netem.profile.MIN_RATE_BIT_S` to :data:`~netem.profile.MAX_RATE_BIT_S`)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError([InputProblem(str(path), None, "", f"cannot read: {exc}")]) from None
-    rows = list(csv.reader(line for line in text.splitlines() if line.strip() and not line.startswith("#")))
-    lines = [i + 1 for i, line in enumerate(text.splitlines()) if line.strip() and not line.startswith("#")]
-    if not rows:
-        raise InputError([InputProblem(str(path), None, "", "the trace is empty", "first line: " + ",".join(COLUMNS))])
-    header = [h.strip() for h in rows[0]]
-    problems = []
+    text = read_user_text(path, "give the trace CSV's path")
+    numbered = [(i, line) for i, line in enumerate(text.splitlines(), start=1)
+                if line.strip() and not line.startswith("#")]  # fmt: skip
+    if not numbered:
+        raise InputError([InputProblem(str(path), 1, "", "the trace is empty", "first line: " + ",".join(COLUMNS))])
+    if len(numbered) > MAX_ROWS + 1:
+        raise InputError([InputProblem(str(path), numbered[MAX_ROWS + 1][0], "", f"more than {MAX_ROWS} rows",
+                                       "use coarser rows (a trace row holds until the next)")])  # fmt: skip
+    problems: list[InputProblem] = []
+    rows: list[tuple[int, list[str]]] = []
+    for line_number, line in numbered:
+        try:
+            rows.append((line_number, next(csv.reader([line]))))
+        except csv.Error as exc:
+            problems.append(InputProblem(str(path), line_number, "", f"not a CSV row: {exc}", "one row per line"))
+    if problems:
+        raise InputError(problems)
+    header_line, header = rows[0][0], [h.strip() for h in rows[0][1]]
     unknown = [h for h in header if h not in COLUMNS]
     missing = [c for c in COLUMNS[:3] if c not in header]
-    if unknown or missing:
-        problems.append(
-            InputProblem(str(path), lines[0], "header", f"unknown columns {unknown}, missing {missing}",
-                         "columns: t_s, up_rate, down_rate and optionally delay_ms, loss_pct")
-        )  # fmt: skip
-        raise InputError(problems)
+    repeated = sorted({h for h in header if header.count(h) > 1})
+    if unknown or missing or repeated:
+        twice = f", repeated {repeated}" if repeated else ""
+        raise InputError([InputProblem(str(path), header_line, "header", f"unknown columns {unknown}, missing "
+                                       f"{missing}{twice}", "columns: t_s, up_rate, down_rate and optionally "
+                                       "delay_ms, loss_pct, each once")])  # fmt: skip
     steps: list[TraceStep] = []
     previous_t_s: float | None = None
-    for row, line in zip(rows[1:], lines[1:], strict=True):
+    for line, row in rows[1:]:
         cells = dict(zip(header, (c.strip() for c in row), strict=False))
         if len(row) != len(header):
             problems.append(InputProblem(str(path), line, "", f"{len(row)} values for {len(header)} columns"))
             continue
-        try:
-            t_s = float(cells["t_s"])
-            if not math.isfinite(t_s) or t_s < 0:
-                raise ValueError
-        except ValueError:
-            problems.append(InputProblem(str(path), line, "t_s", f"{cells['t_s']!r} is not a time in seconds >= 0"))
+        t_s = _decimal(cells["t_s"], MAX_TRACE_S)
+        if t_s is None:
+            problems.append(InputProblem(str(path), line, "t_s", f"{cells['t_s']!r} is not a time in seconds from 0 "
+                                         f"to {MAX_TRACE_S:g}", "write a plain decimal number, e.g. 2.5"))  # fmt: skip
             continue
         values: dict[str, float | None] = {}
-        for column, parse in (("up_rate", units.parse_rate_bit_s), ("down_rate", units.parse_rate_bit_s)):
+        for column in ("up_rate", "down_rate"):
             try:
-                values[column] = parse(cells[column])
+                rate = units.parse_rate_bit_s(cells[column])
             except units.UnitError as exc:
                 problems.append(InputProblem(str(path), line, column, exc.problem, exc.hint))
                 continue
-            if not values[column]:
-                problems.append(InputProblem(str(path), line, column, "a rate of 0 would stop the link (HTB has no 0)",
+            if rate < MIN_RATE_BIT_S:
+                problems.append(InputProblem(str(path), line, column, f"{cells[column]}: a link's rate must be at "
+                                             f"least {units.format_rate(MIN_RATE_BIT_S)} (HTB has no rate 0)",
                                              "give a small rate instead, e.g. 8kbit"))  # fmt: skip
-        for column in ("delay_ms", "loss_pct"):
+                continue
+            if rate > MAX_RATE_BIT_S:
+                problems.append(InputProblem(str(path), line, column, f"{cells[column]}: a link's rate must be at most "
+                                             f"{units.format_rate(MAX_RATE_BIT_S)}", "is the unit right?"))  # fmt: skip
+                continue
+            values[column] = rate
+        for column, high in (("delay_ms", MAX_DELAY_S * 1000), ("loss_pct", 100.0)):
             raw = cells.get(column, "")
-            try:
-                values[column] = float(raw) if raw else None
-                if values[column] is not None and not (0 <= values[column] <= (100 if column == "loss_pct" else 1e4)):
-                    raise ValueError
-            except ValueError:
-                problems.append(InputProblem(str(path), line, column, f"{raw!r} is not a number in range"))
+            values[column] = _decimal(raw, high) if raw else None
+            if raw and values[column] is None:
+                problems.append(InputProblem(str(path), line, column, f"{raw!r} is not a number from 0 to {high:g}",
+                                             "write a plain decimal number, or leave the cell empty"))  # fmt: skip
         if previous_t_s is not None and t_s <= previous_t_s:
             problems.append(InputProblem(str(path), line, "t_s", f"{t_s:g} does not come after {previous_t_s:g}"))
         previous_t_s = t_s
@@ -123,12 +142,19 @@ def load_trace(path: str | Path) -> BandwidthTrace:
                           None if delay_ms is None else delay_ms / 1000, values["loss_pct"])
             )  # fmt: skip
     if not problems and (not steps or steps[0].t_s != 0):
-        problems.append(
-            InputProblem(str(path), lines[1] if len(lines) > 1 else None, "t_s", "the first row must be t_s = 0")
-        )
+        problems.append(InputProblem(str(path), rows[1][0] if len(rows) > 1 else header_line, "t_s",
+                                     "the first row must be t_s = 0", "start the trace at 0"))  # fmt: skip
     if problems:
         raise InputError(problems)
     return BandwidthTrace(str(path), tuple(steps))
+
+
+def _decimal(text: str, high: float) -> float | None:
+    """A plain decimal number from 0 to ``high`` (None if it is not one)."""
+    if not _DECIMAL.fullmatch(text):
+        return None
+    value = float(text)
+    return value if math.isfinite(value) and value <= high else None
 
 
 def write_trace(trace: BandwidthTrace, path: str | Path) -> None:

@@ -30,68 +30,80 @@ host-link bandwidth (swap) and disk bandwidth and per-I/O latency (LLMS's chunk 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, StrictInt, ValidationError
 
 from foundation.errors import InputError, InputProblem
-from foundation.user_files import YamlSource, field_name
+from foundation.user_fields import STRICT_MODEL_CONFIG, Number
+from foundation.user_files import YamlSource, beside, field_name, read_user_text
 from nodes.contracts.compute_profile import ModeRates
 from testbed.inventory.validation import pydantic_problem
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "examples" / "profiles"
 PROFILE_EXAMPLE = "examples/profiles/agx-orin.yaml"
 
+# Bounds no real hardware reaches (an H100 has 3.35 TB/s and 990 dense FP16 TFLOP/s): a number beyond
+# one is a typo or a unit mistake, and would pace every step at nothing or forever.
+Rate = Annotated[Number, Field(gt=0, le=100_000)]  # GB/s, TFLOP/s, MHz
+Share = Annotated[Number, Field(gt=0, le=1)]
+OverheadMs = Annotated[Number, Field(default=0.0, ge=0, le=60_000)]
+Count = Annotated[StrictInt, Field(gt=0, le=100_000)]
+HARDWARE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+MODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,62}$"  # nvpmodel names, default, GOVERNOR@KHZ
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT_MODEL_CONFIG
 
 
 class DiskSpec(_Strict):
-    read_mbps: float = Field(gt=0)
-    write_mbps: float = Field(gt=0)
-    io_latency_ms: float = Field(ge=0)
+    read_mbps: Annotated[Number, Field(gt=0, le=1_000_000)]
+    write_mbps: Annotated[Number, Field(gt=0, le=1_000_000)]
+    io_latency_ms: Annotated[Number, Field(ge=0, le=60_000)]
 
 
 class PeakSpec(_Strict):
-    mem_bw_gbps: float = Field(gt=0)
-    tflops: float = Field(gt=0)
-    gpu_mhz: float | None = Field(default=None, gt=0)
-    emc_mhz: float | None = Field(default=None, gt=0)
-    tpcs: int | None = Field(default=None, gt=0)
+    mem_bw_gbps: Rate
+    tflops: Rate
+    gpu_mhz: Rate | None = None
+    emc_mhz: Rate | None = None
+    tpcs: Count | None = None
 
 
 class EfficiencySpec(_Strict):
-    bw: float = Field(gt=0, le=1)
-    flops: float = Field(gt=0, le=1)
-    quantized_flops: float | None = Field(default=None, gt=0, le=1)
-    sharpness: float = Field(default=2.0, ge=1)
-    step_overhead_ms: float = Field(default=0.0, ge=0)
-    layer_overhead_ms: float = Field(default=0.0, ge=0)
-    prefill_overhead_ms: float = Field(default=0.0, ge=0)
-    sequence_overhead_ms: float = Field(default=0.0, ge=0)  # per sequence of a step (a serving framework's)
+    bw: Share
+    flops: Share
+    quantized_flops: Share | None = None
+    # p of the knee: t = (t_mem^p + t_flop^p)^(1/p) overflows a float for p in the hundreds
+    sharpness: Annotated[Number, Field(default=2.0, ge=1, le=16)]
+    step_overhead_ms: OverheadMs
+    layer_overhead_ms: OverheadMs
+    prefill_overhead_ms: OverheadMs
+    sequence_overhead_ms: OverheadMs  # per sequence of a step (a serving framework's)
 
 
 class ModeSpec(_Strict):
-    gpu_mhz: float | None = Field(default=None, gt=0)
-    emc_mhz: float | None = Field(default=None, gt=0)
-    tpcs: int | None = Field(default=None, gt=0)
+    gpu_mhz: Rate | None = None
+    emc_mhz: Rate | None = None
+    tpcs: Count | None = None
     efficiency: EfficiencySpec | None = None  # replaces the file's for this mode
 
 
 class ProfileSpec(_Strict):
-    hardware: str
-    description: str = ""
-    memory_gb: float = Field(gt=0)
-    host_link_gbps: float = Field(gt=0)
+    hardware: Annotated[str, Field(pattern=HARDWARE_PATTERN)]
+    description: Annotated[str, Field(max_length=1000)] = ""
+    memory_gb: Annotated[Number, Field(gt=0, le=100_000)]
+    host_link_gbps: Rate
     disk: DiskSpec
     peak: PeakSpec
     efficiency: EfficiencySpec
-    modes: dict[str, ModeSpec] = Field(min_length=1)
-    sources: dict[str, str]
+    modes: dict[Annotated[str, Field(pattern=MODE_PATTERN)], ModeSpec] = Field(min_length=1, max_length=256)
+    sources: dict[Annotated[str, Field(min_length=1, max_length=200)], Annotated[str, Field(max_length=10_000)]]
 
 
 @dataclass(frozen=True)
@@ -130,20 +142,34 @@ class ComputeProfile:
 
 
 def load_profile(path: str | Path) -> ComputeProfile:
-    """Read and validate a profile file; every problem at once as :class:`InputError`."""
-    source = YamlSource.load(path)
+    """Read and validate a profile file; every problem at once as :class:`InputError`. A file read
+    before with the same text is not parsed again (a campaign resolves one profile for many nodes)."""
+    path = Path(path)
+    return _profile_from_text(str(path), read_user_text(path))
+
+
+@functools.lru_cache(maxsize=64)
+def _profile_from_text(path: str, text: str) -> ComputeProfile:
+    source = YamlSource.parse(text, path)
     if not isinstance(source.data, dict):
         raise InputError([source.problem((), "a compute profile must be a mapping", f"see {PROFILE_EXAMPLE}")])
+    problems = source.text_problems()
     try:
         spec = ProfileSpec.model_validate(source.data)
     except ValidationError as exc:
-        raise InputError([pydantic_problem(source, err, PROFILE_EXAMPLE) for err in exc.errors()]) from None
-    problems = list(_unsourced(source, spec))
+        raise InputError(beside(problems, [pydantic_problem(source, err, PROFILE_EXAMPLE) for err in exc.errors()])) \
+            from None
+    problems += list(_unsourced(source, spec))
     for name, mode in spec.modes.items():
         for clock, base in (("gpu_mhz", spec.peak.gpu_mhz), ("emc_mhz", spec.peak.emc_mhz), ("tpcs", spec.peak.tpcs)):
-            if getattr(mode, clock) is not None and base is None:
+            value = getattr(mode, clock)
+            if value is not None and base is None:
                 problems.append(source.problem(("modes", name, clock), f"peak.{clock} is not given",
                                                f"give peak.{clock}, the clock the peak numbers are at"))  # fmt: skip
+            elif value is not None and base is not None and value > base:
+                problems.append(source.problem(("modes", name, clock), f"{value:g} is above peak.{clock} "
+                                               f"({base:g})", "the peak numbers are at the top clocks: no mode runs "
+                                               "faster"))  # fmt: skip
     if problems:
         raise InputError(problems)
     return ComputeProfile(source.path, spec)

@@ -115,14 +115,32 @@ def builtin(name: str) -> TargetModel:
     return BUILTIN[key]
 
 
+# What a config.json's sizes may be: beyond any published model (Llama-3.1-405B: 126 layers, hidden
+# 16384, vocab 128256), so that a typo cannot make every byte count and step time absurd.
+SIZE_LIMITS = {"layers": 1024, "hidden": 1 << 17, "heads": 4096, "ffn": 1 << 20, "vocab": 1 << 22}
+
+
+def _size(raw: Dict[str, Any], name: str, key: str, limit: int) -> int:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise TargetModelError("%s: config.json's %s is %r, not a whole number from 1 to %d"
+                               % (name, key, value, limit))
+    return value
+
+
 def from_hf_config(raw: Dict[str, Any], name: str, dtype: str = "") -> TargetModel:
     """A shape from a Hugging Face config.json (llama, mistral, qwen2, opt, bloom)."""
+    if not isinstance(raw, dict):
+        raise TargetModelError("%s: config.json is not a JSON object" % name)
     kind = str(raw.get("model_type", "llama"))
+    limits = {"hidden_size": "hidden", "n_embed": "hidden", "d_model": "hidden", "num_attention_heads": "heads",
+              "n_head": "heads", "ffn_dim": "ffn", "intermediate_size": "ffn", "num_hidden_layers": "layers",
+              "n_layer": "layers", "vocab_size": "vocab", "num_key_value_heads": "heads"}
 
     def need(*keys: str) -> int:
         for key in keys:
             if raw.get(key) is not None:
-                return int(raw[key])
+                return _size(raw, name, key, SIZE_LIMITS[limits[key]])
         raise TargetModelError("%s: config.json has none of %s" % (name, ", ".join(keys)))
 
     hidden = need("hidden_size", "n_embed", "d_model")
@@ -140,7 +158,8 @@ def from_hf_config(raw: Dict[str, Any], name: str, dtype: str = "") -> TargetMod
         raise TargetModelError("%s: dtype %r is not one of %s" % (name, chosen, ", ".join(DTYPE_BYTES)))
     return TargetModel(
         name=name, family=family, layers=need("num_hidden_layers", "n_layer"), hidden=hidden, heads=heads,
-        kv_heads=int(raw.get("num_key_value_heads") or heads), ffn=ffn, vocab=need("vocab_size"), dtype=chosen,
+        kv_heads=need("num_key_value_heads") if raw.get("num_key_value_heads") else heads, ffn=ffn,
+        vocab=need("vocab_size"), dtype=chosen,
         mlp_matrices=matrices, tied_embeddings=bool(raw.get("tie_word_embeddings", family in ("opt", "bloom"))),
     )  # fmt: skip
 

@@ -35,7 +35,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictInt,
@@ -44,6 +43,7 @@ from pydantic import (
     model_validator,
 )
 
+from foundation.user_fields import STRICT_MODEL_CONFIG, Number, PlainText
 from nodes.workers.methods import CONTEXT_MEMORY_METHODS, method_named
 from nodes.workers.methods import names as method_names
 from nodes.workers.run_config import DISPATCH_POLICIES, DRAFT_LIMITS
@@ -56,7 +56,7 @@ from workloads.schedule import WorkloadSpec
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT_MODEL_CONFIG
 
 
 class PartitionSettings(_Strict):
@@ -64,25 +64,25 @@ class PartitionSettings(_Strict):
     stages: StrictInt = Field(1, ge=1, le=64)  # server pipeline stages (P)
 
 
-StepRate = Annotated[float, Field(gt=0, le=10_000)]
-StepSeconds = Annotated[float, Field(gt=0, le=86_400)]
+StepRate = Annotated[Number, Field(gt=0, le=10_000)]
+StepSeconds = Annotated[Number, Field(gt=0, le=86_400)]
 
 
 class WorkloadSettings(_Strict):
     """What each device sends: see :class:`workloads.schedule.WorkloadSpec`."""
 
     arrival: Literal["poisson", "gamma", "constant", "trace", "steps"] = "poisson"
-    rate_per_s: float | None = Field(1.0, gt=0, le=10_000)
-    cv: float | None = Field(None, gt=0, le=100)
-    trace: str | None = None
+    rate_per_s: Number | None = Field(1.0, gt=0, le=10_000)
+    cv: Number | None = Field(None, gt=0, le=100)
+    trace: PlainText | None = None
     # steps only: [rate_per_s, duration_s] in turn (per device); the last step lasts until every request is in
-    rate_steps: list[tuple[StepRate, StepSeconds]] | None = None
+    rate_steps: list[tuple[StepRate, StepSeconds]] | None = Field(None, max_length=10_000)
     requests_per_device: StrictInt = Field(8, ge=1, le=100_000)
-    prompts: str = "tiny-python"
+    prompts: PlainText = "tiny-python"
     max_new_tokens: StrictInt = Field(32, ge=1, le=100_000)
     qoe: Literal["reading", "speaking", "custom"] = "reading"
-    expected_ttft_s: float | None = Field(None, gt=0, le=3600)
-    expected_tds_tok_s: float | None = Field(None, gt=0, le=10_000)
+    expected_ttft_s: Number | None = Field(None, gt=0, le=3600)
+    expected_tds_tok_s: Number | None = Field(None, gt=0, le=10_000)
     qoe_draw: StrictBool | None = None  # each request's TDS_exp drawn from Andes' Table 1 (reading) or 2 (speaking)
     output_lengths: str | None = None  # max_new_tokens drawn per request: sharegpt | alpaca (at most max_new_tokens)
 
@@ -92,13 +92,13 @@ class LinkSettings(_Strict):
     profile on every link, a bandwidth trace on every device's links, a links file, or not at all."""
 
     profile: Name | None = None
-    trace: str | None = None
-    links: str | None = None
+    trace: PlainText | None = None
+    links: PlainText | None = None
     shaped: StrictBool = True
-    verify_s: float = Field(0.0, ge=0, le=60)  # iperf3 per direction after shaping; 0 = read back only
+    verify_s: Number = Field(0.0, ge=0, le=60)  # iperf3 per direction after shaping; 0 = read back only
     # every shaped rate is multiplied by this: a small model's hidden states are far smaller than the
     # paper's, so scaling the links down keeps communication's share of the latency (HAT: 4096 wide)
-    rate_scale: float = Field(1.0, gt=0, le=1000)
+    rate_scale: Number = Field(1.0, gt=0, le=1000)
 
 
 def _draft_settings_model() -> type[BaseModel]:
@@ -107,10 +107,10 @@ def _draft_settings_model() -> type[BaseModel]:
     fields: dict[str, Any] = {}
     for name, default in RunDraftSettings._field_defaults.items():
         if name == "adapter":  # the adapter's directory; default: <model>/draft
-            fields[name] = (str | None, default)
+            fields[name] = (PlainText | None, default)
             continue
         low, high = DRAFT_LIMITS[name]
-        kind = float if isinstance(default, float) else StrictInt
+        kind = Number if isinstance(default, float) else StrictInt
         fields[name] = (kind, Field(default, ge=low, le=high))
     return create_model("DraftSettings", __base__=_Strict, **fields)
 
@@ -130,9 +130,9 @@ class TargetSettings(_Strict):
     wire; ``dilation`` slows every modeled duration, trace and arrival and divides every link rate by
     one factor (analysis divides times back), so that this machine can keep up with a faster target."""
 
-    model: str  # a built-in shape (vicuna-7b, llama-2-13b, opt-66b, ...) or a config.json / checkpoint directory
+    model: PlainText  # a built-in shape (vicuna-7b, llama-2-13b, opt-66b, ...) or a config.json / checkpoint directory
     dtype: Literal["float16", "bfloat16", "float32", "int8", "q4f16"] | None = None  # default: the model's
-    dilation: float = Field(1.0, ge=1.0, le=1000)
+    dilation: Number = Field(1.0, ge=1.0, le=1000)
     pad_payloads: StrictBool = True  # hidden states on the wire at the target's width and dtype
 
 
@@ -148,14 +148,14 @@ class ServingSettings(_Strict):
 
     scheduler: Literal["fcfs", "rr", "andes", "andes-dp"] = "fcfs"
     capacity_tokens: StrictInt | None = Field(None, ge=1, le=10**12)
-    swap_gb: float | None = Field(None, ge=0, le=100_000)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # vLLM's default share of GPU memory it takes
+    swap_gb: Number | None = Field(None, ge=0, le=100_000)
+    gpu_memory_utilization: Number = Field(0.9, gt=0, le=1)  # vLLM's default share of GPU memory it takes
     tensor_parallel: StrictInt = Field(_SERVING["tensor_parallel"], ge=1, le=64)
     max_batch: StrictInt = Field(_SERVING["max_batch"], ge=1, le=100_000)
     rr_interval: StrictInt = Field(_SERVING["rr_interval"], ge=1, le=1_000_000)
-    watermark: float = Field(_SERVING["watermark"], gt=0, le=1)
-    preemption_cap: float = Field(_SERVING["preemption_cap"], ge=0, le=1000)
-    lookahead_s: float | None = Field(None, gt=0, le=100_000)
+    watermark: Number = Field(_SERVING["watermark"], gt=0, le=1)
+    preemption_cap: Number = Field(_SERVING["preemption_cap"], ge=0, le=1000)
+    lookahead_s: Number | None = Field(None, gt=0, le=100_000)
     batch_grid: StrictInt = Field(_SERVING["batch_grid"], ge=1, le=100_000)  # B tried, geometric B_min..B_max
     dp_block_tokens: StrictInt = Field(_SERVING["dp_block_tokens"], ge=1, le=4096)
     latency_context_tokens: StrictInt = Field(_SERVING["latency_context_tokens"], ge=0, le=10**7)
@@ -173,8 +173,8 @@ class DispatchSettings(_Strict):
     ``server`` for one-endpoint policies)."""
 
     policy: Literal[DISPATCH_POLICIES] = "disco-s"  # type: ignore[valid-type]  (the run config's list)
-    budget: float = Field(_DISPATCH["budget"], ge=0, le=1)
-    alpha: float = Field(_DISPATCH["alpha"], gt=0, lt=1)
+    budget: Number = Field(_DISPATCH["budget"], ge=0, le=1)
+    alpha: Number = Field(_DISPATCH["alpha"], gt=0, lt=1)
     service: Literal["gpt", "deepseek", "command", "llama"] = "gpt"
     server_endpoint: Literal["trace", "engine"] = "trace"  # engine: the serving engine (``serving:``) behind the API
     external: Name | None = None  # an inventory endpoint (a lab's vLLM, ...) raced instead of the server's
@@ -182,7 +182,7 @@ class DispatchSettings(_Strict):
         "pixel7pro-bloom-1.1b"
     migration: StrictBool = False
     source_keeps_streaming: StrictBool = True
-    consumption_tok_s: float = Field(_DISPATCH["consumption_tok_s"], gt=0, le=1000)
+    consumption_tok_s: Number = Field(_DISPATCH["consumption_tok_s"], gt=0, le=1000)
     calibration_requests: StrictInt = Field(_DISPATCH["calibration_requests"], ge=2, le=10_000)
     regime: Literal["server", "device"] | None = None
 
@@ -200,15 +200,15 @@ class ScalingSettings(_Strict):
     times its time alone on an idle server. The paper gives none of these values: the defaults are
     the brief's."""
 
-    gpu_memory_gb: float | None = Field(None, gt=0, le=100_000)
-    gpu_link_gbps: float | None = Field(None, gt=0, le=100_000)
-    slo_factor: float = Field(_SCALING["slo_factor"], gt=0, le=1000)
-    t_up: float = Field(_SCALING["t_up"], ge=0, le=1)
-    t_down: float = Field(_SCALING["t_down"], ge=0, le=1)
-    period_s: float = Field(_SCALING["period_s"], gt=0, le=3600)
-    cooldown_s: float = Field(_SCALING["cooldown_s"], ge=0, le=3600)
-    calm_s: float = Field(_SCALING["calm_s"], ge=0, le=3600)
-    window_s: float = Field(_SCALING["window_s"], gt=0, le=3600)
+    gpu_memory_gb: Number | None = Field(None, gt=0, le=100_000)
+    gpu_link_gbps: Number | None = Field(None, gt=0, le=100_000)
+    slo_factor: Number = Field(_SCALING["slo_factor"], gt=0, le=1000)
+    t_up: Number = Field(_SCALING["t_up"], ge=0, le=1)
+    t_down: Number = Field(_SCALING["t_down"], ge=0, le=1)
+    period_s: Number = Field(_SCALING["period_s"], gt=0, le=3600)
+    cooldown_s: Number = Field(_SCALING["cooldown_s"], ge=0, le=3600)
+    calm_s: Number = Field(_SCALING["calm_s"], ge=0, le=3600)
+    window_s: Number = Field(_SCALING["window_s"], gt=0, le=3600)
     delta_batch: StrictInt = Field(_SCALING["delta_batch"], ge=1, le=100_000)
     max_migrations: StrictInt = Field(_SCALING["max_migrations"], ge=0, le=1000)
 
@@ -220,17 +220,17 @@ class ContextServiceSettings(_Strict):
     compressed to ``mean_gap_s``; contexts grown by Table 3's tasks; Random / Markov / Gaussian)."""
 
     memory: Literal[CONTEXT_MEMORY_METHODS] = "llms"  # type: ignore[valid-type]  (context_memory.BASELINES)
-    budget_gb: float = Field(1.0, gt=0, le=1024)
+    budget_gb: Number = Field(1.0, gt=0, le=1024)
     chunk_tokens: StrictInt = Field(16, ge=1, le=4096)
-    ratio: float = Field(0.5, gt=0, le=1)  # the global compression ratio over INT8 (Eq. 2-3)
+    ratio: Number = Field(0.5, gt=0, le=1)  # the global compression ratio over INT8 (Eq. 2-3)
     contexts: StrictInt = Field(4, ge=1, le=1024)  # N, the active contexts
     pattern: Literal["random", "markov", "gaussian"] = "random"
     calls_per_context: StrictInt = Field(5, ge=1, le=100_000)
-    tasks: tuple[Literal["agnews", "xsum", "samsum", "cnndm", "wmt17", "sst2"], ...] = (
-        "sst2", "samsum", "agnews", "wmt17")  # fmt: skip
+    tasks: tuple[Literal["agnews", "xsum", "samsum", "cnndm", "wmt17", "sst2"], ...] = Field((
+        "sst2", "samsum", "agnews", "wmt17"), min_length=1, max_length=64)  # fmt: skip
     max_context_tokens: StrictInt = Field(1024, ge=32, le=1 << 20)
-    mean_gap_s: float = Field(0.5, gt=0, le=3600)
-    output_share: float = Field(0.2, ge=0, lt=1)  # of a call's growth, its teacher-forced ground truth
+    mean_gap_s: Number = Field(0.5, gt=0, le=3600)
+    output_share: Number = Field(0.2, ge=0, lt=1)  # of a call's growth, its teacher-forced ground truth
     apps: StrictInt = Field(2, ge=1, le=256)  # client processes; context i belongs to app i mod apps
 
 
@@ -238,19 +238,19 @@ class RunSettings(_Strict):
     """One run's configuration: what a matrix key may override (``link.profile``, ``power.orin``)."""
 
     method: str = "ushape"  # a registered method (nodes/workers/methods)
-    model: str = "examples/models/tiny"
+    model: PlainText = "examples/models/tiny"
     partition: PartitionSettings = PartitionSettings()
     server: Name = "server"
-    devices: tuple[Name, ...] = ("devices",)
+    devices: tuple[Name, ...] = Field(("devices",), max_length=10_000)
     workload: WorkloadSettings = WorkloadSettings()
     link: LinkSettings = LinkSettings()
-    power: dict[Name, str] = {}  # node or group -> mode, set and read back before the run
+    power: dict[Name, PlainText] = {}  # node or group -> mode, set and read back before the run
     telemetry: TelemetrySettings = TelemetrySettings()
     chunk_tokens: StrictInt = Field(128, ge=1, le=1_000_000)  # usarathi's budget; pc's first chunk
     draft: DraftSettings = DraftSettings()  # type: ignore[valid-type]
     dtype: Literal["float32", "float16", "bfloat16", "auto"] = "float32"
     threads_per_rank: StrictInt = Field(1, ge=1, le=256)
-    drain_s: float = Field(1.0, ge=0, le=600)  # telemetry kept running after the last token
+    drain_s: Number = Field(1.0, ge=0, le=600)  # telemetry kept running after the last token
     target: TargetSettings | None = None  # None: this machine's speed and the real model's bytes
     # requests one device serves at once, each slot a device rank of its own (a request goes to a free
     # slot, else waits for the first to free up): 1 is one user's device, whose requests wait for the
@@ -301,6 +301,9 @@ class RunSettings(_Strict):
         return self
 
 
+MAX_RUNS = 100_000  # matrix points x repetitions a campaign may expand to
+
+
 class FailurePolicy(_Strict):
     on_failure: Literal["continue", "stop"] = "continue"
     quarantine_after: StrictInt = Field(3, ge=1, le=1000)  # failed runs in a row that quarantine a node
@@ -308,12 +311,12 @@ class FailurePolicy(_Strict):
 
 class CampaignSpec(_Strict):
     name: Name
-    description: str = ""
-    inventory: str = "inventory.yaml"
+    description: Annotated[str, Field(max_length=10_000)] = ""
+    inventory: PlainText = "inventory.yaml"
     base: RunSettings = RunSettings()
-    matrix: dict[str, list[Any]] = {}
+    matrix: dict[PlainText, Annotated[list[Any], Field(max_length=MAX_RUNS)]] = {}
     repetitions: StrictInt = Field(1, ge=1, le=10_000)
-    seed: StrictInt = 0
+    seed: StrictInt = Field(0, ge=0, le=2**63 - 1)  # a 64-bit seed (every derived seed is one too)
     # random: shuffled by the seed, then runs that one warm worker pool can serve (same server, devices
     # and stages) and that load the same model parts made adjacent; listed: as the matrix lists them
     order: Literal["random", "listed"] = "random"
@@ -321,7 +324,7 @@ class CampaignSpec(_Strict):
     # and the power modes and shaping it will set again still in place (false: every run starts cold,
     # with new ranks, and configures and restores the nodes on its own)
     warm_runs: StrictBool = True
-    run_timeout_s: float = Field(600.0, ge=5, le=86_400)
+    run_timeout_s: Number = Field(600.0, ge=5, le=86_400)
     failure: FailurePolicy = FailurePolicy()
 
 

@@ -9,16 +9,19 @@ from __future__ import annotations
 import json
 import os
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel
 
+from foundation import units
 from foundation.errors import InputError, InputProblem, TestbedError
 from foundation.user_files import FieldPath, YamlSource, field_name
+from netem.profile import MAX_RATE_BIT_S, MIN_RATE_BIT_S
 from nodes.workers.methods import MethodCheck, method_named
 from testbed.campaign.spec import CampaignSpec, RunSettings, workload_spec
-from testbed.inventory import Inventory
+from testbed.inventory import DirectedLink, Inventory, links_from_file
+from testbed.inventory.schema import power_mode_problem
 
 
 def relative_path(campaign: Path, written: str) -> Path:
@@ -113,17 +116,23 @@ class SettingsChecker:
                 yield f"power.{name}", f"no node or group named {name!r} in {lab.path}", f"known: {known}"
                 continue
             for node in lab.select([name]):
-                if node.emulated is not None and node.emulated.power_modes and node.kind == "jetson":
+                if node.emulated is not None and node.emulated.power_modes:  # it models only these
                     offered = [(str(m.id), m.name) for m in node.emulated.power_modes]
                     if not any(mode in pair or mode.lower() == pair[1].lower() for pair in offered):
                         listing = ", ".join(f"{i} {n}" for i, n in offered)
                         yield f"power.{name}", f"{node.name} has no power mode {mode!r}", f"it has: {listing}"
+                        break
+                elif (problem := power_mode_problem(node.kind, mode)) is not None:
+                    yield f"power.{name}", f"{node.name}: {problem}", "the node's power tool takes nothing else"
+                    break
         yield from self._link_problems(s)
         yield from self._model_problems(s)
         if s.target is not None:
             yield from self._target_problems(s)
-        if method_named(s.method).streams:
-            yield from self._serving_problems(s)
+        if method_named(s.method).streams or (s.dispatch is not None and s.dispatch.server_endpoint == "engine"):
+            yield from self._serving_problems(s)  # (the budgets the plan derives, as split_spec does)
+        if method_named(s.method).gpu_ranks:
+            yield from self._scaling_problems(s)
         if s.dispatch is not None and s.dispatch.external is not None:
             yield from self._external_problems(s.dispatch.external)
         if method_named(s.method).serves_contexts:
@@ -152,6 +161,13 @@ class SettingsChecker:
                 yield f"link.{field}", f"{value}: no such file", "paths are relative to the campaign file"
         if link.trace and relative_path(self.source.path, link.trace).is_file() and self.lab.links:
             yield from self._trace_problems(s)
+        if link.links and relative_path(self.source.path, link.links).is_file():
+            yield from self._links_file_problems(s)
+        if link.profile and link.profile in self.lab.spec.link_profiles:
+            profile = self.lab.spec.link_profiles[link.profile]
+            yield from _scaled_rate_problems(s, [(f"link profile {link.profile}", profile.rate_bit_s)])
+        elif not chosen:
+            yield from _scaled_rate_problems(s, _profile_rates(self.lab.links))
         if link.shaped and not chosen and not self.lab.links:
             yield "link", f"{self.lab.path} has no links to shape", "add 'links:' to it, or set link.shaped: false"
 
@@ -166,6 +182,19 @@ class SettingsChecker:
             traced_links(self.lab, {d: trace for d in devices})
         except TestbedError as exc:
             yield "link.trace", str(exc), ""
+            return
+        rates = [(f"{trace.source}, the row at {step.t_s:g} s", rate) for step in trace.steps
+                 for rate in (step.up_bit_s, step.down_bit_s)]  # fmt: skip
+        yield from _scaled_rate_problems(s, rates)
+
+    def _links_file_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
+        """A links file is checked against the inventory now, not when the run is planned."""
+        try:
+            links = links_from_file(self.lab, relative_path(self.source.path, s.link.links))
+        except TestbedError as exc:
+            yield "link.links", str(exc), "fix the links file"
+            return
+        yield from _scaled_rate_problems(s, _profile_rates(links))
 
     def _model_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
         directory = relative_path(self.source.path, s.model)
@@ -182,6 +211,19 @@ class SettingsChecker:
                             str(relative_path(self.source.path, s.draft.adapter)) if s.draft.adapter else None)
         yield from method_named(s.method).problems(check)
 
+
+    def _scaling_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
+        """The GPUs' budgets must hold the target's weights (checked now, not when the run is planned)."""
+        from testbed.campaign.scaling_config import scaling_config
+
+        if s.server not in self.names or not relative_path(self.source.path, s.model).is_dir():
+            return  # reported above
+        try:
+            scaling_config(self.lab, self.source.path.parent, s)
+        except (TestbedError, InputError) as exc:
+            given = s.scaling is not None and s.scaling.gpu_memory_gb is not None
+            yield ("scaling.gpu_memory_gb" if given else "target.model"), str(exc), \
+                "give a larger scaling.gpu_memory_gb, or a smaller target model"
 
     def _external_problems(self, name: str) -> Iterable[tuple[str, str, str]]:
         """An external endpoint must be in the inventory, and its key's variable set on the controller."""
@@ -260,6 +302,131 @@ class SettingsChecker:
             resolve_target(self.lab, self.source.path.parent, s, list(self.lab.select(names)))
         except (TestbedError, InputError) as exc:
             yield "target", str(exc), "compute profiles live in examples/profiles (testbed/compute_profiles.py)"
+
+
+def unused_setting_problems(spec: CampaignSpec, source: YamlSource, runs: Sequence[RunSettings]) -> list[InputProblem]:
+    """Settings written in the campaign (in ``base`` or as a matrix key) that no run uses: each ignored by
+    the run's method, or made meaningless by another setting of its section (:func:`ignored_settings`)."""
+    ignored = [ignored_settings(run) for run in runs]
+
+    def why_unused(dotted: str) -> str | None:
+        reasons = []
+        for by_run in ignored:
+            reason = next((why for path, why in by_run.items() if dotted == path or dotted.startswith(path + ".")),
+                          None)  # fmt: skip
+            if reason is None:
+                return None
+            reasons.append(reason)
+        return reasons[0] if reasons else None
+
+    problems: list[InputProblem] = []
+    refused: list[str] = []
+    written = [("base", *path) for path in _written(spec.base)] + [("matrix", key) for key in spec.matrix]
+    for at in written:
+        dotted = ".".join(str(p) for p in at[1:])
+        if any(dotted.startswith(r + ".") for r in refused):
+            continue  # its section is refused already
+        why = why_unused(dotted)
+        if why is not None:
+            refused.append(dotted)
+            problems.append(source.problem(at, f"no run of the campaign uses it: {why}",
+                                           "remove it, or add a run that uses it"))  # fmt: skip
+    return problems
+
+
+def _written(settings: BaseModel, prefix: tuple[str, ...] = ()) -> Iterable[tuple[str, ...]]:
+    """The fields of ``settings`` written in the file (not defaults), sections before their fields."""
+    for name in type(settings).model_fields:
+        if name in settings.model_fields_set:
+            yield (*prefix, name)
+            value = getattr(settings, name)
+            if isinstance(value, BaseModel):
+                yield from _written(value, (*prefix, name))
+
+
+ANDES_ONLY = ("watermark", "preemption_cap", "lookahead_s", "batch_grid")
+AUTOSCALING_ONLY = ("t_up", "t_down", "cooldown_s", "calm_s", "delta_batch", "max_migrations")
+
+
+def ignored_settings(s: RunSettings) -> dict[str, str]:
+    """The settings (dotted paths) run ``s`` does not use, each with the reason."""
+    from testbed.campaign.spec import DispatchSettings, ServingSettings
+
+    m, out = method_named(s.method), {}
+    if not m.drafts:
+        out["draft"] = f"{s.method} does not draft"
+    if m.prefill not in ("device_chunks", "server_chunks"):
+        out["chunk_tokens"] = f"{s.method} does not prefill in chunks"
+    if m.token_ids_only and s.partition.device_layers != 0:
+        out["partition.device_layers"] = f"{s.method} runs no decoder layer on the device"
+    if m.serves_contexts:
+        out["workload"] = f"{s.method}'s apps replay the context trace of context_service, not a workload"
+    if not uses_serving_engine(s):
+        out["serving"] = f"{s.method} runs no serving engine" + (" (dispatch.external replaces it)" if m.dispatches
+                                                                 and s.dispatch and s.dispatch.external else "")
+    else:
+        serving = s.serving or ServingSettings()
+        scheduler = "static" if m.batching == "static" else serving.scheduler
+        if m.batching == "static":
+            out["serving.scheduler"] = f"{s.method} runs a fixed batch to its end, with no scheduler"
+        for name in ("rr_interval",) if scheduler != "rr" else ():
+            out[f"serving.{name}"] = f"the {scheduler} scheduler does not read it (rr does)"
+        for name in ANDES_ONLY if scheduler not in ("andes", "andes-dp") else ():
+            out[f"serving.{name}"] = f"the {scheduler} scheduler does not read it (andes and andes-dp do)"
+        if scheduler != "andes-dp":
+            out["serving.dp_block_tokens"] = f"the {scheduler} scheduler does not read it (andes-dp does)"
+    if m.dispatches:
+        d = s.dispatch or DispatchSettings()
+        if d.policy in ("server-only", "device-only"):
+            out["dispatch.budget"] = f"policy {d.policy} sends every request one way"
+        if d.policy != "disco-d":
+            out["dispatch.alpha"] = f"policy {d.policy} does not read it (disco-d does)"
+        if not d.migration:
+            out["dispatch.source_keeps_streaming"] = "dispatch.migration is false"
+        if d.external is not None:
+            out["dispatch.server_endpoint"] = "dispatch.external replaces the server's endpoint"
+    if m.gpu_ranks and not m.autoscales:
+        out.update({f"scaling.{name}": f"{s.method} does not scale" for name in AUTOSCALING_ONLY})
+    if not s.link.shaped:
+        out.update({f"link.{name}": "link.shaped is false" for name in ("profile", "trace", "links", "verify_s",
+                                                                        "rate_scale")})  # fmt: skip
+    if not s.telemetry.enabled:
+        out.update({f"telemetry.{name}": "telemetry.enabled is false" for name in ("interval_ms", "jetson_source")})
+    if s.workload.arrival in ("trace", "steps"):
+        out["workload.rate_per_s"] = f"{s.workload.arrival} arrivals take their rates from the " + \
+            ("trace" if s.workload.arrival == "trace" else "rate_steps")
+    return out
+
+
+def uses_serving_engine(s: RunSettings) -> bool:
+    """Whether the run has a serving engine (a streaming method, or DiSCo's engine endpoint)."""
+    method = method_named(s.method)
+    engine_endpoint = method.dispatches and s.dispatch is not None and s.dispatch.server_endpoint == "engine"
+    return method.streams or (engine_endpoint and s.dispatch is not None and s.dispatch.external is None)
+
+
+def _profile_rates(links: Iterable[DirectedLink]) -> list[tuple[str, float | None]]:
+    return [(f"link profile {link.profile_name}", link.profile.rate_bit_s) for link in links]
+
+
+def _scaled_rate_problems(s: RunSettings, rates: Iterable[tuple[str, float | None]]) -> Iterable[tuple[str, str, str]]:
+    """Every rate the run shapes, times ``link.rate_scale`` and divided by the target's dilation, must lie
+    where a link profile's may: the scaled links are built without the profile's bounds."""
+    dilation = s.target.dilation if s.target is not None else 1.0
+    scale = s.link.rate_scale / dilation
+    if scale == 1.0:
+        return
+    field = "link.rate_scale" if s.link.rate_scale != 1.0 else "target.dilation"
+    for what, rate in rates:
+        if rate is None:
+            continue
+        scaled = rate * scale
+        if not MIN_RATE_BIT_S <= scaled <= MAX_RATE_BIT_S:
+            bound = (f"below a link's floor of {units.format_rate(MIN_RATE_BIT_S)}" if scaled < MIN_RATE_BIT_S
+                     else f"above a link's ceiling of {units.format_rate(MAX_RATE_BIT_S)}")  # fmt: skip
+            yield (field, f"{what}: {units.format_rate(rate)} x {scale:g} is {units.format_rate(scaled)}, {bound}",
+                   "scale the rates less, or shape faster links")  # fmt: skip
+            return
 
 
 def _with_role(lab: Inventory, role: str) -> str:

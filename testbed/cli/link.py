@@ -290,10 +290,11 @@ def link_import_mahimahi(
     downlink: Annotated[Path, typer.Argument(help="Mahimahi trace of the downlink.")],
     output: Annotated[Path, typer.Option("--out", help="Our trace CSV to write.")],
     bin_s: Annotated[
-        float, typer.Option("--bin", help="Seconds per row: opportunities are counted in bins.", min=0.01)
+        float, typer.Option("--bin", help="Seconds per row: opportunities are counted in bins.", min=0.01, max=3600)
     ] = 1.0,
     delay_ms: Annotated[
-        float | None, typer.Option("--delay-ms", help="One-way delay to put on every row (each direction).", min=0)
+        float | None,
+        typer.Option("--delay-ms", help="One-way delay to put on every row (each direction).", min=0, max=10_000),
     ] = None,
     loss_pct: Annotated[
         float | None,
@@ -306,9 +307,14 @@ def link_import_mahimahi(
     1500 B x 8 / bin). A bin without any gets 8 kbit (HTB cannot stop a link) and the import says how
     many. Mahimahi traces repeat: the shorter one repeats over the longer. Mahimahi's own delay and
     loss shells are separate: give them with --delay-ms and --loss-pct."""
+    import math
+
     from netem.mahimahi import MIN_RATE_BIT_S, import_mahimahi
     from netem.trace import write_trace
 
+    for option, value in (("--bin", bin_s), ("--delay-ms", delay_ms), ("--loss-pct", loss_pct)):
+        if value is not None and not math.isfinite(value):
+            raise typer.BadParameter(f"{value} is not a finite number", param_hint=f"'{option}'")
     imported = import_mahimahi(uplink, downlink, bin_s=bin_s, delay_ms=delay_ms, loss_pct=loss_pct)
     write_trace(imported.trace, output)
     steps = imported.trace.steps

@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from foundation.errors import InputError
-from foundation.user_files import YamlSource
+from foundation.user_files import YamlSource, beside
 from netem.profile import DirectedLink
 from testbed.inventory.expansion import expand_groups, expand_links
 from testbed.inventory.model import Inventory
@@ -30,7 +30,7 @@ def load_inventory(path: str | Path) -> Inventory:
 
 def inventory_from_source(source: YamlSource) -> Inventory:
     """Validate a loaded file: secrets and shapes first, then what spans fields; then expand."""
-    problems = list(secret_problems(source, source.data, ()))
+    problems = list(secret_problems(source, source.data, ())) + source.text_problems()
     if source.data is None or not isinstance(source.data, dict):
         problems.append(
             source.problem(
@@ -41,8 +41,7 @@ def inventory_from_source(source: YamlSource) -> Inventory:
     try:
         spec = InventorySpec.model_validate(source.data)
     except ValidationError as exc:
-        problems += spec_problems(source, exc.errors())
-        raise InputError(problems) from None
+        raise InputError(beside(problems, spec_problems(source, exc.errors()))) from None
     if problems:
         raise InputError(problems)
     problems = list(cross_check(spec, source))
@@ -57,12 +56,13 @@ def links_from_file(inventory: Inventory, path: str | Path) -> tuple[DirectedLin
     profiles; problems name the links file's lines."""
     source = YamlSource.load(path)
     if not isinstance(source.data, dict):
-        raise InputError([source.problem((), "a links file must be a mapping with a 'links' list", "")])
+        raise InputError([source.problem((), "a links file must be a mapping with a 'links' list",
+                                         "see examples/links/wifi-delay.yaml")])  # fmt: skip
+    problems = source.text_problems()
     try:
         extra = LinksFileSpec.model_validate(source.data)
     except ValidationError as exc:
-        raise InputError([pydantic_problem(source, err) for err in exc.errors()]) from None
-    problems = []
+        raise InputError(beside(problems, [pydantic_problem(source, err) for err in exc.errors()])) from None
     for name, profile in extra.link_profiles.items():
         problems += list(profile_problems(name, profile, source))
         if name in inventory.spec.link_profiles:

@@ -12,7 +12,16 @@ import re
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from foundation.user_fields import STRICT_MODEL_CONFIG, DurationS, invalid_value
 from netem.profile import LinkProfile
@@ -33,6 +42,23 @@ HOSTNAME_PATTERN = (
 
 JETSON_MODELS = ("agx-orin", "agx-xavier", "orin-nx", "orin-nano", "xavier-nx")
 
+# A power mode as each kind's driver takes it (nodes/jetson, nodes/server, nodes/android): an nvpmodel
+# mode's id or name; a GPU power limit; a CPU governor with an optional frequency cap in kHz.
+POWER_MODES = {
+    "jetson": (re.compile(r"^(?:[0-9]{1,3}|[A-Za-z][A-Za-z0-9_.-]{0,31}|[0-9]+[A-Za-z_][A-Za-z0-9_.-]{0,30})$"),
+               "an nvpmodel mode's id or name, e.g. 0 or MAXN or MODE_15W"),
+    "server": (re.compile(r"^(?:default|[0-9]{1,5}(?:\.[0-9]{1,3})?[Ww])$"),
+               "default, or a GPU power limit in watts such as 250W"),
+    "android": (re.compile(r"^[a-z][a-z_]{0,31}(?:@[1-9][0-9]{2,7})?$"),
+                "GOVERNOR or GOVERNOR@KHZ, e.g. schedutil or powersave@1803000"),
+}  # fmt: skip
+
+
+def power_mode_problem(kind: str, mode: str) -> str | None:
+    """Why ``mode`` cannot be a power mode of a node of ``kind`` (None: it can)."""
+    pattern, what = POWER_MODES[kind]
+    return None if pattern.match(mode) else f"{mode!r} is not a power mode of a {kind}: write {what}"
+
 
 def _address(value: object) -> str:
     if isinstance(value, str):
@@ -48,15 +74,50 @@ def _address(value: object) -> str:
 
 def _ip(value: object) -> str:
     try:
-        return str(ipaddress.ip_address(str(value)))
+        address = ipaddress.ip_address(str(value)) if isinstance(value, str) else None
     except ValueError:
-        raise invalid_value(
-            "address", f"{value!r} is not an IP address", "the data plane needs a literal IP, e.g. 10.0.0.11"
-        ) from None
+        address = None
+    if address is None:
+        raise invalid_value("address", f"{value!r} is not an IP address",
+                            "the data plane needs a literal IP, e.g. 10.0.0.11")  # fmt: skip
+    # the tc filters (u32 'match ip dst A/32') and the iptables rules match one IPv4 unicast host
+    if address.version != 4:
+        raise invalid_value("address", f"{value} is an IPv6 address: the data plane's tc filters and iptables "
+                            "rules match IPv4 only", "give the node's IPv4 address on the data network")  # fmt: skip
+    for what, test in (("unspecified", address.is_unspecified), ("loopback", address.is_loopback),
+                       ("multicast", address.is_multicast), ("broadcast", address == ipaddress.IPv4Address(
+                           "255.255.255.255")), ("reserved", address.is_reserved)):  # fmt: skip
+        if test:
+            raise invalid_value("address", f"{value} is a {what} address: no shaped link reaches one node there",
+                                "give the node's own IPv4 address on the data network")  # fmt: skip
+    return str(address)
+
+
+def _node_path(value: object) -> object:
+    """A path on a node (or the controller) must not depend on the directory a command happens to run
+    in: absolute, or under the home directory (``~`` or ``~/...``)."""
+    if isinstance(value, str) and not (value.startswith("/") or value == "~" or value.startswith("~/")):
+        where = "another user's home (~user) is not supported" if value.startswith("~") else "it is relative"
+        raise invalid_value("path", f"{value!r}: {where}; it would resolve against whatever directory a command "
+                            "runs in", "write an absolute path or one under the home directory, e.g. ~/hil-testbed")
+    return value
+
+
+def _python(value: object) -> object:
+    """The node's Python: a command found on PATH (``python3``) or a path as :func:`_node_path` takes."""
+    return value if isinstance(value, str) and "/" not in value and not value.startswith("~") else _node_path(value)
+
+
+def _workdir(value: object) -> object:
+    if isinstance(value, str) and value.rstrip("/") == "":
+        raise invalid_value("path", f"{value!r} is the root directory", "give an absolute directory of its own, "
+                            "or one under the home directory, e.g. ~/hil-testbed")  # fmt: skip
+    return _node_path(value)
 
 
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
-SafePath = Annotated[str, Field(pattern=PATH_PATTERN)]
+SafePath = Annotated[str, Field(pattern=PATH_PATTERN, max_length=4096)]
+NodePath = Annotated[SafePath, AfterValidator(_node_path)]
 Address = Annotated[str, BeforeValidator(_address)]
 IpAddress = Annotated[str, BeforeValidator(_ip)]
 
@@ -70,8 +131,8 @@ class SshSettings(_Strict):
 
     user: Name | None = None
     port: StrictInt | None = Field(None, ge=1, le=65535)
-    identity_file: SafePath | None = None
-    known_hosts: SafePath | None = None
+    identity_file: NodePath | None = None  # on the controller
+    known_hosts: NodePath | None = None
     password_env: Annotated[str, Field(pattern=ENV_PATTERN)] | None = None
     connect_timeout_s: DurationS | None = Field(None, alias="connect_timeout", gt=0, le=600)
     keepalive_s: DurationS | None = Field(None, alias="keepalive", le=3600)
@@ -79,10 +140,11 @@ class SshSettings(_Strict):
 
 class Defaults(_Strict):
     ssh: SshSettings = SshSettings()
-    python: SafePath = "python3"  # the node's Python that runs our code (and that provisioning makes the venv from)
+    # the node's Python that runs our code (and that provisioning makes the venv from): a command or a path
+    python: Annotated[SafePath, AfterValidator(_python)] = "python3"
     sudo: StrictBool = True
-    workdir: SafePath = "~/hil-testbed"
-    venv: SafePath | None = None  # the per-node virtual environment of `testbed provision`; <workdir>/venv
+    workdir: Annotated[SafePath, AfterValidator(_workdir)] = "~/hil-testbed"  # absolute, or under ~
+    venv: NodePath | None = None  # the per-node virtual environment of `testbed provision`; <workdir>/venv
     registry_access: StrictBool = True  # False: nodes get a wheelhouse from the controller instead of PyPI
     # How delay, jitter and loss are applied: netem (a tc qdisc), nfqueue (iptables and a user-space
     # handler, for kernels without sch_netem), or auto (netem where the node's kernel has it).
@@ -165,6 +227,10 @@ class EmulationSettings(_Strict):
     data_subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("10.232.0.0/24")
     name_prefix: Annotated[str, Field(pattern=r"^[a-z][a-z0-9]{0,5}$")] = "tb"
     state_dir: SafePath | None = None  # default: /run/hil-testbed/<prefix> (root), else per user
+    # Reach the nodes as a real lab is reached: as this non-root user (made by `up`, removed by `down`),
+    # whose sudo allows only the rules the suite prints (testbed.sudo_rules); netns mode only.
+    ssh_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,30}$")] | None = None
+    sudo_rules: Literal["printed"] = "printed"
     instance: EmulationInstance | None = None
 
 
@@ -173,16 +239,36 @@ class EndpointSpec(_Strict):
     can race against (a campaign's ``dispatch.external``). Its key, if it needs one, is read from the
     environment variable ``api_key_env`` on the controller when a run starts: never written here."""
 
-    url: str
+    url: Annotated[str, Field(max_length=2048)]
     model: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/@+-]+$")] = "default"
     api_key_env: Annotated[str, Field(pattern=ENV_PATTERN)] | None = None
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, url: str) -> str:
+        # The URL reaches every manifest and run config: it must carry no secret, and it must be one any
+        # client opens the same way (ASCII host, a port that exists).
+        example = "write e.g. http://10.50.0.2:8000/v1"
+        if not url.isascii() or re.search(r"[\x00-\x20\x7f'\"`$;\\]", url):
+            raise invalid_value("url", "the URL holds spaces, quotes, control or non-ASCII characters",
+                                f"{example} (a host name in punycode)")  # fmt: skip
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or re.search(r"[\s'\"`$;]", url):
-            raise ValueError(f"{url!r} is not an http:// or https:// URL; write e.g. http://10.50.0.2:8000/v1")
+        if "@" in parts.netloc:
+            raise invalid_value("url", "the URL carries credentials (user:password@): they would be written into "
+                                "every manifest and run config", "remove them; put the key in an environment "
+                                "variable on the controller and name it in api_key_env")  # fmt: skip
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise invalid_value("url", f"{url!r} is not an http:// or https:// URL", example)
+        if parts.query or parts.fragment:
+            raise invalid_value("url", "the URL has a query or fragment (a key in '?api_key=' would be written into "
+                                "every manifest)", "give the server's base URL; put a key in an environment variable "
+                                "named in api_key_env")  # fmt: skip
+        try:
+            port = parts.port
+        except ValueError:
+            port = 0
+        if port == 0 or (port is None and re.search(r":[^/\]]*$", parts.netloc)):
+            raise invalid_value("url", f"{url!r} has no valid port (1-65535)", example)
         return url.rstrip("/")
 
     @model_validator(mode="before")
@@ -194,19 +280,22 @@ class EndpointSpec(_Strict):
         return data
 
 
+MAX_NODES = 4096  # a lab of 30+ boards; a bound so that no file makes the checks quadratic in millions
+
+
 class InventorySpec(_Strict):
     defaults: Defaults = Defaults()
     emulation: EmulationSettings = EmulationSettings()
-    nodes: tuple[NodeSpec, ...] = Field(min_length=1)
-    groups: dict[Name, tuple[Name, ...]] = {}
-    link_profiles: dict[Name, LinkProfile] = {}
-    links: tuple[LinkSpec, ...] = ()
-    endpoints: dict[Name, EndpointSpec] = {}  # OpenAI-compatible servers of the lab, by name
+    nodes: tuple[NodeSpec, ...] = Field(min_length=1, max_length=MAX_NODES)
+    groups: dict[Name, Annotated[tuple[Name, ...], Field(max_length=MAX_NODES)]] = Field({}, max_length=MAX_NODES)
+    link_profiles: dict[Name, LinkProfile] = Field({}, max_length=MAX_NODES)
+    links: tuple[LinkSpec, ...] = Field((), max_length=MAX_NODES)
+    endpoints: dict[Name, EndpointSpec] = Field({}, max_length=256)  # OpenAI-compatible servers of the lab
 
 
 class LinksFileSpec(_Strict):
     """A file given to ``testbed link apply --links``: links (and optionally more profiles) that
     replace the inventory's links for one apply."""
 
-    link_profiles: dict[Name, LinkProfile] = {}
-    links: tuple[LinkSpec, ...] = Field(min_length=1)
+    link_profiles: dict[Name, LinkProfile] = Field({}, max_length=MAX_NODES)
+    links: tuple[LinkSpec, ...] = Field(min_length=1, max_length=MAX_NODES)

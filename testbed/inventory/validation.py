@@ -5,15 +5,17 @@ references, kinds, address clashes, profiles that shape nothing).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 from foundation.errors import InputProblem
 from foundation.user_files import YamlSource
 from netem.profile import LinkProfile
 from testbed.inventory.expansion import expand_groups, link_pairs
-from testbed.inventory.schema import JETSON_MODELS, EmulatedSpec, InventorySpec, NodeSpec
+from testbed.inventory.schema import JETSON_MODELS, EmulatedSpec, InventorySpec, NodeSpec, power_mode_problem
 
 RESERVED_NAMES = ("all", "controller")
 SECRET_KEYS = ("password", "passphrase", "sudo_password", "key_passphrase")
@@ -63,9 +65,12 @@ INVENTORY_EXAMPLE = "examples/inventories/lab.yaml"
 def pydantic_problem(source: YamlSource, err: Any, example: str = INVENTORY_EXAMPLE) -> InputProblem:
     """One pydantic error as ``FILE:LINE: field: problem; hint``; ``example`` is the file the hints
     point at (a campaign's problems point at a campaign example)."""
-    loc = tuple(part for part in err["loc"] if isinstance(part, (str, int)))
+    loc = tuple(part for part in err["loc"] if isinstance(part, (str, int)) and part != "[key]")
     ctx = err.get("ctx") or {}
     kind = err["type"]
+    if "[key]" in err["loc"]:  # a mapping's key (a name) is what is wrong, not its value
+        return source.problem(loc, f"the name {loc[-1]!r} " + _key_problem(err), "use letters, digits and . _ - only "
+                              "(no spaces or shell characters), at most 63")  # fmt: skip
     if kind == "extra_forbidden":
         return source.problem(
             loc, f"unknown key {loc[-1]!r}", f"check the spelling; {example} shows every key"
@@ -87,6 +92,12 @@ def pydantic_problem(source: YamlSource, err: Any, example: str = INVENTORY_EXAM
     message = err["msg"] + (f" ({unit})" if unit and kind in _RANGE_ERRORS else "")
     hint = _HINTS.get(kind, f"{example} shows a valid {'inventory' if example == INVENTORY_EXAMPLE else 'file'}")
     return source.problem(loc, shown + message, hint)
+
+
+def _key_problem(err: Any) -> str:
+    if err["type"] == "string_pattern_mismatch":
+        return "contains characters that are not allowed, or is empty or too long"
+    return str(err["msg"]).lower()
 
 
 _UNIT_OF_FIELD = {
@@ -183,7 +194,12 @@ def cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
         yield from profile_problems(name, profile, src)
     yield from link_problems(spec, src, node_names, cycle is None)
 
+    yield from _endpoint_problems(spec, src)
     em = spec.emulation
+    for field, net in (("management_subnet", em.management_subnet), ("data_subnet", em.data_subnet)):
+        if net.prefixlen < MIN_EMULATED_PREFIX:
+            yield src.problem(("emulation", field), f"{net} has {net.num_addresses} addresses: the emulation plans "
+                              f"every one", f"use a /{MIN_EMULATED_PREFIX} or smaller, e.g. a /24")  # fmt: skip
     if em.management_subnet.overlaps(em.data_subnet):
         yield src.problem(
             ("emulation", "data_subnet"), "overlaps the management subnet", "the two planes need separate subnets"
@@ -196,6 +212,32 @@ def cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
                 f"{net} is too small for {emulated} emulated nodes",
                 "use a larger subnet, e.g. a /24",
             )
+
+
+MIN_EMULATED_PREFIX = 16  # an emulated subnet of at most 65536 addresses (a lab of 30 nodes needs a /27)
+
+
+def _endpoint_problems(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
+    """A key sent over plain http crosses the network in the clear: only to this machine (loopback) or
+    to an emulated node (the emulation's subnets, on this machine too)."""
+    local = (spec.emulation.management_subnet, spec.emulation.data_subnet)
+    for name, endpoint in spec.endpoints.items():
+        parts = urlsplit(endpoint.url)
+        if endpoint.api_key_env is None or parts.scheme != "http" or _on_this_machine(parts.hostname or "", local):
+            continue
+        yield src.problem(("endpoints", name, "url"), f"the key in ${endpoint.api_key_env} would be sent over plain "
+                          f"http to {parts.hostname}, readable on the network", "use https://, or reach the server "
+                          "through a tunnel on localhost")  # fmt: skip
+
+
+def _on_this_machine(host: str, emulated: Iterable[ipaddress.IPv4Network]) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or any(address in net for net in emulated)
 
 
 def link_problems(
@@ -252,6 +294,13 @@ def _node_kind_problems(
         if node.transport == "local":
             yield src.problem(at + ("transport",), "an emulated node is reached over SSH", "remove transport")
         yield from _power_mode_problems(node.emulated, src, at + ("emulated",))
+        for i, mode in enumerate(node.emulated.power_modes):
+            problem = power_mode_problem(node.kind, mode.name)
+            if node.kind == "jetson" and problem is None and mode.name.isdigit():
+                problem = f"{mode.name!r} reads as a mode id: a name with only digits cannot be told from one"
+            if problem is not None and node.kind != "android":  # (a phone's: _emulated_phone_problems)
+                yield src.problem(at + ("emulated", "power_modes", i, "name"), problem,
+                                  "name the mode as the node's power tool does")  # fmt: skip
     elif node.kind != "android" and node.transport == "ssh" and node.address is None:
         yield src.problem(
             at,
@@ -339,15 +388,9 @@ def _clash_problems(spec: InventorySpec, src: YamlSource) -> Iterable[InputProbl
 
 
 def profile_problems(name: str, p: LinkProfile, src: YamlSource) -> Iterable[InputProblem]:
-    at = ("link_profiles", name)
-    if all(v is None for v in (p.rate_bit_s, p.delay_s, p.loss_pct)):
-        yield src.problem(at, "the profile shapes nothing", "give at least one of rate, delay, loss")
-    if p.jitter_s is not None and not p.delay_s:
-        yield src.problem(at + ("jitter",), "jitter needs a delay", "add delay: (jitter varies around it)")
-    if p.distribution is not None and not p.jitter_s:
-        yield src.problem(at + ("distribution",), "a delay distribution needs jitter", "add jitter:")
-    if p.loss_correlation_pct is not None and not p.loss_pct:
-        yield src.problem(at + ("loss_correlation",), "loss correlation needs loss", "add loss:")
+    """A profile's settings that its other settings make meaningless (:meth:`LinkProfile.problems`)."""
+    for field, problem, hint in p.problems():
+        yield src.problem(("link_profiles", name, *([field] if field else [])), problem, hint)
 
 
 def _group_cycle(groups: dict[str, tuple[str, ...]]) -> list[str] | None:
