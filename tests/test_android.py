@@ -333,6 +333,40 @@ def test_an_unknown_governor_is_the_nodes_error_and_changes_nothing(phones: Path
     assert show_power(inv).values()["p1"].journal is False
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("governor", "schedutil; touch {marker}"), ("max_khz", "1803000 > /dev/null; touch {marker}"),
+     ("policy", "policy0/../../../../../../..{marker}")],
+)  # fmt: skip
+def test_restore_refuses_a_journal_value_that_is_not_a_governor_policy_or_frequency(
+    phones: Path, tmp_path: Path, field: str, value: str
+) -> None:
+    """What the journal says is checked again before it reaches the phone's root shell: a value that is
+    not what the driver writes there is the node's error, naming the journal and the field, and the
+    phone is left as it is (the journal too, to be mended by hand)."""
+    phone = make_phone(phones, PIXEL, current_now=-412000)
+    inv = load_inventory(phone_inventory(tmp_path))
+    assert set_power(inv, ["p1"], "performance").ok
+    journal = tmp_path / "node" / "power" / f"journal-{PIXEL}.json"
+    document = json.loads(journal.read_text())
+    marker = tmp_path / "injected"
+    policies = document["snapshot"]["policies"]
+    if field == "policy":
+        policies[value.format(marker=marker)] = policies.pop("policy0")
+    else:
+        policies["policy4"][field] = value.format(marker=marker)
+    journal.write_text(json.dumps(document))
+    restored = restore_power(inv)
+    assert not restored.ok
+    error = restored.failed[0].error or ""
+    assert str(journal) in error and ("governor" if field == "governor" else field if field != "policy" else
+                                      "policy") in error, error  # fmt: skip
+    assert "Traceback" not in error
+    assert not marker.exists()
+    assert cpufreq_of(phone) == {p: ("performance", hw) for p, (_, hw) in POLICIES.items()}
+    assert json.loads(journal.read_text()) == document
+
+
 def test_a_phone_with_clusters_capped_apart_reports_the_highest_cap(phones: Path) -> None:
     """A thermal engine capped the little cluster at 950400 kHz and the big one at 2400000 kHz:
     the mode names the highest cap, compared as numbers (950400 < 2400000)."""

@@ -113,6 +113,30 @@ def test_a_mode_one_node_lacks_changes_no_node(lab: Path) -> None:
     assert cli.returncode == 2 and "not a mode of orin-nx" in cli.stderr
 
 
+@pytest.mark.parametrize(("field", "value"), [("mode_id", "0; reboot"), ("clocks_file", "/etc/hostname")])
+def test_restore_refuses_a_journal_value_the_driver_never_writes(lab: Path, field: str, value: str) -> None:
+    """A Jetson's journal read back is checked again before its values reach nvpmodel or jetson_clocks:
+    a mode id that is not a number, or a clock file other than the one beside the journal, is the node's
+    error naming the journal and the field; the node stays as it is until the journal is mended."""
+    inv = load_lab(lab)
+    assert set_power(inv, ["orin"], "MODE_30W").ok
+    (journal,) = power_journals(lab)
+    good = journal.read_text()
+    document = json.loads(good)
+    document["snapshot"][field] = value
+    journal.write_text(json.dumps(document))
+    try:
+        refused = restore_power(inv, ["orin"])
+        assert not refused.ok
+        error = refused.failed[0].error or ""
+        assert "journal.json" in error and field in error and "Traceback" not in error, error
+        assert show_power(inv, ["orin"]).values()["orin"].mode_name == "MODE_30W"
+    finally:  # mended: restore works again (and the next test finds orin as it was)
+        journal.write_text(good)
+        assert restore_power(inv, ["orin"]).ok
+    assert show_power(inv, ["orin"]).values()["orin"].mode_name == "MAXN" and power_journals(lab) == []
+
+
 def test_a_server_without_gpus_says_why_it_has_no_power_control(lab: Path) -> None:
     cli = run_cli("power", "set", "server", "250W", "-i", str(lab))
     assert cli.returncode == 1

@@ -2,7 +2,9 @@
 (``/sys/devices/system/cpu/cpufreq/policyN``), written as root over ``adb shell su -c`` and read
 back. Modes are written ``GOVERNOR`` or ``GOVERNOR@KHZ`` (``schedutil@1804800``: each cluster's
 maximum capped at 1804800 kHz, or at its own maximum if lower). ``state`` also reads the thermal
-zones (``/sys/class/thermal/thermal_zoneN``, millidegrees).
+zones (``/sys/class/thermal/thermal_zoneN``, millidegrees). Every policy name, governor and frequency
+is checked against a strict pattern before it goes into the root shell, also those read back from the
+journal on ``restore``.
 """
 
 import re
@@ -11,11 +13,24 @@ from typing import Any, Dict, List, Tuple
 
 from nodes.android.adb import AdbError, adb_shell
 from nodes.android.battery import POWER_SOURCES, charging_from_dumpsys, parse_dumpsys_battery
+from nodes.contracts.journal_values import JournalValueError, checked
 from nodes.power import PowerDriver, PowerError, PowerModeInfo, PowerState
 
 CPUFREQ = "/sys/devices/system/cpu/cpufreq"
 THERMAL = "/sys/class/thermal"
 _MODE = re.compile(r"^([a-z_]+)(?:@(\d+))?$")
+POLICY = re.compile(r"policy\d{1,4}")
+GOVERNOR = re.compile(r"[A-Za-z0-9_-]{1,32}")  # schedutil, performance, sched_pixel, ...
+KHZ = re.compile(r"\d{1,10}")
+
+
+def checked_target(policy: object, governor: object, khz: object, where: str) -> Tuple[str, str, str]:
+    """(policy, governor, kHz) as they may go into the root shell, or JournalValueError naming the field."""
+    return (
+        checked(policy, POLICY, where, "a cpufreq policy name (policyN)"),
+        checked(governor, GOVERNOR, "%s.%s.governor" % (where, policy), "a governor name (letters, digits, _, -)"),
+        checked(khz, KHZ, "%s.%s.max_khz" % (where, policy), "a frequency in kHz (digits)"),
+    )
 
 
 class AndroidPower(PowerDriver):
@@ -103,6 +118,11 @@ class AndroidPower(PowerDriver):
         return targets
 
     def _write(self, targets: List[Tuple[str, str, str]]) -> None:
+        try:
+            for name, governor, khz in targets:  # also what the phone's own listing said
+                checked_target(name, governor, khz, "policies")
+        except JournalValueError as exc:
+            raise PowerError("refusing to write cpufreq: %s" % exc) from None
         script = "; ".join(
             "echo %s > %s/%s/scaling_governor && echo %s > %s/%s/scaling_max_freq"
             % (g, CPUFREQ, name, khz, CPUFREQ, name)
@@ -131,5 +151,8 @@ class AndroidPower(PowerDriver):
 
     def restore(self, snapshot: Dict[str, Any]) -> PowerState:
         saved = snapshot.get("policies") or {}
-        self._write([(n, p["governor"], p["max_khz"]) for n, p in sorted(saved.items())])
+        if not isinstance(saved, dict) or not all(isinstance(p, dict) for p in saved.values()):
+            raise JournalValueError("policies: not a map of policy names to {governor, max_khz}")
+        targets = [checked_target(n, p.get("governor"), p.get("max_khz"), "policies") for n, p in saved.items()]
+        self._write(sorted(targets))
         return self.state()

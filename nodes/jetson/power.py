@@ -4,16 +4,20 @@ Setting a mode runs ``nvpmodel -m ID`` and reads it back with ``nvpmodel -q``; a
 a reboot is refused (the tool asks on stdin; we answer no). Locking clocks first stores the current
 clock settings with ``jetson_clocks --store FILE`` next to the journal, so that ``restore`` can
 ``jetson_clocks --restore FILE`` after switching back to the original mode (a mode switch resets
-the clocks, so the order matters).
+the clocks, so the order matters). ``restore`` takes from the journal only a numeric mode id and the
+clock file beside the journal.
 """
 
 import os
+import re
 from typing import Any, Dict, List, Optional
 
+from nodes.contracts.journal_values import JournalValueError, checked
 from nodes.jetson.nvpmodel import parse_clocks_show, parse_modes, parse_query
 from nodes.power import PowerDriver, PowerError, PowerModeInfo, PowerState, Runner
 
 CONF = "/etc/nvpmodel.conf"
+MODE_ID = re.compile(r"\d{1,4}")
 
 
 class JetsonPower(PowerDriver):
@@ -104,7 +108,21 @@ class JetsonPower(PowerDriver):
             "clocks_locked": state.clocks_locked,
         }
 
+    def _checked_snapshot(self, snapshot: Dict[str, Any]) -> Dict[str, Any]:
+        """The journal's snapshot as this driver wrote it, or JournalValueError naming the field."""
+        mode_id = snapshot.get("mode_id")
+        if mode_id is not None:
+            checked(str(mode_id) if isinstance(mode_id, int) else mode_id, MODE_ID, "mode_id", "an nvpmodel mode id")
+        clocks_file = snapshot.get("clocks_file")
+        if clocks_file and clocks_file != self.clocks_file:
+            raise JournalValueError("clocks_file: %r is not the clock file beside the journal (%s)"
+                                    % (clocks_file, self.clocks_file))  # fmt: skip
+        if snapshot.get("clocks_locked") not in (None, True, False):
+            raise JournalValueError("clocks_locked: %r is not true, false or null" % (snapshot["clocks_locked"],))
+        return snapshot
+
     def restore(self, snapshot: Dict[str, Any]) -> PowerState:
+        snapshot = self._checked_snapshot(snapshot)
         mode_id = snapshot.get("mode_id")
         if mode_id is not None and self._query().mode_id != int(mode_id):
             self.set_mode(str(mode_id))

@@ -2,6 +2,10 @@
 that records the state before the first change so that ``restore`` puts it back, also after the
 controller was killed.
 
+What the journal says is checked again before it reaches a command (each driver's ``restore`` knows
+the patterns of what it wrote): a value that does not pass is the node's error naming the journal and
+the field, and the journal stays for a person to mend.
+
 Drivers: :class:`nodes.jetson.power.JetsonPower` (nvpmodel, jetson_clocks; also the emulated
 Jetsons' stand-ins), :class:`nodes.server.nvml_power.NvmlPower` (GPU power limit and locked
 clocks), :class:`nodes.android.power.AndroidPower` (CPU governor and per-cluster maximum frequency).
@@ -20,6 +24,7 @@ import subprocess
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from nodes.contracts.durable import write_json_atomic
+from nodes.contracts.journal_values import JournalValueError
 from nodes.contracts.tool_errors import NodeToolError
 
 
@@ -131,9 +136,16 @@ class PowerJournal(object):
     def read(self) -> Optional[Dict[str, Any]]:
         try:
             with open(self.path) as f:
-                return dict(json.load(f))
+                document = json.load(f)
         except FileNotFoundError:
             return None
+        except ValueError as exc:
+            raise PowerError("the power journal %s is not JSON (%s); mend it or restore by hand and remove it"
+                             % (self.path, exc)) from None  # fmt: skip
+        if not isinstance(document, dict) or not isinstance(document.get("snapshot", {}), dict):
+            raise PowerError("the power journal %s is not {kind, snapshot}; mend it or restore by hand and remove it"
+                             % self.path)  # fmt: skip
+        return document
 
     def record_before_change(self, driver: PowerDriver) -> None:
         """Write the snapshot unless one is there already (the first one is the original state)."""
@@ -153,7 +165,13 @@ class PowerJournal(object):
             raise PowerError(
                 "the journal %s was written by the %s driver, not %s" % (self.path, document.get("kind"), driver.kind)
             )
-        state = driver.restore(dict(document.get("snapshot") or {}))
+        try:
+            state = driver.restore(dict(document.get("snapshot") or {}))
+        except JournalValueError as exc:
+            raise PowerError(
+                "the power journal %s: snapshot.%s; the testbed never writes that there: mend the "
+                "journal (or restore the node by hand and remove it)" % (self.path, exc)
+            ) from None
         os.unlink(self.path)
         return state
 

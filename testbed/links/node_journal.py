@@ -8,6 +8,7 @@ after the controller was killed halfway through an apply.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -15,9 +16,12 @@ from dataclasses import dataclass, field, replace
 from netem import nfqueue
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE
 from netem.tc_state import InterfaceState, split_sections
+from nodes.contracts.journal_values import INTERFACE, JournalValueError, checked, checked_path
 from testbed.transport.base import Transport, quote_path
 
 JOURNAL_FORMAT = 1
+JOURNAL_NAME = "netem/journal.json"  # under the node's workdir
+_HOOK_SIDE = re.compile(r"ingress|egress")
 
 
 def journal_dir(workdir: str) -> str:
@@ -26,7 +30,7 @@ def journal_dir(workdir: str) -> str:
 
 
 def journal_path(workdir: str) -> str:
-    return journal_dir(workdir) + "/journal.json"
+    return workdir.rstrip("/") + "/" + JOURNAL_NAME
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,12 @@ class LinkJournal:
 
     @classmethod
     def from_json(cls, text: str) -> LinkJournal:
+        """The journal as written, its names and pidfiles checked again before they reach tc, ip,
+        iptables or kill (:mod:`nodes.contracts.journal_values`); ValueError names the field."""
         data = json.loads(text)
         if data.get("format") != JOURNAL_FORMAT:
             raise ValueError(f"link journal format {data.get('format')!r} is not {JOURNAL_FORMAT}")
+        _check_values(data)
         known = {"format", "devices", "ingress_on", "ifbs", "trace_pidfile", "chains", "handler_pidfile"}
         return cls(
             devices={d: DeviceSnapshot(tuple(s["qdiscs"]), s["class_text"]) for d, s in data["devices"].items()},
@@ -135,6 +142,26 @@ class LinkJournal:
             if s is not None and s.exists:
                 problems.append(f"{ifb}: still exists")
         return problems
+
+
+def _check_values(data: dict) -> None:
+    where = f"the link journal {JOURNAL_NAME}"
+    try:
+        for field in ("ingress_on", "ifbs"):
+            for name in data[field]:
+                checked(name, INTERFACE, field, "an interface name")
+        for name in data["devices"]:
+            checked(name, INTERFACE, "devices", "an interface name")
+        for chain in data.get("chains", ()):
+            checked(chain[0], INTERFACE, "chains", "an interface name")
+            checked(chain[1], _HOOK_SIDE, "chains", "ingress or egress")
+        for field in ("trace_pidfile", "handler_pidfile"):
+            if data.get(field) is not None:
+                checked_path(data[field], field, suffix=".pid")
+    except JournalValueError as exc:
+        raise JournalValueError(f"{where}: {exc}; mend it (or undo by hand and remove it)") from None
+    except (KeyError, TypeError, IndexError) as exc:
+        raise JournalValueError(f"{where}: not as the testbed writes it ({type(exc).__name__}: {exc})") from None
 
 
 def store(transport: Transport, path: str, data: bytes) -> None:
