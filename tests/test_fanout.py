@@ -8,6 +8,8 @@ import pytest
 from foundation.errors import NodeError
 from testbed.transport.fanout import fan_out
 
+HANG_LIMIT_S = 60.0  # a bound on waits for an event that fails only on a hang
+
 
 def test_every_node_gets_an_outcome_in_order_and_failures_do_not_abort_others():
     def op(name: str) -> str:
@@ -30,7 +32,10 @@ def test_every_node_gets_an_outcome_in_order_and_failures_do_not_abort_others():
 
 @pytest.mark.parametrize("limit", [1, 3, 8])
 def test_concurrency_is_bounded_and_used(limit):
+    # each operation holds its place until `limit` of them run at once (or a hang limit passes): the
+    # peak is reached however slowly threads start, and an operation more would show above it
     lock = threading.Lock()
+    full = threading.Event()
     running = 0
     peak = 0
 
@@ -39,17 +44,21 @@ def test_concurrency_is_bounded_and_used(limit):
         with lock:
             running += 1
             peak = max(peak, running)
-        time.sleep(0.05)
+            if running == limit:
+                full.set()
+        full.wait(HANG_LIMIT_S)
         with lock:
             running -= 1
 
     fan_out([f"n{i}" for i in range(12)], op, max_parallel=limit)
-    assert peak == limit
+    assert full.is_set() and peak == limit
 
 
-def test_parallel_is_faster_than_serial():
-    result = fan_out([f"n{i}" for i in range(20)], lambda n: time.sleep(0.1), max_parallel=20)
-    assert result.ok and result.wall_s < 20 * 0.1 / 4
+def test_every_node_runs_at_once_when_the_limit_allows():
+    # 20 operations that can only pass together: serial or partly serial would break the barrier
+    barrier = threading.Barrier(20, timeout=HANG_LIMIT_S)
+    result = fan_out([f"n{i}" for i in range(20)], lambda n: barrier.wait(), max_parallel=20)
+    assert result.ok, result.failed
 
 
 def test_invalid_limit():
@@ -62,16 +71,24 @@ def test_progress_is_shown_on_a_terminal_only_for_slow_operations():
 
     from rich.console import Console
 
-    def render(duration_s: float) -> str:
+    from testbed.transport.fanout import PROGRESS_AFTER_S
+
+    def render(slow: bool) -> str:
         buffer = io.StringIO()
         console = Console(file=buffer, force_terminal=True, width=100)
-        fan_out(["a", "b"], lambda n: time.sleep(duration_s), description="probing nodes", console=console)
+
+        def op(_: str) -> None:  # a slow one lasts until its progress display has been drawn
+            deadline = time.monotonic() + HANG_LIMIT_S
+            while slow and "probing nodes" not in buffer.getvalue() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        fan_out(["a", "b"], op, description="probing nodes", console=console)
         return buffer.getvalue()
 
-    assert "probing nodes" in render(1.5)
-    assert render(0.05) == ""
+    assert "probing nodes" in render(slow=True)
+    assert render(slow=False) == ""
     quiet = io.StringIO()
-    fan_out(["a"], lambda n: time.sleep(1.3), description="probing", console=Console(file=quiet))
+    fan_out(["a"], lambda n: time.sleep(PROGRESS_AFTER_S + 0.3), description="probing", console=Console(file=quiet))
     assert quiet.getvalue() == "", "no progress display when output is not a terminal"
 
 

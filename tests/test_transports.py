@@ -15,6 +15,11 @@ from testbed.emulation.sshd_server import SshdServer, SshKeys, login_user
 from testbed.inventory import SshTarget
 from testbed.transport import CommandFailed, LocalTransport, SshTransport, Transport
 
+# No bound here depends on this machine's speed: a wait for an event is bounded by HANG_LIMIT_S (it
+# fails only on a hang), and "it did not wait for X" is said against X's own length (LONG_S).
+HANG_LIMIT_S = 60.0
+LONG_S = 600  # a command or child that would hold a call this long if it were waited for
+
 
 def ssh_target(keys: SshKeys, port: int, **changes: object) -> SshTarget:
     fields: dict[str, object] = dict(
@@ -43,6 +48,13 @@ def transport(request, ssh_keys):
     t.close()
     if server is not None:
         server.stop()
+
+
+def wait_until(condition, limit_s: float = HANG_LIMIT_S) -> bool:
+    deadline = time.monotonic() + limit_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
 
 
 def pid_alive(pid: int) -> bool:
@@ -84,16 +96,14 @@ def test_env_cwd_and_stdin(transport, tmp_path):
 def test_timeout_kills_the_command_and_its_children(transport, tmp_path):
     pids = tmp_path / "pids"
     started = time.monotonic()
-    result = transport.run(["sh", "-c", f"sleep 60 & echo $! > {pids}; echo $$ >> {pids}; sleep 61"], timeout_s=1.0)
+    command = f"sleep {LONG_S} & echo $! > {pids}; echo $$ >> {pids}; sleep {LONG_S}"
+    result = transport.run(["sh", "-c", command], timeout_s=1.0)
     assert result.timed_out and result.exit_code is None and not result.ok
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < LONG_S / 10
     with pytest.raises(CommandFailed, match="timed out"):
         result.check()
     recorded = [int(p) for p in pids.read_text().split()]
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in recorded) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(pid_alive(p) for p in recorded), "a timed-out command left processes behind"
+    assert wait_until(lambda: not any(pid_alive(p) for p in recorded)), "a timed-out command left processes behind"
 
 
 def test_put_and_get(transport, tmp_path):
@@ -115,10 +125,7 @@ def test_background_start_stop(transport, tmp_path):
     assert pid_alive(proc.pid)
     with pytest.raises(CommandFailed, match="already running"):
         transport.start_background(["sleep", "300"], pidfile=pidfile, logfile=logfile)
-    deadline = time.monotonic() + 5
-    while "started" not in Path(logfile).read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "started" in Path(logfile).read_text()
+    assert wait_until(lambda: "started" in Path(logfile).read_text())
     assert transport.stop_background(pidfile) == "stopped"
     assert not pid_alive(proc.pid) and not Path(pidfile).exists()
     assert transport.stop_background(pidfile) == "absent"
@@ -144,7 +151,7 @@ def test_line_session_round_trips(transport):
     with transport.open_line_session(["sh", "-c", 'while read -r x; do echo "got $x"; done']) as session:
         for word in ("a", "b c"):
             session.send_line(word)
-            assert session.read_line(5) == f"got {word}"
+            assert session.read_line(HANG_LIMIT_S) == f"got {word}"
 
 
 def test_unknown_host_key_is_refused(ssh_keys, tmp_path):
@@ -228,22 +235,17 @@ def test_command_line_quotes_every_word():
 def test_line_session_that_ignores_eof_is_ended_on_close(transport, tmp_path):
     pidfile = tmp_path / "pid"
     session = transport.open_line_session(["sh", "-c", f"echo $$ > {pidfile}; trap '' HUP; exec sleep 300"])
-    deadline = time.monotonic() + 5
-    while not pidfile.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert wait_until(lambda: pidfile.exists() and pidfile.read_text().strip() != "")
     pid = int(pidfile.read_text())
     assert pid_alive(pid)
     session.close()
-    deadline = time.monotonic() + 5
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not pid_alive(pid), "closing a line session must not leave its command running"
+    assert wait_until(lambda: not pid_alive(pid)), "closing a line session must not leave its command running"
 
 
 def test_timeout_holds_while_feeding_stdin_to_a_command_that_never_reads_it(transport):
     started = time.monotonic()
-    result = transport.run(["sleep", "30"], stdin=b"x" * (4 << 20), timeout_s=2.0)
-    assert result.timed_out and time.monotonic() - started < 10
+    result = transport.run(["sleep", str(LONG_S)], stdin=b"x" * (4 << 20), timeout_s=2.0)
+    assert result.timed_out and time.monotonic() - started < LONG_S / 10
 
 
 def test_large_stdin_reaches_the_command(transport):
@@ -255,8 +257,8 @@ def test_large_stdin_reaches_the_command(transport):
 def test_a_child_left_holding_stdout_does_not_hang_the_call(transport, tmp_path):
     pidfile = tmp_path / "child"
     started = time.monotonic()
-    result = transport.run(["sh", "-c", f"sleep 30 & echo $! > {pidfile}; echo done"], timeout_s=10)
-    assert result.ok and result.stdout.startswith("done") and time.monotonic() - started < 5
+    result = transport.run(["sh", "-c", f"sleep {LONG_S} & echo $! > {pidfile}; echo done"], timeout_s=LONG_S * 2)
+    assert result.ok and result.stdout.startswith("done") and time.monotonic() - started < LONG_S / 10
     os.kill(int(pidfile.read_text()), 9)  # the test's own leftover, by its pid
 
 

@@ -24,6 +24,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 KILL_GRACE_S = 2.0
 DRAIN_AFTER_EXIT_S = 0.5  # after a command exits, how long a leftover child may hold its output
 LINE_SESSION_EXIT_S = 1.0
+LINE_SEND_S = 10.0  # how long a line may wait for the command to take it (one that stopped reading)
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,8 @@ class LineSession(ABC):
         self._buffer = b""
 
     @abstractmethod
-    def send_line(self, text: str) -> None: ...
+    def send_line(self, text: str) -> None:
+        """Send one line; TimeoutError if the command has not taken it within ``LINE_SEND_S``."""
 
     @abstractmethod
     def _receive(self, timeout_s: float) -> bytes | None:

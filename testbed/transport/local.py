@@ -17,6 +17,7 @@ from foundation.errors import NodeError
 from testbed.transport.base import (
     DRAIN_AFTER_EXIT_S,
     KILL_GRACE_S,
+    LINE_SEND_S,
     LINE_SESSION_EXIT_S,
     CommandResult,
     LineSession,
@@ -91,7 +92,10 @@ class LocalTransport(Transport):
         for stream in (proc.stdin, proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
-        proc.wait()
+        try:
+            proc.wait(KILL_GRACE_S)  # it has exited or been killed: at once, unless it cannot be killed
+        except subprocess.TimeoutExpired:
+            output[err_fd] += f"\n[process group {proc.pid} still there after SIGKILL: left as it is]".encode()
         return CommandResult(
             node=self.node,
             command=line.removeprefix("exec "),
@@ -111,7 +115,9 @@ class LocalTransport(Transport):
                 return
             except PermissionError:
                 if privileged:
-                    subprocess.run(["sudo", "-n", "kill", f"-{sig.name[3:]}", "--", f"-{proc.pid}"], check=False)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        subprocess.run(["sudo", "-n", "kill", f"-{sig.name[3:]}", "--", f"-{proc.pid}"], check=False,
+                                       timeout=KILL_GRACE_S)  # fmt: skip
             try:
                 proc.wait(KILL_GRACE_S)
                 return
@@ -160,10 +166,20 @@ class _LocalLineSession(LineSession):
             start_new_session=True,
             bufsize=0,
         )
+        assert self._proc.stdin is not None
+        os.set_blocking(self._proc.stdin.fileno(), False)  # a command that stops reading cannot block us
 
     def send_line(self, text: str) -> None:
         assert self._proc.stdin is not None
-        self._proc.stdin.write(text.encode() + b"\n")
+        fd, pending = self._proc.stdin.fileno(), memoryview(text.encode() + b"\n")
+        deadline = time.monotonic() + LINE_SEND_S
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"the command took no input for {LINE_SEND_S:g} s")
+            if select.select([], [fd], [], remaining)[1]:
+                with contextlib.suppress(BlockingIOError):
+                    pending = pending[os.write(fd, pending) :]
 
     def _receive(self, timeout_s: float) -> bytes | None:
         assert self._proc.stdout is not None

@@ -2,6 +2,14 @@
 
 Unknown host keys are refused, never added: a researcher must verify a new node's key once
 (``ssh-keyscan``) rather than have the testbed trust whatever answers at an address.
+
+Every wait is bounded. A request the node must answer (a channel, a command, the SFTP subsystem,
+each SFTP operation, the kill of a timed-out command) waits at most ``reply_timeout_s``; a transfer
+as a whole at most :meth:`SshTransport.transfer_deadline_s` of its size; and the kernel gives a
+connection up when the node stops acknowledging (``TCP_USER_TIMEOUT``, with keepalives so that an
+idle connection has something to acknowledge). A connection that failed one of these is dropped,
+and the next command opens a new one. A node that froze (its kernel still acknowledging) is noticed
+by the first bound, a node that vanished by the last.
 """
 
 from __future__ import annotations
@@ -13,8 +21,10 @@ import shlex
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import TypeVar
 
 import paramiko
 from fabric import Config, Connection
@@ -24,6 +34,7 @@ from testbed.inventory import SshTarget
 from testbed.transport.base import (
     DRAIN_AFTER_EXIT_S,
     KILL_GRACE_S,
+    LINE_SEND_S,
     LINE_SESSION_EXIT_S,
     CommandResult,
     LineSession,
@@ -33,6 +44,12 @@ from testbed.transport.base import (
 
 CONNECT_ATTEMPTS = 3
 BACKOFF_S = 0.5
+REPLY_TIMEOUT_CONNECTS = 3.0  # a node's answer to one request may take this many connect timeouts
+TRANSFER_FLOOR_BYTES_PER_S = 256 << 10  # a transfer slower than this on average is given up
+KEEPALIVE_MISSES = 3  # keepalive intervals without an acknowledgement before the kernel gives up
+UNACKNOWLEDGED_S = 60.0  # ... or this long where keepalives are off (at least a connect timeout)
+BROKEN = (EOFError, TimeoutError, paramiko.SSHException)  # what a failed request leaves the connection as
+T = TypeVar("T")
 
 
 def _known_hosts_name(target: SshTarget) -> str:
@@ -55,6 +72,27 @@ class _LowLatencySocket(socket.socket):
         return data
 
 
+def unacknowledged_s(target: SshTarget) -> float:
+    """How long sent data (or keepalive probes) may go unacknowledged before the kernel drops the
+    connection: a node that vanished costs this, not the kernel's ~15 minutes of retransmissions."""
+    if target.keepalive_s > 0:
+        return max(target.connect_timeout_s, KEEPALIVE_MISSES * target.keepalive_s)
+    return max(target.connect_timeout_s, UNACKNOWLEDGED_S)
+
+
+def _give_up_when_unacknowledged(sock: socket.socket, target: SshTarget) -> None:
+    """TCP keepalives every ``keepalive_s`` of silence, and ``TCP_USER_TIMEOUT`` (Linux)."""
+    if target.keepalive_s > 0:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        interval = max(1, round(target.keepalive_s))
+        options = (("TCP_KEEPIDLE", interval), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", KEEPALIVE_MISSES))
+        for option, value in options:
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, round(unacknowledged_s(target) * 1000))
+
+
 def _connect_socket(target: SshTarget) -> socket.socket:
     error: OSError | None = None
     for family, kind, proto, _, address in socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM):
@@ -67,6 +105,7 @@ def _connect_socket(target: SshTarget) -> socket.socket:
             error = exc
             continue
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _give_up_when_unacknowledged(sock, target)
         return sock
     raise error or OSError(f"no address for {target.host}")
 
@@ -75,6 +114,48 @@ def _reporting_pid(line: str) -> str:
     """Run ``line`` under a shell that first prints its pid: what a timeout or close ends, with its
     process group (sshd makes each session's shell a group leader)."""
     return "sh -c " + shlex.quote("echo $$; " + line)
+
+
+class _Deadline:
+    """Calls ``expire`` once, from a timer thread, if the ``with`` block is still running after
+    ``seconds``; ``expired`` says whether it did."""
+
+    def __init__(self, seconds: float, expire: Callable[[], None]) -> None:
+        self.seconds = seconds
+        self.expired = False
+        self._ended = False
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._fire, args=(expire,))
+        self._timer.daemon = True
+
+    def _fire(self, expire: Callable[[], None]) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self.expired = True
+        expire()
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._ended = True
+        self._timer.cancel()
+
+
+@contextmanager
+def _remote_file(sftp: paramiko.SFTPClient, path: str, mode: str) -> Iterator[paramiko.SFTPFile]:
+    """``path`` opened on the node, closed (the node confirming the writes) if all went well. After
+    a failure it is not closed here: its SFTP session ends next, and the handle with it."""
+    remote = sftp.open(path, mode)
+    try:
+        yield remote
+    except BaseException:
+        remote._closed = True  # else paramiko closes it from __del__, on a session that is gone
+        raise
+    remote.close()
 
 
 def _sftp_makedirs(sftp: paramiko.SFTPClient, directory: str) -> None:
@@ -91,11 +172,26 @@ def _sftp_makedirs(sftp: paramiko.SFTPClient, directory: str) -> None:
 class SshTransport(Transport):
     """One SSH connection per node, opened on first use and shared by concurrent commands."""
 
-    def __init__(self, node: str, target: SshTarget, *, use_sudo: bool) -> None:
+    def __init__(
+        self,
+        node: str,
+        target: SshTarget,
+        *,
+        use_sudo: bool,
+        reply_timeout_s: float | None = None,
+        transfer_floor_bytes_per_s: float = TRANSFER_FLOOR_BYTES_PER_S,
+    ) -> None:
         super().__init__(node, use_sudo=use_sudo and target.user != "root")
         self.target = target
+        self.reply_timeout_s = reply_timeout_s or REPLY_TIMEOUT_CONNECTS * target.connect_timeout_s
+        self.transfer_floor_bytes_per_s = transfer_floor_bytes_per_s
         self._conn: Connection | None = None
         self._lock = threading.Lock()
+
+    def transfer_deadline_s(self, size_bytes: int) -> float:
+        """How long a transfer of ``size_bytes`` may take in all: a connection and a reply's time,
+        plus its bytes at the floor rate."""
+        return self.target.connect_timeout_s + self.reply_timeout_s + size_bytes / self.transfer_floor_bytes_per_s
 
     # -- connection
 
@@ -179,11 +275,43 @@ class SshTransport(Transport):
             f"cannot connect to {t.host}:{t.port} after {CONNECT_ATTEMPTS} attempts: {type(error).__name__}: {error}",
         )
 
-    def _channel(self) -> paramiko.Channel:
-        transport = self.connection().client.get_transport()
-        if transport is None:
+    def _drop(self, conn: Connection) -> None:
+        """Forget a broken connection (the next command opens a new one) and close it. Closing ends
+        whatever waits on it, from any thread: paramiko's writes give up once it is closed."""
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+        with suppress(Exception):
+            conn.close()
+
+    def _channel(self, conn: Connection) -> paramiko.Channel:
+        """A session channel on ``conn``, opened within the connect timeout (else ``conn`` is dropped)."""
+        transport = conn.client.get_transport()
+        if transport is None or not transport.is_active():
+            self._drop(conn)
             raise NodeError(self.node, "SSH connection lost")
-        return transport.open_session(timeout=self.target.connect_timeout_s)
+        try:
+            chan = transport.open_session(timeout=self.target.connect_timeout_s)
+        except (*BROKEN, OSError) as exc:
+            self._drop(conn)
+            raise NodeError(self.node, f"no channel within {self.target.connect_timeout_s:g} s: {exc}") from None
+        chan.settimeout(self.reply_timeout_s)
+        return chan
+
+    def _request(self, conn: Connection, request: Callable[[], T], what: str) -> T:
+        """``request()`` (one the node must answer, such as exec), bounded by the reply timeout:
+        past it ``conn`` is dropped, which ends the wait, and a NodeError is raised."""
+        with _Deadline(self.reply_timeout_s, lambda: self._drop(conn)) as deadline:
+            try:
+                return request()
+            except (*BROKEN, OSError) as exc:
+                if not deadline.expired:
+                    self._drop(conn)
+                    raise NodeError(self.node, f"{what}: {type(exc).__name__}: {exc}") from None
+        raise NodeError(self.node, f"no answer to {what} within {self.reply_timeout_s:g} s; the connection was dropped")
+
+    def _start(self, conn: Connection, chan: paramiko.Channel, command: str) -> None:
+        self._request(conn, lambda: chan.exec_command(command), "a command request")
 
     def close(self) -> None:
         with self._lock:
@@ -195,8 +323,9 @@ class SshTransport(Transport):
 
     def _execute(self, line: str, *, timeout_s: float, stdin: bytes | None, privileged: bool) -> CommandResult:
         start = time.monotonic()
-        chan = self._channel()
-        chan.exec_command(_reporting_pid(line))
+        conn = self.connection()
+        chan = self._channel(conn)
+        self._start(conn, chan, _reporting_pid(line))
         pending = memoryview(stdin or b"")
         if not pending:
             chan.shutdown_write()
@@ -233,8 +362,12 @@ class SshTransport(Transport):
             if pid_line.strip().isdigit():
                 self._kill_group(int(pid_line), privileged)
             chan.close()
-        exit_code = None if timed_out else chan.recv_exit_status()
+        exit_code = None if timed_out else chan.recv_exit_status()  # ready: the loop ended on it
         chan.close()
+        transport = conn.client.get_transport()
+        if exit_code == -1 and (transport is None or not transport.is_active()):
+            self._drop(conn)  # the channel closed with the connection: how the command ended is unknown
+            raise NodeError(self.node, f"SSH connection lost while running `{line.removeprefix('exec ')[:120]}`")
         return CommandResult(
             node=self.node,
             command=line.removeprefix("exec "),
@@ -255,15 +388,63 @@ class SshTransport(Transport):
             f'kill -KILL "-$g" 2>/dev/null; exit 0'
         )
         command = ("sudo -n -- " if privileged else "") + "sh -c " + shlex.quote(script)
-        try:
-            chan = self._channel()
-            chan.exec_command(command)
-            chan.recv_exit_status()
-            chan.close()
-        except (paramiko.SSHException, OSError, NodeError):
-            pass  # the connection is gone; the node's sshd will have closed the session
+        # A connection that does not carry the kill is dropped and the kill tried once more on a new
+        # one: a frozen session leaves the node's sshd itself able to take it.
+        for _ in range(2):
+            try:
+                conn = self.connection()
+                chan = self._channel(conn)
+                self._start(conn, chan, command)
+                ended = chan.status_event.wait(KILL_GRACE_S + self.reply_timeout_s)
+                chan.close()
+                if ended:
+                    return
+                self._drop(conn)  # it took the kill and never said how it went: kill was sent
+                return
+            except (*BROKEN, OSError, NodeError):
+                continue  # the connection is dropped
 
     # -- files
+
+    def _sftp(self, conn: Connection) -> paramiko.SFTPClient:
+        """An SFTP session of its own on ``conn``; every operation on it waits at most the reply timeout."""
+        chan = self._channel(conn)
+        self._request(conn, lambda: chan.invoke_subsystem("sftp"), "the SFTP subsystem request")
+        return paramiko.SFTPClient(chan)  # its version exchange under the channel's timeout
+
+    @contextmanager
+    def _transfer(self, what: str) -> Iterator[tuple[paramiko.SFTPClient, Callable[[int], _Deadline]]]:
+        """An SFTP session for one transfer, and ``within(size_bytes)`` that bounds what follows by
+        the transfer's deadline. A transfer that fails leaves its connection dropped, except on an
+        error the node answered (a missing file): NodeError, saying whether the node stopped
+        answering or the deadline passed."""
+        conn = self.connection()
+        deadlines: list[_Deadline] = []
+
+        def within(size_bytes: int) -> _Deadline:
+            deadlines.append(_Deadline(self.transfer_deadline_s(size_bytes), lambda: self._drop(conn)))
+            return deadlines[-1]
+
+        try:
+            sftp = self._sftp(conn)
+            try:
+                yield sftp, within
+            except BaseException as exc:
+                if not isinstance(exc, OSError) or isinstance(exc, TimeoutError) or sftp.sock.closed:
+                    self._drop(conn)  # whatever it was doing midway is unknown: never reused
+                raise
+            finally:
+                with suppress(*BROKEN, OSError):
+                    sftp.close()
+        except (*BROKEN, OSError) as exc:
+            if deadlines and deadlines[-1].expired:
+                why = (f"it was not done by its deadline ({deadlines[-1].seconds:.0f} s, at least "
+                       f"{self.transfer_floor_bytes_per_s / 1024:g} KiB/s); the connection was dropped")  # fmt: skip
+            elif isinstance(exc, TimeoutError):
+                why = f"the node did not answer within {self.reply_timeout_s:g} s; the connection was dropped"
+            else:
+                why = f"{exc}" or type(exc).__name__
+            raise NodeError(self.node, f"cannot {what}: {why}") from None
 
     def put(
         self,
@@ -275,27 +456,37 @@ class SshTransport(Transport):
         progress: Callable[[int], None] | None = None,
     ) -> None:
         path = _sftp_path(remote)
-        try:
-            sftp = self.connection().sftp()
-            _sftp_makedirs(sftp, os.path.dirname(path))
-            with open(local, "rb") as source, sftp.open(path, "r+b" if offset else "wb") as target:
-                if mode is not None:
-                    target.chmod(mode)  # before the content: never readable with default permissions
-                target.set_pipelined(True)
-                copy_from(source, target, offset, progress)
-        except OSError as exc:
-            raise NodeError(self.node, f"cannot copy {local} to {remote}: {exc}") from None
+        with self._transfer(f"copy {local} to {remote}") as (sftp, within), open(local, "rb") as source:
+            size = os.fstat(source.fileno()).st_size
+            with within(max(0, size - offset)):
+                _sftp_makedirs(sftp, os.path.dirname(path))
+                with _remote_file(sftp, path, "r+b" if offset else "wb") as target:
+                    if mode is not None:
+                        target.chmod(mode)  # before the content: never readable with default permissions
+                    target.set_pipelined(True)
+                    copy_from(source, target, offset, progress)
 
     def get(self, remote: str, local: str | Path) -> None:
-        Path(local).parent.mkdir(parents=True, exist_ok=True)
+        """Copy ``remote`` to ``local``, which appears only once all of it arrived."""
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        partial = local.with_name(f".{local.name}.{os.getpid()}-{threading.get_ident()}.partial")
+        path = _sftp_path(remote)
         try:
-            self.connection().sftp().get(_sftp_path(remote), str(local))
-        except OSError as exc:
-            raise NodeError(self.node, f"cannot copy {remote} from the node: {exc}") from None
+            with self._transfer(f"copy {remote} from the node") as (sftp, within):
+                size = sftp.stat(path).st_size or 0
+                with within(size), _remote_file(sftp, path, "rb") as source, open(partial, "wb") as sink:
+                    source.prefetch(size)
+                    while chunk := source.read(1 << 20):
+                        sink.write(chunk)
+            os.replace(partial, local)
+        finally:
+            partial.unlink(missing_ok=True)
 
     def _open_line_session(self, argv: Sequence[str]) -> LineSession:
-        chan = self._channel()
-        chan.exec_command(_reporting_pid("exec " + shlex.join(argv)))
+        conn = self.connection()
+        chan = self._channel(conn)
+        self._start(conn, chan, _reporting_pid("exec " + shlex.join(argv)))
         session = _SshLineSession(chan, lambda pid: self._kill_group(pid, privileged=False))
         try:
             session.pid = int(session.read_line(self.target.connect_timeout_s))
@@ -313,7 +504,11 @@ class _SshLineSession(LineSession):
         self.pid: int | None = None
 
     def send_line(self, text: str) -> None:
-        self._chan.sendall(text.encode() + b"\n")
+        self._chan.settimeout(LINE_SEND_S)
+        try:
+            self._chan.sendall(text.encode() + b"\n")
+        except TimeoutError:
+            raise TimeoutError(f"the command took no input for {LINE_SEND_S:g} s") from None
 
     def _receive(self, timeout_s: float) -> bytes | None:
         self._chan.settimeout(timeout_s)
@@ -328,7 +523,7 @@ class _SshLineSession(LineSession):
             self._chan.status_event.wait(LINE_SESSION_EXIT_S)
             if not self._chan.exit_status_ready() and self.pid is not None:
                 self._kill_group(self.pid)
-        except (paramiko.SSHException, OSError):
+        except (*BROKEN, OSError):
             pass
         finally:
             self._chan.close()
