@@ -18,7 +18,9 @@ undoes shaping and power modes from the nodes' journals, except on the nodes the
 ``record`` writes ``manifest.json``.
 
 A phase that fails ends the run: what exists is still collected, everything is restored (nothing
-kept), and the manifest says which phase failed, why and on which node. Every process the run starts on a node is
+kept), and the manifest says which phase failed, why and on which node. Restore runs whatever collect
+does: collect is waited for at most :func:`collect_limit_s`, and a collect that fails or stalls fails
+the run (naming the node) without holding restore back. Every process the run starts on a node is
 named in ``processes.json`` before it starts, so a later ``--resume`` can end it after a crash.
 """
 
@@ -58,6 +60,7 @@ from workloads.schedule import write_schedule
 PHASES = ("preflight", "configure", "telemetry", "stage", "services", "workers", "drain", "collect", "restore",
           "record")
 Report = Callable[[str, dict[str, Any]], None]  # (event, details) for the progress display
+COLLECT_LIMIT_S = 300.0  # collect's steps but the telemetry transfers (see collect_limit_s)
 
 
 class EventLog:
@@ -171,7 +174,9 @@ def execute_run(
             if state.failure is not None:
                 break
             _side_by_side([lambda p=phase, s=step: _phase(p, s, state, events, report) for phase, step in together])
-        _phase("collect", lambda: _collect(campaign, run, directory, state, carry), state, events, report)
+        _phase("collect", lambda: _within(collect_limit_s(campaign), "collect",
+                                          lambda: _collect(campaign, run, directory, state, carry)),
+               state, events, report)  # fmt: skip
     except BaseException as exc:  # Ctrl-C, SIGTERM: the run failed, so nothing is kept for a next run
         state.fail("interrupted", f"the controller was interrupted ({type(exc).__name__})", None)
         raise
@@ -213,6 +218,27 @@ def _side_by_side(calls: list[Callable[[], None]]) -> None:
     finally:
         for thread in threads:
             thread.join()
+
+
+def _within(limit_s: float, what: str, call: Callable[[], None]) -> None:
+    """``call()`` in a daemon thread, waited for at most ``limit_s``. Past it a TestbedError is raised
+    and the call is left to end by itself (every wait on a node is bounded by its transport); the
+    controller's exit does not wait for it."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # raised again below, in the phase's own thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=what, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        raise TestbedError(f"{what} did not finish within {limit_s:.0f} s; restoring the nodes without waiting for it")
+    if errors:
+        raise errors[0]
 
 
 def _phase(name: str, step: Callable[[], None], state: _RunState, events: EventLog, report: Report) -> None:
@@ -430,8 +456,25 @@ def _workers(campaign: Campaign, directory: Path, state: _RunState, report: Repo
         report("served", {"served": state.completed, "scheduled": scheduled})
 
 
+def collect_limit_s(campaign: Campaign) -> float:
+    """How long collect may take before the run fails and is restored without it: its fixed steps,
+    plus the run's longest duration for the telemetry recorded over it (at the smallest sampling
+    interval a run records far less than a run's length of transfer at the transports' floor rate)."""
+    return COLLECT_LIMIT_S + campaign.spec.run_timeout_s
+
+
 def _collect(campaign: Campaign, run: PlannedRun, directory: Path, state: _RunState, carry: Carryover) -> None:
+    """Stop the samplers and pull their files, turn the rank files into tables, read the delay
+    handlers' records. Before restore, not after it: the samplers stop while the run's power modes
+    hold (after restore their tail would measure the restored modes) and the delay handlers are
+    read while their links are still shaped (clearing the links ends them, which would read as a
+    handler that died during the run). Restoring first would save little: collect's transfers are
+    the telemetry files only (the ranks' files came with the workers phase), over the unshaped
+    management plane, each bounded by its transport (a reply timeout per operation, a deadline
+    scaled to its size), and the whole phase by :func:`collect_limit_s`. A node that fails any of
+    it fails the run, named, and restore runs all the same."""
     errors = []
+    failed_nodes: list[str] = []
     if state.recording is not None:
         from testbed.telemetry import finish_recording
 
@@ -448,13 +491,14 @@ def _collect(campaign: Campaign, run: PlannedRun, directory: Path, state: _RunSt
                 "probes": {name: jsonable(p) for name, p in state.recording.probes.items()},
             }  # fmt: skip
             errors += [f"telemetry on {n}: {e}" for n, e in result.errors.items()]
+            failed_nodes += list(result.errors)
         finally:
             state.recording = None
     write_results(directory / "workers" / "ranks", state.schedules, directory)
     _fidelity(directory, state)
     _delay_fidelity(campaign, state)
     if errors:
-        raise TestbedError("; ".join(errors))
+        raise NodeError(failed_nodes[0], "; ".join(errors)) if failed_nodes else TestbedError("; ".join(errors))
 
 
 def _fidelity(directory: Path, state: _RunState) -> None:
