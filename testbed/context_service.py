@@ -107,6 +107,11 @@ class ServicePlan:
     def check_argv(self, python: str) -> list[str]:
         return [python, "-m", "nodes.context_service.client", "--socket", self.files.socket, "stats"]
 
+    def directory_argv(self) -> list[str]:
+        """Make the service's directory, its user's alone (the daemon refuses a socket directory others
+        may enter)."""
+        return ["mkdir", "-p", "-m", "0700", self.files.directory]
+
 
 def service_plans(
     inventory: Inventory,
@@ -190,7 +195,7 @@ def start_services(
             raise NodeError(plan.node, problem)
         node = inventory.node(plan.node)
         with transport_for(inventory, node) as t:
-            t.run(["mkdir", "-p", plan.files.directory], timeout_s=30.0).check()
+            t.run(plan.directory_argv(), timeout_s=30.0).check()
             t.start_background(list(plan.argv), pidfile=plan.files.pidfile, logfile=plan.files.logfile)
             return wait_ready(t, plan, contexts[plan.node])
 

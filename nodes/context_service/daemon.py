@@ -8,18 +8,25 @@ one technique on top. ``--recompute-pace`` makes recompute take a target device'
 Once it accepts it writes one JSON line on stdout; SIGTERM stops it after the call in flight, and
 ``--max-seconds`` bounds its life (a daemon whose controller died ends by itself).
 
-    python -m nodes.context_service --model examples/models/tiny --socket /tmp/llm.sock --state-dir /tmp/llm
+The socket lives in a directory of its own that only its user may enter (0700, made so if missing;
+the daemon refuses to start when it exists with another owner or mode). Tokens are written to an app
+off the turn lock, and a client that sends or reads nothing for ``--client-timeout-s`` is dropped (a
+call it was reading is rolled back), so one stalled app holds up neither the others nor shutdown.
+
+    python -m nodes.context_service --model examples/models/tiny --socket ~/llm/llm.sock --state-dir ~/llm/state
 """
 
 import argparse
 import contextlib
 import json
 import os
+import queue
 import signal
 import socketserver
+import stat
 import sys
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -32,88 +39,163 @@ from .chunk_store import ChunkStore, DiskProfile
 from .context_memory import BASELINES, ContextLimit, ContextMemory, baseline_settings
 from .install_profile import install_profile
 from .load_plan import LinearCost
-from .protocol import MAX_REQUEST_BYTES, encode, error
-from .service import ALIASES, CallResult, Limits, LlmService, ServiceError
+from .protocol import MAX_REQUEST_BYTES, BadRequest, encode, error, parse_request
+from .service import CallAbandoned, Limits, LlmService, ServiceError
+
+CLIENT_TIMEOUT_S = 30.0  # a client that sends nothing, or reads nothing, this long is dropped
+
+
+class _ClientGone(Exception):
+    """The connection failed, or its client sent or read nothing for the timeout: it is dropped."""
+
+
+class _TokenWriter(object):
+    """A call's tokens written to its client from a thread of their own, so that the model, which runs
+    under the turn lock, never waits for a client: ``put`` only queues. A write that fails or times out
+    (the socket's timeout) marks the client gone; ``put`` then says so and the call is abandoned."""
+
+    def __init__(self, send: Callable[[Dict[str, Any]], None], tokenizer: Tokenizer) -> None:
+        self._send, self._tokenizer = send, tokenizer
+        self._queue: "queue.Queue[Optional[int]]" = queue.Queue()
+        self._sent: List[int] = []
+        self.gone = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tokens", daemon=True)
+        self._thread.start()
+
+    def put(self, token: int) -> bool:
+        self._queue.put(token)
+        return not self.gone.is_set()
+
+    def finish(self) -> bool:
+        """Wait until every queued token is written or the client is gone; whether it is still there."""
+        self._queue.put(None)
+        self._thread.join()
+        return not self.gone.is_set()
+
+    def _run(self) -> None:
+        while True:
+            token = self._queue.get()
+            if token is None:
+                return
+            if self.gone.is_set():
+                continue
+            text = self._tokenizer.piece(self._sent, token)
+            self._sent.append(token)
+            try:
+                self._send({"token_id": token, "text": text})
+            except _ClientGone:
+                self.gone.set()
 
 
 class _Handler(socketserver.StreamRequestHandler):
     server: "_Server"
 
+    def setup(self) -> None:
+        self.timeout = self.server.client_timeout_s  # every read and write of the connection
+        super().setup()
+
     def handle(self) -> None:
-        line = self.rfile.readline(MAX_REQUEST_BYTES)
         try:
-            request = json.loads(line.decode() or "null")
-            if not isinstance(request, dict):
-                raise ValueError("a request is a JSON object")
-        except ValueError as exc:
-            self._send(error("bad_request", "not a JSON request line: %s" % exc))
-            return
-        op = ALIASES.get(request.get("op"), request.get("op"))
-        service = self.server.service
-        try:
-            if op == "new":
-                self._send({"ok": True, "ctx": service.new_context(request.get("app"), request.get("system_prompt"))})
-            elif op == "call":
-                self._call(service, request)
-            elif op == "delete":
-                service.delete(request.get("ctx"))
-                self._send({"ok": True})
-            elif op == "list":
-                self._send({"ok": True, "contexts": service.contexts()})
-            elif op == "stats":
-                memory = service.memory
-                self._send({"ok": True, "memory_method": self.server.memory_method,
-                            "settings": memory.settings._asdict(), "resident_bytes": memory.resident_bytes,
-                            "budget_bytes": memory.settings.budget_bytes, "faults": memory.faults,
-                            "recompute_overruns": memory.recompute_overruns,
-                            "aot_bytes_written": memory.aot_bytes_written, "store": memory.store.stats.as_dict(),
-                            "store_modeled": memory.store.modeled, "contexts": len(memory.contexts)})  # fmt: skip
-            else:
-                self._send(error("bad_request", "unknown op %r: new, call, delete, list or stats" % (op,), "op"))
+            try:
+                line = self.rfile.readline(MAX_REQUEST_BYTES)
+            except OSError:  # (socket.timeout: half a request, or none)
+                raise _ClientGone() from None
+            self._answer(parse_request(line))
+        except BadRequest as exc:
+            self._refuse(error("bad_request", exc.message, exc.field))
         except ServiceError as exc:
-            self._send(error(exc.code, exc.message, exc.field))
+            self._refuse(error(exc.code, exc.message, exc.field))
         except ContextLimit as exc:
-            self._send(error("memory", str(exc), "ctx"))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client left; a call in flight was rolled back
+            self._refuse(error("memory", str(exc), "ctx"))
+        except (_ClientGone, CallAbandoned):
+            pass  # the client left or stalled: dropped; a call in flight was rolled back
         except Exception as exc:  # a fault of ours: the app hears of it, the daemon serves on
-            with contextlib.suppress(OSError):
-                self._send(error("internal", "%s: %s" % (type(exc).__name__, exc)))
+            self._refuse(error("internal", "%s: %s" % (type(exc).__name__, exc)))
             raise
 
+    def _answer(self, request: Dict[str, Any]) -> None:
+        op, service = request["op"], self.server.service
+        if op == "new":
+            self._send({"ok": True, "ctx": service.new_context(request["app"], request.get("system_prompt"))})
+        elif op == "call":
+            self._call(service, request)
+        elif op == "delete":
+            service.delete(request["ctx"])
+            self._send({"ok": True})
+        elif op == "list":
+            self._send({"ok": True, "contexts": service.contexts()})
+        else:
+            memory = service.memory
+            self._send({"ok": True, "memory_method": self.server.memory_method,
+                        "settings": memory.settings._asdict(), "resident_bytes": memory.resident_bytes,
+                        "budget_bytes": memory.settings.budget_bytes, "faults": memory.faults,
+                        "recompute_overruns": memory.recompute_overruns,
+                        "aot_bytes_written": memory.aot_bytes_written, "store": memory.store.stats.as_dict(),
+                        "store_modeled": memory.store.modeled, "contexts": len(memory.contexts)})  # fmt: skip
+
     def _call(self, service: LlmService, request: Dict[str, Any]) -> None:
-        max_tokens = request.get("max_tokens", 16)
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ServiceError("bad_request", "max_tokens must be a non-negative integer", "max_tokens")
-        results: List[CallResult] = []
-        stream = service.call(request.get("ctx"), request.get("prompt") or "", max_tokens,
-                              request.get("teacher_forced"), results, request.get("prompt_ids"),
-                              request.get("teacher_forced_ids"))  # fmt: skip
-        out: List[int] = []
+        max_tokens = request.get("max_tokens")
+        forced = request.get("teacher_forced") or request.get("teacher_forced_ids")
+        writer = None if forced else _TokenWriter(self._send, service.tokenizer)
         try:
-            for token in stream:
-                text = service.tokenizer.piece(out, token)
-                out.append(token)
-                if not (request.get("teacher_forced") or request.get("teacher_forced_ids")):
-                    self._send({"token_id": token, "text": text})
+            result = service.run_call(request["ctx"], request.get("prompt") or "",
+                                      16 if max_tokens is None else max_tokens, request.get("teacher_forced"),
+                                      request.get("prompt_ids"), request.get("teacher_forced_ids"),
+                                      on_token=writer.put if writer is not None else None)  # fmt: skip
         finally:
-            stream.close()  # a client gone mid-stream: the call rolls back
-        result = results[0]
+            there = writer.finish() if writer is not None else True
+        if not there:
+            raise _ClientGone()
         self._send({"ok": True, "done": True, "output_ids": result.output_ids, "prompt_tokens": result.prompt_tokens,
                     "context_tokens": result.context_tokens, "prefill_s": result.prefill_s,
                     "decode_s": result.decode_s, "switch": result.switch._asdict()})  # fmt: skip
 
     def _send(self, message: Dict[str, Any]) -> None:
-        self.wfile.write(encode(message))
-        self.wfile.flush()
+        try:
+            self.wfile.write(encode(message))
+            self.wfile.flush()
+        except OSError:  # (socket.timeout: a client that reads nothing)
+            raise _ClientGone() from None
+
+    def _refuse(self, message: Dict[str, Any]) -> None:
+        with contextlib.suppress(_ClientGone):
+            self._send(message)
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
-    def __init__(self, path: str, service: LlmService, memory_method: str = "llms") -> None:
-        self.service, self.memory_method = service, memory_method
-        super().__init__(path, _Handler)
+    def __init__(self, path: str, service: LlmService, memory_method: str = "llms",
+                 client_timeout_s: float = CLIENT_TIMEOUT_S) -> None:  # fmt: skip
+        self.service, self.memory_method, self.client_timeout_s = service, memory_method, client_timeout_s
+        previous = os.umask(0o077)  # the socket itself: its owner's alone (its directory is 0700 too)
+        try:
+            super().__init__(path, _Handler)
+        finally:
+            os.umask(previous)
+
+
+def socket_directory_problem(socket_path: str) -> str:
+    """Make the socket's directory (0700) if it is missing; why it is unsafe if it is there and another
+    user owns it, others may enter it, or it is not a plain directory; '' when it is safe."""
+    directory = os.path.dirname(os.path.abspath(socket_path))
+    try:
+        os.mkdir(directory, 0o700)
+        os.chmod(directory, 0o700)  # (whatever the umask)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return "cannot make the socket's directory %s: %s" % (directory, exc)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        return "the socket's directory %s is not a directory (a link?): it must be a 0700 directory" % directory
+    if info.st_uid != os.geteuid():
+        return "the socket's directory %s belongs to uid %d, not to this user (uid %d): it must be ours, 0700" % (
+            directory, info.st_uid, os.geteuid())
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        return "the socket's directory %s has mode %04o: it must be 0700 (chmod 700 it, or remove it)" % (
+            directory, stat.S_IMODE(info.st_mode))
+    return ""
 
 
 def profile_json(profile: Dict[str, Any]) -> Dict[str, Any]:
@@ -157,9 +239,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--contexts-per-app", type=int, default=4, help="K: contexts one app may hold")
     parser.add_argument("--context-tokens", type=int, default=2048, help="the longest a context may grow")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--client-timeout-s", type=float, default=CLIENT_TIMEOUT_S,
+                        help="drop a client that sends or reads nothing this long (default %(default)s)")
     args = parser.parse_args(argv)
-    if socket_problem(args.socket):
-        parser.error(socket_problem(args.socket))
+    problem = socket_problem(args.socket) or socket_directory_problem(args.socket)
+    if problem:
+        parser.error(problem)
+    if not args.client_timeout_s > 0:
+        parser.error("--client-timeout-s must be > 0")
     torch.set_num_threads(args.threads)
     disk = DiskProfile(*(float(v) for v in args.disk.split(","))) if args.disk else None
     model = load_whole(args.model, dtype="float32")
@@ -188,7 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          Limits(args.contexts_per_app, args.context_tokens))  # fmt: skip
     with contextlib.suppress(FileNotFoundError):
         os.unlink(args.socket)  # a socket left by a killed daemon
-    server = _Server(args.socket, service, args.memory)
+    server = _Server(args.socket, service, args.memory, args.client_timeout_s)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -2,10 +2,14 @@
 ``delLLMCtx``, with their limits, and contexts that outlive their apps and the daemon itself.
 
 - ``new_context(app, system_prompt)``: a context id; at most ``contexts_per_app`` live contexts an app.
-- ``call(ctx, prompt, max_tokens)``: streams the output's token ids; the prompt and the output are
-  appended to the context when the call ends. A call is atomic: if it fails or its client goes away,
-  the context is as before. ``teacher_forced`` appends a given output instead of generating one (the
-  traces' ground truth, so that latency runs do not depend on what the model says).
+- ``run_call(ctx, prompt, max_tokens, on_token=...)``: generates the output under the turn lock,
+  handing each token to ``on_token`` (the daemon's writer, which sends it to the app off the lock); the
+  prompt and the output are appended to the context when the call ends. A call is atomic: if it
+  fails, or ``on_token`` says its client went away before the output was made, the context is as
+  before. ``teacher_forced`` appends a given output instead of generating one (the traces' ground
+  truth, so that latency runs do not depend on what the model says). ``call`` is the same for
+  in-process callers, the tokens yielded once the call has committed.
+- ``new_context(app, system_prompt)`` is atomic too: a system prompt that fails leaves no context.
 - ``delete(ctx)``.
 
 Every context's text, chunk levels and density sums are written to ``state_dir`` (atomically) when a
@@ -20,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 import torch
 
@@ -30,8 +34,6 @@ from nodes.inference.tokenizer import Tokenizer
 
 from .context_memory import Chunk, Context, ContextMemory, SwitchRecord
 
-ALIASES = {"newLLMCtx": "new", "callLLM": "call", "delLLMCtx": "delete", "deLLMCtx": "delete", "delLLMctx": "delete"}
-
 
 class ServiceError(Exception):
     """A request the service refuses; ``code`` names what was wrong, ``field`` where."""
@@ -39,6 +41,10 @@ class ServiceError(Exception):
     def __init__(self, code: str, message: str, field: Optional[str] = None) -> None:
         super().__init__(message)
         self.code, self.message, self.field = code, message, field
+
+
+class CallAbandoned(Exception):
+    """The call's client went away (or stopped reading) before its output was made: rolled back."""
 
 
 class Limits(NamedTuple):
@@ -117,8 +123,11 @@ class LlmService(object):
             self.owners[ident] = app
             self._save(context)
         if system_prompt:
-            for _ in self.call(ident, system_prompt, 0):
-                pass
+            try:
+                self.run_call(ident, system_prompt, 0)
+            except BaseException:  # the context goes with its failed system prompt
+                self.delete(ident)
+                raise
         return ident
 
     def _context(self, ident: Any) -> Context:
@@ -130,9 +139,19 @@ class LlmService(object):
     def call(self, ident: str, prompt: str, max_tokens: int, teacher_forced: Optional[str] = None,
              results: Optional[List[CallResult]] = None, prompt_ids: Optional[List[int]] = None,
              teacher_forced_ids: Optional[List[int]] = None) -> Iterator[int]:  # fmt: skip
-        """Stream the output's token ids; the call's record is appended to ``results`` when it ends.
-        Closing the iterator early (the client went away) leaves the context as it was. An app that
-        holds token ids (a replayed trace) gives ``prompt_ids`` / ``teacher_forced_ids`` instead of text."""
+        """The call run whole (``run_call``), then its output's token ids; its record is appended to
+        ``results``. An app that holds token ids gives ``prompt_ids`` / ``teacher_forced_ids``."""
+        result = self.run_call(ident, prompt, max_tokens, teacher_forced, prompt_ids, teacher_forced_ids)
+        if results is not None:
+            results.append(result)
+        return iter(result.output_ids)
+
+    def run_call(self, ident: str, prompt: str, max_tokens: int, teacher_forced: Optional[str] = None,
+                 prompt_ids: Optional[List[int]] = None, teacher_forced_ids: Optional[List[int]] = None,
+                 on_token: Optional[Callable[[int], bool]] = None) -> CallResult:  # fmt: skip
+        """Run one call under the turn lock and commit it. ``on_token`` hears of each generated token as
+        it is made; it must not block (the daemon queues it for the connection's writer) and returns
+        False once the client is gone, which ends the call as CallAbandoned, rolled back."""
         context = self._context(ident)
         first = not context.token_ids  # BOS begins a context, not every prompt appended to it
         if prompt_ids is not None:
@@ -147,14 +166,12 @@ class LlmService(object):
             forced = self.tokenizer.encode(teacher_forced, bos=False) if teacher_forced else None
         new = len(forced) if forced is not None else max(0, int(max_tokens))
         if not prompt_ids and not forced:
-            if new == 0:
-                return
             raise ServiceError("bad_request", "an empty prompt", "prompt")
         total = len(context.token_ids) + len(prompt_ids) + new
         if total > self.limits.context_tokens:
             raise ServiceError("limit", "the context would hold %d tokens, over the limit of %d"
                                % (total, self.limits.context_tokens), "prompt")  # fmt: skip
-        with self._turn:
+        with self._turn, torch.inference_mode():
             if ident not in self.memory.contexts:  # deleted by another app while this call waited its turn
                 raise ServiceError("unknown_context", "context %r was deleted" % (ident,), "ctx")
             switch = self.memory.prepare(ident)
@@ -162,32 +179,27 @@ class LlmService(object):
             try:
                 cache = self.memory.working_cache(ident, len(prompt_ids) + new + 1)
                 started = time.monotonic()
-                output, prefill_s = [], 0.0
-                with torch.inference_mode():
-                    feed = prompt_ids + (forced or [])
-                    hidden = self._forward(cache, feed)
-                    prefill_s = time.monotonic() - started
-                    if forced is None and new:
-                        eos = self.tokenizer.eos_id
+                output: List[int] = []
+                hidden = self._forward(cache, prompt_ids + (forced or []))
+                prefill_s = time.monotonic() - started
+                if forced is None and new:
+                    eos = self.tokenizer.eos_id
+                    token = int(torch.argmax(self.model.logits(hidden[-1])))
+                    while True:
+                        output.append(token)
+                        if on_token is not None and not on_token(token):
+                            raise CallAbandoned()
+                        hidden = self._forward(cache, [token])  # the output enters the context
+                        if token == eos or len(output) == new:
+                            break
                         token = int(torch.argmax(self.model.logits(hidden[-1])))
-                        while True:
-                            output.append(token)
-                            yield token
-                            hidden = self._forward(cache, [token])  # the output enters the context
-                            if token == eos or len(output) == new:
-                                break
-                            token = int(torch.argmax(self.model.logits(hidden[-1])))
-                    elif forced is not None:
-                        output = list(forced)
-                        for token in forced:
-                            yield token
+                elif forced is not None:
+                    output = list(forced)
                 decode_s = time.monotonic() - started - prefill_s
                 self.memory.commit(ident, cache, prompt_ids + output)
                 committed = True
                 self._save(context)
-                if results is not None:
-                    results.append(CallResult(switch, len(prompt_ids), output, len(context.token_ids), prefill_s,
-                                              decode_s))  # fmt: skip
+                return CallResult(switch, len(prompt_ids), output, len(context.token_ids), prefill_s, decode_s)
             finally:
                 if not committed:  # the context stays as it was, its densities too
                     self.memory.release(ident)

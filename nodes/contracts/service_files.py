@@ -1,14 +1,13 @@
 """Where a run's on-device LLM service (``nodes.context_service``) keeps its files on a node: one
 directory beside the run's ``run.json``, known to the controller (which starts and stops the daemon
-through the run plan) and to the device rank (whose apps connect to its socket). Built here only."""
+through the run plan) and to the device rank (whose apps connect to its socket). Built here only.
+The directory is its user's alone (0700): the daemon refuses a socket directory others may enter."""
 
-import hashlib
 import os
 from typing import NamedTuple
 
 SERVICE_DIR = "llm-service"
 SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
-SHORT_SOCKET_DIR = "/tmp"  # where a socket goes whose natural path is too long for sun_path
 
 
 class ServiceFiles(NamedTuple):
@@ -16,13 +15,9 @@ class ServiceFiles(NamedTuple):
 
     @property
     def socket(self) -> str:
-        """In the service's directory; where that path is too long for a Unix socket (a deep home
-        directory), a name in /tmp derived from the directory, the same for the controller and the node."""
-        natural = os.path.join(self.directory, "llm.sock")
-        if len(natural.encode()) <= SOCKET_PATH_MAX:
-            return natural
-        digest = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
-        return os.path.join(SHORT_SOCKET_DIR, "hil-llm-%s.sock" % digest)
+        """In the service's directory, never elsewhere (no shared /tmp name another user could take
+        first): a path too long for a Unix socket is refused (``socket_problem``)."""
+        return os.path.join(self.directory, "llm.sock")
 
     @property
     def state_dir(self) -> str:

@@ -242,8 +242,8 @@ def _service_lines(lines: _Lines, plan: RunPlan) -> None:
     """The devices' LLM service daemons, started once the run is staged (``start_services``)."""
     for service in plan.services:
         context = plan.contexts[service.node]
-        lines.add(service.node, "services", "make the LLM service's directory",
-                  command_line(["mkdir", "-p", service.files.directory]))  # fmt: skip
+        lines.add(service.node, "services", "make the LLM service's directory (0700: its user's alone)",
+                  command_line(service.directory_argv()))  # fmt: skip
         lines.detached(service.node, "services", "start the LLM service (detached)", service.argv,
                        service.files.pidfile, service.files.logfile)  # fmt: skip
         lines.add(service.node, "services", "wait until the LLM service answers",
