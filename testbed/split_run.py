@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -216,14 +217,28 @@ def run_config_for(spec: SplitRunSpec, model_dir: str, run_dir: str, ranks: tupl
 
 
 KEY_FILE = "endpoint.key"  # an external endpoint's key on a device node, in its run directory
+RUN_KEY_FILE = "endpoints.key"  # the run's own key for the endpoints it starts, on each of its nodes
+PER_RUN_KEY = "<per-run key>"  # the dispatch section's ``endpoint_key``: one is made when the run is staged
 
 
 def _dispatch_settings(raw: dict[str, Any] | None, run_dir: str) -> DispatchSettings:
-    """The run config's dispatch section: the key's variable name becomes the path of its file."""
-    fields = {k: v for k, v in (raw or {}).items() if k != "external_key_env"}
+    """The run config's dispatch section: the key's variable name becomes the path of its file, and a
+    per-run key the path of the file staging writes it to."""
+    fields = {k: v for k, v in (raw or {}).items() if k not in ("external_key_env", "endpoint_key")}
     if raw and raw.get("external_key_env"):
         fields["external_key_file"] = f"{run_dir}/{KEY_FILE}"
-    return dispatch_settings(fields or None, "the run's dispatch settings")
+    fields["endpoint_key_file"] = run_key_path(raw, run_dir)
+    return dispatch_settings(fields if raw else None, "the run's dispatch settings")
+
+
+def run_key_path(dispatch: dict[str, Any] | None, run_dir: str) -> str | None:
+    """Where a node keeps the run's endpoint key, when the run's dispatch section asks for one."""
+    return f"{run_dir}/{RUN_KEY_FILE}" if (dispatch or {}).get("endpoint_key") == PER_RUN_KEY else None
+
+
+def private_store_script(path: str, size: int) -> str:
+    """``store_script`` for a file its user alone may read (a key; the value comes on stdin, never argv)."""
+    return "umask 077 && " + store_script(path, size)
 
 
 def endpoint_key(spec: SplitRunSpec) -> bytes | None:
@@ -282,6 +297,7 @@ def stage_run(inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, N
         contexts = resolve_contexts(inventory, [n.name for n in nodes]).require("reading the nodes' home directories")
     model_dirs = {n.name: _model_dir_on(records[n.name], "server" if n is server else "device", spec) for n in nodes}
     key = endpoint_key(spec)
+    run_key = secrets.token_urlsafe(32).encode()  # fresh for every run staged; never in a plan or manifest
 
     def stage(name: str) -> dict[str, str]:
         node = inventory.node(name)
@@ -298,8 +314,11 @@ def stage_run(inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, N
                 t.store(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
                 info["schedule"] = path
                 if key is not None:  # readable by the node's user alone; the rank removes it once read
-                    t.run(["sh", "-c", "umask 077 && " + store_script(f"{run_dir}/{KEY_FILE}", len(key))], stdin=key,
+                    t.run(["sh", "-c", private_store_script(f"{run_dir}/{KEY_FILE}", len(key))], stdin=key,
                           timeout_s=60.0).check()  # fmt: skip
+            key_path = run_key_path(spec.extra.get("dispatch"), run_dir)
+            if key_path is not None:  # the run's endpoints ask for it; its ranks read it from here
+                t.run(["sh", "-c", private_store_script(key_path, len(run_key))], stdin=run_key, timeout_s=60.0).check()
             return info
 
     info = fan_out([n.name for n in nodes], stage).require("staging the run")

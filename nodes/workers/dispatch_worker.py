@@ -3,8 +3,10 @@
 ``DispatchServer`` (the server's stage rank) serves the trace endpoint: an OpenAI-compatible API on
 the server's data-plane address whose tokens the checkpoint computes and whose times replay the run's
 service (``dispatch.service``); it tells every device rank its URL over MPI and serves until each has
-said it is done. Its log, ``endpoint_requests.jsonl``, counts what it produced for every request, also
-the cancelled ones (what the server bills).
+said it is done. Its log, ``endpoint_requests.jsonl``, counts what it produced for every request,
+also the cancelled ones (what the server bills). Every endpoint of the run asks for the run's own key
+(``dispatch.endpoint_key_file``, fresh for each run: nobody else on the data plane or the node can use
+them), which the dispatchers send.
 
 ``DispatchClient`` (a device rank) serves its own device endpoint on loopback, paced to the phone's
 measured rates (``dispatch.device_speed``), then profiles both endpoints with calibration requests of
@@ -39,7 +41,7 @@ from nodes.dispatch.policy import SERVER, LengthDistribution, ServerTtft, TokenC
 from nodes.dispatch.replay import display_times
 from nodes.dispatch.services import service_named
 from nodes.endpoints.generator import PacedGenerator
-from nodes.endpoints.openai_api import Endpoint, make_server
+from nodes.endpoints.openai_api import Endpoint, EndpointLimits, api_key_from_file, make_server
 from nodes.endpoints.pace import DevicePace, EnginePace, TracePace
 
 from .run_config import RunConfig, load_schedule
@@ -47,6 +49,8 @@ from .run_config import RunConfig, load_schedule
 TAG_DISPATCH = 21  # the server's URL down, each device's "done" up
 TOKEN_COLUMNS = ("request_id", "index", "token_id", "ts_s", "display_s")
 CALIBRATION_WORKERS = 4
+SCHEDULE_WORKERS = 64  # a device's requests in flight at once
+STREAMS_PER_REQUEST = 2  # a race's two streams, or a migration's source and target
 SIOCGIFADDR = 0x8915
 
 
@@ -59,12 +63,27 @@ def interface_address(interface: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
+def run_key(config: RunConfig) -> Optional[str]:
+    """The key the run's endpoints ask for (from its 0600 file), or None for a run without one."""
+    path = config.dispatch.endpoint_key_file
+    return api_key_from_file(os.path.expanduser(path)) if path else None
+
+
+def endpoint_limits(devices: int) -> EndpointLimits:
+    """Room for every stream the run's ``devices`` dispatchers may open at once (calibration included)."""
+    streams = max(1, devices) * max(SCHEDULE_WORKERS, CALIBRATION_WORKERS) * STREAMS_PER_REQUEST
+    default = EndpointLimits()
+    in_flight = max(default.max_in_flight, streams)
+    return default._replace(max_in_flight=in_flight, max_connections=max(default.max_connections, 2 * in_flight))
+
+
 class DispatchServer(object):
     """The server's endpoint: the trace endpoint, or (``dispatch.server_endpoint: engine``) the serving
     engine with the run's scheduler and KV budget behind the same API."""
 
     def __init__(self, config: RunConfig, comm: "MPI.Comm", rank: int, parts: Any = None) -> None:
         self.config, self.comm, self.rank = config, comm, rank
+        self.key = run_key(config)
         self.engine = None
         self.external = config.dispatch.external_url is not None  # a lab's server: nothing to serve here
         if self.external:
@@ -88,8 +107,9 @@ class DispatchServer(object):
         if self.engine is not None:
             self.engine.start(t0)
         name = os.path.basename(self.config.model.rstrip("/"))
-        self.endpoint = Endpoint(self.generator, self.pace, name, directory + "/endpoint_requests.jsonl",
-                                 role="server endpoint")  # fmt: skip
+        self.endpoint = Endpoint(self.generator, self.pace, name, directory + "/endpoint_requests.jsonl", self.key,
+                                 role="server endpoint",
+                                 limits=endpoint_limits(len(self.config.device_ranks)))  # fmt: skip
         host = interface_address(os.environ.get("FI_TCP_IFACE", "lo"))
         self.http, port = make_server(self.endpoint, host, 0)
         self.thread = threading.Thread(target=self.http.serve_forever, name="endpoint", daemon=True)
@@ -129,6 +149,7 @@ class DispatchClient(object):
         self.generator = PacedGenerator(config.model, dtype=config.dtype)
         self.speed = device_speed_named(self.settings.device_speed)
         self.rng = np.random.default_rng([config.seed, self.spec.index])
+        self.key = run_key(config)
 
     def start(self, t0: float) -> None:
         self.t0 = t0
@@ -136,7 +157,8 @@ class DispatchClient(object):
         self.directory = directory
         name = os.path.basename(self.config.model.rstrip("/"))
         self.endpoint = Endpoint(self.generator, DevicePace(self.speed, seed=self.config.seed), name,
-                                 directory + "/endpoint_requests.jsonl", role="device endpoint")  # fmt: skip
+                                 directory + "/endpoint_requests.jsonl", self.key, role="device endpoint",
+                                 limits=endpoint_limits(1))  # fmt: skip
         self.http, port = make_server(self.endpoint, "127.0.0.1", 0)
         threading.Thread(target=self.http.serve_forever, name="endpoint", daemon=True).start()
         self.device_url = "http://127.0.0.1:%d/v1" % port
@@ -144,10 +166,10 @@ class DispatchClient(object):
     def run(self) -> None:
         server_url = self.comm.recv(source=0, tag=TAG_DISPATCH)
         model = os.path.basename(self.config.model.rstrip("/"))
-        server = EndpointAddress(server_url, model)
+        server = EndpointAddress(server_url, model, self.key)
         if self.settings.external_url is not None:  # a lab's server, its key from the file staging wrote
             server = EndpointAddress(self.settings.external_url, self.settings.external_model, self._key())
-        endpoints = {"server": server, "device": EndpointAddress(self.device_url, model)}
+        endpoints = {"server": server, "device": EndpointAddress(self.device_url, model, self.key)}
         prompts = [self._prompt_ids(r) for r in self.schedule]
         began = time.monotonic()
         plan, fit, rule, calibration = self._calibrate(endpoints, prompts)
@@ -177,7 +199,7 @@ class DispatchClient(object):
             with lock:
                 self._write(request, sent, record, requests, tokens)
 
-        with ThreadPoolExecutor(max(1, min(64, len(self.schedule)))) as pool:
+        with ThreadPoolExecutor(max(1, min(SCHEDULE_WORKERS, len(self.schedule)))) as pool:
             list(pool.map(serve, range(len(self.schedule))))
         requests.close()
         tokens.close()
@@ -246,6 +268,7 @@ class DispatchClient(object):
             "regime": REGIME_OF.get(self.settings.policy, SERVER), "policy": self.settings.policy,
             "budget": self.settings.budget, "plan": _describe(plan), "modeled_times": True,
             "server_url": endpoints["server"].base_url, "external": self.settings.external_url is not None,
+            "device_url": endpoints["device"].base_url, "endpoints_keyed": self.key is not None,
         }  # fmt: skip
         return plan, fit, rule, calibration
 

@@ -126,6 +126,9 @@ class DispatchSettings(NamedTuple):
     external_url: Optional[str] = None  # a lab's OpenAI-compatible server, raced instead of ours
     external_model: str = "default"
     external_key_file: Optional[str] = None  # on the device node, 0600, written at staging, read once
+    # the run's own key, asked by every endpoint the run starts (the server's and each device's): a
+    # 0600 file in the node's run directory, fresh for each run, written at staging; None: no key
+    endpoint_key_file: Optional[str] = None
 
 
 # The one definition of the drafting knobs' ranges: campaign files are checked against them
@@ -367,6 +370,10 @@ def dispatch_settings(raw: Any, source: str) -> DispatchSettings:
         raise RunConfigError("%s: dispatch.prices are four USD-per-token figures >= 0" % source)
     if settings.consumption_tok_s <= 0 or settings.calibration_requests < 2:
         raise RunConfigError("%s: dispatch.consumption_tok_s must be > 0 and calibration_requests >= 2" % source)
+    for name in ("external_key_file", "endpoint_key_file"):  # paths to keys, never keys
+        value = getattr(settings, name)
+        if value is not None and not (isinstance(value, str) and value):
+            raise RunConfigError("%s: dispatch.%s must be the path of a key file" % (source, name))
     return settings
 
 

@@ -33,7 +33,16 @@ from testbed.links.apply import (
 )
 from testbed.node_context import HOME_SCRIPT, NodeContext, unresolved_context
 from testbed.power import driver_command, set_action
-from testbed.split_run import launch_argv, launch_env, mpiexec_search_script, rank_listing_script, run_dir_on
+from testbed.split_run import (
+    PER_RUN_KEY,
+    launch_argv,
+    launch_env,
+    mpiexec_search_script,
+    private_store_script,
+    rank_listing_script,
+    run_dir_on,
+    run_key_path,
+)
 from testbed.target_emulation import paceable, pacing_command
 from testbed.telemetry import sampler_command, sampler_paths, sampler_start_command
 from testbed.transport.base import (
@@ -180,6 +189,11 @@ def plan_commands(campaign: Campaign, plan: RunPlan, states: dict[str, Any]) -> 
         lines.add(name, "stage", "remove what an earlier run with this id left", command_line(["rm", "-rf", run_dir]))
         if name in settings.devices:
             lines.store(name, "stage", "store the device's schedule", f"{run_dir}/schedule-{name}.jsonl")
+        key_path = run_key_path(settings.extra.get("dispatch"), run_dir)
+        if key_path is not None:  # the value comes on stdin: never in this plan, a manifest or a command line
+            stored = normalised_line(_sh(private_store_script(key_path, 0)))
+            lines.add(name, "stage", f"store the run's endpoint key, its user's alone (0600): {PER_RUN_KEY}", stored,
+                      short=f"(store, 0600) {key_path}")  # fmt: skip
         lines.store(name, "stage", "store the run config", f"{run_dir}/run.json")
     files = pool_files(ctx[server], pool_name(settings))
     lines.add(server, "stage", "has the warm pool ended since the last run?", _sh(alive_check(files)), "live")
