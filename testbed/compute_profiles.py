@@ -49,8 +49,8 @@ PROFILE_EXAMPLE = "examples/profiles/agx-orin.yaml"
 
 # Bounds no real hardware reaches (an H100 has 3.35 TB/s and 990 dense FP16 TFLOP/s): a number beyond
 # one is a typo or a unit mistake, and would pace every step at nothing or forever.
-Rate = Annotated[Number, Field(gt=0, le=100_000)]  # GB/s, TFLOP/s, MHz
-Share = Annotated[Number, Field(gt=0, le=1)]
+Rate = Annotated[Number, Field(ge=0.001, le=100_000)]  # GB/s, TFLOP/s, MHz
+Share = Annotated[Number, Field(ge=0.001, le=1)]
 OverheadMs = Annotated[Number, Field(default=0.0, ge=0, le=60_000)]
 Count = Annotated[StrictInt, Field(gt=0, le=100_000)]
 HARDWARE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
@@ -62,8 +62,8 @@ class _Strict(BaseModel):
 
 
 class DiskSpec(_Strict):
-    read_mbps: Annotated[Number, Field(gt=0, le=1_000_000)]
-    write_mbps: Annotated[Number, Field(gt=0, le=1_000_000)]
+    read_mbps: Annotated[Number, Field(ge=0.001, le=1_000_000)]
+    write_mbps: Annotated[Number, Field(ge=0.001, le=1_000_000)]
     io_latency_ms: Annotated[Number, Field(ge=0, le=60_000)]
 
 
@@ -97,7 +97,7 @@ class ModeSpec(_Strict):
 class ProfileSpec(_Strict):
     hardware: Annotated[str, Field(pattern=HARDWARE_PATTERN)]
     description: Annotated[str, Field(max_length=1000)] = ""
-    memory_gb: Annotated[Number, Field(gt=0, le=100_000)]
+    memory_gb: Annotated[Number, Field(ge=0.001, le=100_000)]
     host_link_gbps: Rate
     disk: DiskSpec
     peak: PeakSpec

@@ -493,3 +493,43 @@ def test_problem_lines_never_fall_back_to_none_for_a_whole_file_problem(tmp_path
         path = tmp_path / name
         path.write_text("# nothing but a comment\n")
         assert re.match(rf"{re.escape(str(path))}:1: ", str(refused(lambda: load(path))[0]))  # noqa: B023
+
+
+def test_a_matrix_key_into_a_section_the_base_leaves_unset_is_checked_not_a_traceback(tmp_path: Path) -> None:
+    # the base writes 'dispatch:' empty (null): the matrix's dispatch.policy sets it, it does not crash
+    path = example(tmp_path, "examples/campaigns/disco-budget.yaml", "  dispatch: {service: gpt, device_speed: "
+                   "pixel7pro-bloom-1.1b, calibration_requests: 40}", "  dispatch:")  # fmt: skip
+    campaign = load_campaign(path)
+    assert {run.settings.dispatch.policy for run in campaign.runs} == {"stoch-s", "disco-s", "stoch-d", "disco-d"}
+    path.write_text(path.read_text().replace("  dispatch.budget: [0.2, 0.5, 0.8]", "  dispatch.budget: [0.2, 2]"))
+    assert one(refused(lambda: load_campaign(path)), "matrix.dispatch.budget[1]").line == line_of(path, "[0.2, 2]")
+
+
+def test_a_delay_stretched_past_a_links_maximum_by_the_dilation_is_refused(tmp_path: Path) -> None:
+    lab = example(tmp_path, INVENTORY, "wifi-up: {rate: 8MBps, delay: 2ms}", "wifi-up: {rate: 8MBps, delay: 50ms}")
+    path = example(tmp_path, "examples/campaigns/demo.yaml", "  telemetry: {interval_ms: 100}",
+                   "  telemetry: {interval_ms: 100}\n  target: {model: vicuna-7b, dilation: 1000}")  # fmt: skip
+    path.write_text(path.read_text().replace(f"inventory: {REPO}/inventory.yaml", f"inventory: {lab}"))
+    problem = one(refused(lambda: load_campaign(path)), "base.target.dilation")
+    assert "50ms" in problem.problem and problem.line == line_of(path, "dilation: 1000")
+
+
+def test_a_prompt_file_and_an_arrival_trace_are_read_when_the_campaign_loads(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": \n')
+    path = example(tmp_path, "examples/campaigns/demo.yaml", "prompts: tiny-python", f"prompts: 'file:{prompts}'")
+    problem = one(refused(lambda: load_campaign(path)), "base.workload.prompts")
+    assert f"{prompts}:2" in problem.problem
+    arrivals = tmp_path / "arrivals.csv"
+    arrivals.write_text("arrival_s\n0.5\n1.0\n")  # two rows, and the demo asks for ten requests a device
+    path = example(tmp_path, "examples/campaigns/demo.yaml", "    arrival: poisson\n    rate_per_s: 1.0",
+                   f"    arrival: trace\n    trace: {arrivals}")  # fmt: skip
+    assert "10 requests" in one(refused(lambda: load_campaign(path)), "base.workload.trace").problem
+
+
+@pytest.mark.parametrize(("old", "new"), [("cpus: 1.0", "cpus: '1.0'"), ("cpus: 1.0", "cpus: true"),
+                                          ("cpus: 1.0", "cpus: 1e-9")])  # fmt: skip
+def test_an_emulated_power_mode_number_written_as_text_or_too_small_to_run_is_refused(tmp_path: Path, old: str,
+                                                                                       new: str) -> None:  # fmt: skip
+    path = example(tmp_path, INVENTORY, old, new)
+    one(refused(lambda: load_inventory(path)), "nodes[0].emulated.power_modes[0].cpus")

@@ -89,7 +89,8 @@ def step_seconds(
         efficiency = rates.quantized_flops_efficiency
     compute_s = cost.flops / (rates.peak_tflops * 1e12 * efficiency)
     p = rates.sharpness
-    knee = (memory_s**p + compute_s**p) ** (1.0 / p)
+    big, small = max(memory_s, compute_s), min(memory_s, compute_s)
+    knee = big * (1.0 + (small / big) ** p) ** (1.0 / p) if big > 0 else 0.0  # (m^p + c^p)^(1/p), no overflow
     fixed = rates.step_overhead_s + (layers + attention_layers) * rates.layer_overhead_s
     fixed += len(segments) * rates.sequence_overhead_s
     if any(new > 1 for new, _ in segments):

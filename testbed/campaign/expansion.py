@@ -109,7 +109,9 @@ def apply_overrides(
         parts = key.split(".")
         target = data
         for part in parts[:-1]:
-            target = target.setdefault(part, {})
+            if not isinstance(target.get(part), dict):  # a section the base leaves unset (None): the key sets it
+                target[part] = {}
+            target = target[part]
         target[parts[-1]] = _plain(value)
     try:
         return RunSettings.model_validate(data), []

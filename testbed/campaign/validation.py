@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from foundation import units
 from foundation.errors import InputError, InputProblem, TestbedError
 from foundation.user_files import FieldPath, YamlSource, field_name
-from netem.profile import MAX_RATE_BIT_S, MIN_RATE_BIT_S
+from netem.profile import MAX_DELAY_S, MAX_RATE_BIT_S, MIN_RATE_BIT_S
 from nodes.workers.methods import MethodCheck, method_named
 from testbed.campaign.spec import CampaignSpec, RunSettings, workload_spec
 from testbed.inventory import DirectedLink, Inventory, links_from_file
@@ -140,12 +140,35 @@ class SettingsChecker:
         spec = workload_spec(s)
         for field, message in spec.problems():
             yield f"workload.{field}", message, ""
+        if not method_named(s.method).serves_contexts:
+            yield from self._workload_file_problems(s)
         for field in ("trace", "prompts"):
             value = getattr(s.workload, field)
             path = value[5:] if field == "prompts" and value and value.startswith("file:") else (
                 value if field == "trace" else None)  # fmt: skip
             if path and not relative_path(self.source.path, path).is_file():
                 yield f"workload.{field}", f"{path}: no such file", "paths are relative to the campaign file"
+
+    def _workload_file_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
+        """A prompt file and an arrival trace are read now, not when the run's schedules are built."""
+        from workloads.arrivals import TraceArrivals, trace_rows_for
+        from workloads.prompts import FILE_PREFIX, load_prompt_file
+
+        if s.workload.prompts.startswith(FILE_PREFIX):
+            path = relative_path(self.source.path, s.workload.prompts[len(FILE_PREFIX) :])
+            if path.is_file():
+                try:
+                    load_prompt_file(path)
+                except TestbedError as exc:
+                    yield "workload.prompts", str(exc), "fix the prompt file"
+        if s.workload.arrival == "trace" and s.workload.trace:
+            path = relative_path(self.source.path, s.workload.trace)
+            if path.is_file() and set(s.devices) <= self.names:
+                try:
+                    for device in [n.name for n in self.lab.select(list(s.devices))]:
+                        trace_rows_for(TraceArrivals(path, device), count=s.workload.requests_per_device)
+                except TestbedError as exc:
+                    yield "workload.trace", str(exc), "fix the arrival trace, or ask for fewer requests"
 
     def _link_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
         link = s.link
@@ -165,7 +188,8 @@ class SettingsChecker:
             yield from self._links_file_problems(s)
         if link.profile and link.profile in self.lab.spec.link_profiles:
             profile = self.lab.spec.link_profiles[link.profile]
-            yield from _scaled_rate_problems(s, [(f"link profile {link.profile}", profile.rate_bit_s)])
+            yield from _scaled_rate_problems(s, [(f"link profile {link.profile}", profile.rate_bit_s,
+                                                  max(profile.delay_s or 0, profile.jitter_s or 0))])
         elif not chosen:
             yield from _scaled_rate_problems(s, _profile_rates(self.lab.links))
         if link.shaped and not chosen and not self.lab.links:
@@ -183,7 +207,7 @@ class SettingsChecker:
         except TestbedError as exc:
             yield "link.trace", str(exc), ""
             return
-        rates = [(f"{trace.source}, the row at {step.t_s:g} s", rate) for step in trace.steps
+        rates = [(f"{trace.source}, the row at {step.t_s:g} s", rate, step.delay_s) for step in trace.steps
                  for rate in (step.up_bit_s, step.down_bit_s)]  # fmt: skip
         yield from _scaled_rate_problems(s, rates)
 
@@ -405,19 +429,30 @@ def uses_serving_engine(s: RunSettings) -> bool:
     return method.streams or (engine_endpoint and s.dispatch is not None and s.dispatch.external is None)
 
 
-def _profile_rates(links: Iterable[DirectedLink]) -> list[tuple[str, float | None]]:
-    return [(f"link profile {link.profile_name}", link.profile.rate_bit_s) for link in links]
+Scaled = tuple[str, float | None, float | None]  # what, its rate (bit/s), its longest delay or jitter (s)
 
 
-def _scaled_rate_problems(s: RunSettings, rates: Iterable[tuple[str, float | None]]) -> Iterable[tuple[str, str, str]]:
-    """Every rate the run shapes, times ``link.rate_scale`` and divided by the target's dilation, must lie
-    where a link profile's may: the scaled links are built without the profile's bounds."""
+def _profile_rates(links: Iterable[DirectedLink]) -> list[Scaled]:
+    return [(f"link profile {link.profile_name}", link.profile.rate_bit_s,
+             max(link.profile.delay_s or 0, link.profile.jitter_s or 0)) for link in links]  # fmt: skip
+
+
+def _scaled_rate_problems(s: RunSettings, rates: Iterable[Scaled]) -> Iterable[tuple[str, str, str]]:
+    """Every rate the run shapes, times ``link.rate_scale`` and divided by the target's dilation, and every
+    delay, times the dilation, must lie where a link profile's may: the scaled links are built without
+    the profile's bounds."""
     dilation = s.target.dilation if s.target is not None else 1.0
     scale = s.link.rate_scale / dilation
+    for what, _rate, delay_s in rates:
+        if delay_s and delay_s * dilation > MAX_DELAY_S:
+            yield ("target.dilation", f"{what}: a delay of {units.format_duration(delay_s)} x {dilation:g} is "
+                   f"{units.format_duration(delay_s * dilation)}, longer than a link's {MAX_DELAY_S:g} s",
+                   "a smaller dilation, or shorter delays")  # fmt: skip
+            break
     if scale == 1.0:
         return
     field = "link.rate_scale" if s.link.rate_scale != 1.0 else "target.dilation"
-    for what, rate in rates:
+    for what, rate, _delay_s in rates:
         if rate is None:
             continue
         scaled = rate * scale

@@ -22,6 +22,8 @@ from testbed.inventory.validation import (
     spec_problems,
 )
 
+LINKS_EXAMPLE = "examples/links/wifi-delay.yaml"
+
 
 def load_inventory(path: str | Path) -> Inventory:
     """Load and validate ``path``; raise :class:`InputError` listing every problem found."""
@@ -57,12 +59,13 @@ def links_from_file(inventory: Inventory, path: str | Path) -> tuple[DirectedLin
     source = YamlSource.load(path)
     if not isinstance(source.data, dict):
         raise InputError([source.problem((), "a links file must be a mapping with a 'links' list",
-                                         "see examples/links/wifi-delay.yaml")])  # fmt: skip
+                                         f"see {LINKS_EXAMPLE}")])  # fmt: skip
     problems = source.text_problems()
     try:
         extra = LinksFileSpec.model_validate(source.data)
     except ValidationError as exc:
-        raise InputError(beside(problems, [pydantic_problem(source, err) for err in exc.errors()])) from None
+        raise InputError(beside(problems, [pydantic_problem(source, err, LINKS_EXAMPLE) for err in exc.errors()])) \
+            from None
     for name, profile in extra.link_profiles.items():
         problems += list(profile_problems(name, profile, source))
         if name in inventory.spec.link_profiles:

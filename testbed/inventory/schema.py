@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from foundation.user_fields import STRICT_MODEL_CONFIG, DurationS, invalid_value
+from foundation.user_fields import STRICT_MODEL_CONFIG, DurationS, Number, invalid_value
 from netem.profile import LinkProfile
 
 # --------------------------------------------------------------------------------------------
@@ -174,15 +174,15 @@ class EmulatedPowerMode(_Strict):
 
     id: StrictInt = Field(ge=0, le=255)
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}(@[0-9]{1,9})?$")]  # phones: GOVERNOR@KHZ
-    cpus: float = Field(gt=0, le=1024)
-    idle_w: float = Field(ge=0, le=10000)
-    busy_w: float = Field(ge=0, le=10000)
+    cpus: Number = Field(ge=0.001, le=1024)  # a CPU quota below a thousandth of a CPU never gets to run
+    idle_w: Number = Field(ge=0, le=10000)
+    busy_w: Number = Field(ge=0, le=10000)
 
 
 class EmulatedSpec(_Strict):
     """Makes the node an emulated stand-in (network namespace, sshd, CPU quota) on this machine."""
 
-    power_modes: tuple[EmulatedPowerMode, ...] = ()
+    power_modes: tuple[EmulatedPowerMode, ...] = Field((), max_length=256)
     initial_mode: StrictInt | None = Field(None, ge=0, le=255)
 
 
@@ -194,11 +194,11 @@ class NodeSpec(_Strict):
     address: Address | None = None
     ssh: SshSettings | None = None
     data: DataPlane | None = None
-    roles: tuple[Literal["device", "server"], ...] = ()
+    roles: tuple[Literal["device", "server"], ...] = Field((), max_length=2)
     gpus: StrictInt = Field(0, ge=0, le=64)
     gpu_model: Name | None = None
     adb: AdbAttachment | None = None
-    tags: tuple[Name, ...] = ()
+    tags: tuple[Name, ...] = Field((), max_length=64)
     registry_access: StrictBool | None = None  # overrides defaults.registry_access for this node
     # the hardware the node is (or stands for, emulated): a profile in examples/profiles or a file
     compute_profile: SafePath | None = None
