@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -22,6 +25,7 @@ from nodes.workers.run_config import DISPATCH_POLICIES, DispatchSettings, parse
 from testbed.campaign.dispatch_config import dispatch_config
 from testbed.campaign.load import load_campaign
 from testbed.campaign.spec import RunSettings
+from testbed.split_run import PER_RUN_KEY, RUN_KEY_FILE
 from tests.conftest import REPO, emulated_inventory, emulated_lab
 
 TINY = REPO / "examples" / "models" / "tiny"
@@ -96,11 +100,21 @@ def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -
     campaign.write_text(campaign_text(inventory))
     out = tmp_path / "out"
     with emulated_lab(inventory):
-        done = subprocess.run([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)], cwd=REPO,
-                              capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+        done, command_lines = run_watching_ps([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)])
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        keys = {}  # each run's own endpoint key, as staging left it on the nodes
+        for path in (tmp_path / "state" / "nodes").rglob(RUN_KEY_FILE):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+            keys[path] = path.read_text().strip()
+    assert len(set(keys.values())) == 4 and len(keys) == 4 * 3  # a fresh key a run, on its three nodes
+    for key in set(keys.values()):  # never on a command line, in the controller's output or the run's records
+        assert not any(key in snapshot for snapshot in command_lines) and key not in done.stdout + done.stderr
+        for path in out.rglob("*"):
+            if path.is_file() and path.suffix in (".json", ".jsonl", ".txt", ".log", ".csv", ".md"):
+                assert key not in path.read_text(errors="replace"), path
     tables = {}
     for run in sorted((out / "runs").iterdir()):
+        assert PER_RUN_KEY in (run / "plan.json").read_text()  # the key's place, shown as such
         manifest = json.loads((run / "manifest.json").read_text())
         assert manifest["status"] == "done", manifest.get("reason")
         requests = pd.read_parquet(run / "requests.parquet")
@@ -114,6 +128,7 @@ def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -
             calibration = json.loads(path.read_text())
             assert calibration["device_pearson"] >= 0.8  # the device premise, on its own endpoint
             assert calibration["server_url"].startswith("http://10.205.")  # the data plane (10.204: management)
+            assert calibration["endpoints_keyed"]  # the server's and the device's endpoints asked for the run's key
         served = [json.loads(line) for path in run.rglob("endpoint_requests.jsonl")
                   for line in path.read_text().splitlines() if not line.startswith("#")]  # fmt: skip
         assert any(row["pace"] == ("trace:gpt" if server == "trace" else "engine:fcfs") for row in served)
@@ -133,6 +148,28 @@ def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -
     assert set(runs["policy"]) == {"stoch-s", "disco-s"} and len(runs) == 4 and (runs["requests"] == 10).all()
     assert runs["realised_budget"].between(0, 1).all() and (runs["cost_micro_usd_per_request"] > 0).all()
     assert (out / "report" / "dispatch_tail_reduction.csv").is_file()
+
+
+def run_watching_ps(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """Run ``argv`` (the controller) to its end, reading every process's command line as it runs."""
+    snapshots: list[str] = []
+    with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        outputs: dict[str, str] = {}
+        readers = [threading.Thread(target=lambda n=n, f=f: outputs.update({n: f.read()}), daemon=True)
+                   for n, f in (("out", process.stdout), ("err", process.stderr))]  # fmt: skip
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 900
+        while process.poll() is None and time.monotonic() < deadline:
+            snapshots.append(subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout)
+            time.sleep(0.5)
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=60)
+        for reader in readers:
+            reader.join(timeout=60)
+    done = subprocess.CompletedProcess(argv, process.returncode, outputs.get("out", ""), outputs.get("err", ""))
+    return done, snapshots
 
 
 def inventory_with_endpoint(directory: Path, endpoint_yaml: str, prefix: str = "dx", octet: int = 206) -> Path:

@@ -28,6 +28,14 @@ from nodes.inference.generate import greedy_generate
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "examples" / "models" / "tiny")
 R_C = 4.8
+HANG_S = 60.0  # a bounded wait fails only when something hangs
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting after {HANG_S:.0f} s for {what}"
+        time.sleep(0.02)
 
 
 class SteadyPace(Pace):
@@ -111,8 +119,9 @@ def test_a_key_is_required_when_the_endpoint_has_one(generator, tmp_path):
 def test_a_client_that_goes_away_cancels_its_request(generator, tmp_path):
     server, endpoint, url = serve(generator, SteadyPace(0.0, 0.05), tmp_path / "api.jsonl")
     port = int(url.rsplit(":", 1)[1].split("/")[0])
+    max_tokens = 400  # 20 s of paced tokens: the client leaves after the first
     try:
-        body = json.dumps({"prompt": "def f(x):", "max_tokens": 100, "stream": True}).encode()
+        body = json.dumps({"prompt": "def f(x):", "max_tokens": max_tokens, "stream": True}).encode()
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
@@ -122,14 +131,12 @@ def test_a_client_that_goes_away_cancels_its_request(generator, tmp_path):
                 if b"data:" in received:
                     break
             assert b"data:" in received
-        deadline = time.monotonic() + 10
-        while endpoint.served < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: endpoint.served >= 1, "the endpoint to see its client gone")
     finally:
         server.shutdown()
         endpoint.close()
     (row,) = logged(tmp_path / "api.jsonl")
-    assert row["cancelled"] and row["completion_tokens"] < 20  # 100 tokens would take 5 s
+    assert row["cancelled"] and row["finish_reason"] is None and 1 <= row["completion_tokens"] < max_tokens
 
 
 FAST_PHONE = DeviceSpeed("fast-phone", prefill_tok_s=200.0, decode_tok_s=50.0, model="bloom-1.1b")
@@ -149,7 +156,8 @@ def endpoints_pair(generator, tmp_path, server_pace: Pace, device_pace: Pace):
 
 
 def test_the_race_keeps_the_first_token_and_cancels_the_loser(generator, tmp_path):
-    addresses, stop = endpoints_pair(generator, tmp_path, SteadyPace(1.5, 0.01), DevicePace(FAST_PHONE))
+    server_ttft_s = 60.0  # the device's 0.03 s prefill wins however busy this machine is
+    addresses, stop = endpoints_pair(generator, tmp_path, SteadyPace(server_ttft_s, 0.01), DevicePace(FAST_PHONE))
     prompt = generator.encode("def fibonacci(n):")
     fit = LinearTtft(1 / FAST_PHONE.prefill_tok_s, 0.0, 1.0, 10)
     try:
@@ -157,7 +165,7 @@ def test_the_race_keeps_the_first_token_and_cancels_the_loser(generator, tmp_pat
     finally:
         stop()
     assert record["winner"] == "device" and record["failure"] is None
-    assert record["ttft_s"] < 1.0  # the device's 0.03 s prefill, not the server's 1.5 s
+    assert record["ttft_s"] < server_ttft_s  # the device's first token, not the server's
     assert record["token_ids"] == greedy_generate(generator.model, prompt, 20, generator.tokenizer.eos_id)
     (server_row,) = logged(tmp_path / "server.jsonl")
     assert server_row["cancelled"] and server_row["completion_tokens"] == 0
@@ -192,8 +200,10 @@ def test_a_migrated_stream_is_token_identical_to_greedy_generation(generator, tm
     source = "server" if direction == "server-to-device" else "device"
     rows = logged(tmp_path / f"{source}.jsonl")
     assert any(row["cancelled"] for row in rows)  # the source was stopped once the target was ready
+    # no stall at the handoff: no gap far beyond this run's typical one (or the source's pace), a ratio
+    # that holds on a slow machine as on a fast one
     gaps = np.diff(np.array(record["arrivals_s"]))
-    assert gaps.max() < 1.0  # no stall at the handoff
+    assert gaps.max() <= 10 * max(float(np.median(gaps)), slow.gap), gaps
 
 
 def test_the_endpoint_command_serves_until_terminated(tmp_path):

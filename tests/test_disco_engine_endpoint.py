@@ -76,7 +76,7 @@ def test_a_client_that_goes_away_is_dropped_from_the_engine(engine_api):
     stream = client.completions.create(model="tiny", prompt="class A:", max_tokens=100, stream=True)
     next(iter(stream))
     stream.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # bounded: fails only on a hang
     while engine.state.live and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.state.live
