@@ -4,7 +4,9 @@ nodes, pull their files and turn them into ``telemetry/<node>.parquet`` on align
 Each node's sampler (``python -m nodes.telemetry.sampler``) runs in its own session on the node
 (on a phone's USB host for a phone), appends rows to a file and flushes them as it samples, so a
 dropped SSH connection or a killed controller loses nothing: the file is pulled when the recording
-ends, and a sampler left behind stops by itself after its time limit.
+ends, and a sampler left behind stops by itself after its time limit. A caller that keeps a journal
+of what it starts (a campaign's ``processes.json``) is told each sampler's pidfile before the sampler
+starts (``before_start``), so that a controller killed in between leaves nothing it cannot stop.
 
 Clocks: each row keeps the node's own timestamp (``node_ts_s``); ``ts_s`` is that time on the
 controller's clock, corrected by the node's offset measured at the start and the end of the
@@ -219,11 +221,13 @@ def start_recording(
     say: Say = lambda _: None,
     contexts: Mapping[str, NodeContext] | None = None,
     proven: Mapping[str, ProbeResult] | None = None,
+    before_start: Callable[[NodeRecording], None] | None = None,
 ) -> Recording:
     """Probe, measure clock offsets, and start a detached sampler for every selected node. The
     samplers' files go under ``<workdir>/telemetry/<session>/`` (default: a new timestamped name).
     ``proven``: probes that a sampler of the same kind has just borne out on those nodes (it delivered
-    samples without a long gap: ``testbed.campaign.carryover``), taken as they are instead of probing again."""
+    samples without a long gap: ``testbed.campaign.carryover``), taken as they are instead of probing again.
+    ``before_start``: called with each sampler's files before it starts (to journal it durably)."""
     selected = {n.name: n for n in inventory.select(nodes)}
     known = {name: probe for name, probe in (proven or {}).items() if name in selected}
     to_probe = [name for name in selected if name not in known]
@@ -249,8 +253,11 @@ def start_recording(
             ensure_node_code(t, context)
             argv = sampler_start_command(plan, context, session, interval_s=interval_s, max_seconds=max_seconds)
             datafile, pidfile, logfile = sampler_paths(context, session)
+            recording = NodeRecording(name, plan.host, pidfile, datafile, logfile)
+            if before_start is not None:
+                before_start(recording)
             t.start_background(argv, pidfile=pidfile, logfile=logfile)
-            return NodeRecording(name, plan.host, pidfile, datafile, logfile)
+            return recording
 
     started = fan_out(list(selected), start, description="starting samplers")
     if not started.ok:

@@ -382,7 +382,11 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
     # what tc read back right after applying (or, where nothing was applied, what the node held then)
     state.links["read_back"] = {o.node: jsonable(o.value.states) for o in result.applied.outcomes if o.value}
     if link.verify_s > 0:
-        rows = verify_links(lab, plan.links, duration_s=link.verify_s)
+
+        def note(node: str, pidfile: str) -> None:  # verify's iperf3 servers, noted before they start
+            _note_processes(events.path.parent, [{"node": node, "host": node, "pidfile": pidfile}])
+
+        rows = verify_links(lab, plan.links, duration_s=link.verify_s, before_start=note)
         state.links["verification"] = [jsonable(r) for r in rows]
         off = [r for r in rows if not r.within_tolerance]
         if off:
@@ -402,11 +406,11 @@ def _start_telemetry(campaign: Campaign, directory: Path, state: _RunState, carr
     recording = start_recording(
         campaign.inventory, [s.node for s in tel.samplers], interval_s=tel.interval_s, max_seconds=tel.max_seconds,
         jetson_source=tel.jetson_source, session=tel.session, contexts=plan.contexts, proven=proven,
+        before_start=lambda r: _note_processes(directory, [{"node": r.node, "host": r.host, "pidfile": r.pidfile}]),
     )  # fmt: skip
     state.telemetry["probes_borne_out_by"] = {n.node: carry.proven_by(n.node) for n in recording.nodes
                                               if n.node in proven}  # fmt: skip
     state.recording = recording
-    _note_processes(directory, [{"node": r.node, "host": r.host, "pidfile": r.pidfile} for r in recording.nodes])
 
 
 def _stage(directory: Path, state: _RunState, pools: PoolKeeper) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import TestbedError
+from nodes.contracts.durable import rename_durably
 
 STATES = ("todo", "running", "done", "failed", "skipped")
 SCHEMA = """
@@ -78,18 +79,28 @@ class Ledger:
 
     @classmethod
     def create(cls, path: Path, meta: dict[str, Any], runs: Sequence[tuple[str, str, Sequence[str]]]) -> Ledger:
-        """A new ledger with ``runs`` (id, label, nodes) as ``todo`` in campaign order."""
+        """A new ledger with ``runs`` (id, label, nodes) as ``todo`` in campaign order. It is built
+        beside ``path`` and renamed into place whole: a controller killed meanwhile leaves no ledger
+        (nothing was started), never one without its runs."""
         if path.exists():
             raise TestbedError(f"{path} exists: resume that campaign with --resume, or choose another --out")
         path.parent.mkdir(parents=True, exist_ok=True)
-        ledger = cls(path)
-        with ledger._transaction() as db:
-            db.executemany("INSERT INTO campaign VALUES (?, ?)", [(k, json.dumps(v)) for k, v in meta.items()])
-            db.executemany(
-                "INSERT INTO runs (run_id, position, label, nodes, state) VALUES (?, ?, ?, ?, 'todo')",
-                [(run_id, i, label, json.dumps(list(nodes))) for i, (run_id, label, nodes) in enumerate(runs)],
-            )
-        return ledger
+        building = path.with_name(path.name + ".new")
+        for leftover in ("", "-wal", "-shm", "-journal"):  # of a create that was killed
+            Path(f"{building}{leftover}").unlink(missing_ok=True)
+        ledger = cls(building)
+        try:
+            with ledger._transaction() as db:
+                db.executemany("INSERT INTO campaign VALUES (?, ?)", [(k, json.dumps(v)) for k, v in meta.items()])
+                db.executemany(
+                    "INSERT INTO runs (run_id, position, label, nodes, state) VALUES (?, ?, ?, ?, 'todo')",
+                    [(run_id, i, label, json.dumps(list(nodes))) for i, (run_id, label, nodes) in enumerate(runs)],
+                )
+            ledger._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # all in the file that moves
+        finally:
+            ledger.close()
+        rename_durably(building, path)
+        return cls(path)
 
     @classmethod
     def open(cls, path: Path) -> Ledger:

@@ -17,29 +17,34 @@ again; they are restored after the last run that needs them, when a run fails, a
 campaign ends (also on Ctrl-C).
 
 A run's files are complete before its ledger row says ``done``; the rename of the attempt
-directory comes between the two. On ``--resume`` the pools and the processes interrupted runs had
-started are ended (``pools.json``, ``processes.json``), every node of the campaign is restored from
-its journals (shaping, power modes), and a run found ``running`` is counted done only if its
-finished directory is there with this attempt's manifest; otherwise its partial directory is set
-aside and the run goes back to ``todo``.
+directory comes between the two, after every file under it is synced, and is synced itself. On
+``--resume`` the pools and the processes interrupted runs had started are ended (``pools.json``,
+``processes.json``: each entry checked again first, and a file with an entry the controller never
+writes refuses the resume before any node is touched), every node of the campaign is restored from
+its journals (shaping, power modes), and a run found ``running`` is counted done (or failed) only if
+this attempt's manifest says it finished, in its finished directory (or done, in the attempt's own:
+it is moved into place then); otherwise its partial directory is set aside and the run goes back to ``todo``.
+A campaign directory without a ledger had nothing started in it: ``--resume`` starts the campaign.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from foundation.errors import TestbedError
-from nodes.contracts.durable import write_json_atomic
+from nodes.contracts.durable import rename_durably, write_atomic, write_json_atomic
+from nodes.contracts.journal_values import JournalValueError, checked_path
 from testbed.campaign.carryover import Carryover
 from testbed.campaign.execution import Kept, Report, execute_run, release_nodes
 from testbed.campaign.ledger import Ledger
 from testbed.campaign.plan import configured_nodes
 from testbed.campaign.spec import Campaign, PlannedRun, run_nodes
+from testbed.inventory import Inventory, NodeSpec
+from testbed.node_context import host_of, transport_for
 from testbed.transport import open_transport
 from testbed.transport.fanout import fan_out
 from testbed.worker_pool import PoolKeeper, end_registered_pools
@@ -69,15 +74,17 @@ def final_dir(directory: Path, run_id: str) -> Path:
 
 
 def start_campaign(campaign: Campaign, directory: Path) -> Ledger:
-    """A new campaign directory with its ledger (refused if one exists: use resume)."""
+    """A new campaign directory with its ledger (refused if one exists: use resume). The ledger comes
+    last and whole: a directory with a ledger has the rest."""
+    if (directory / LEDGER).exists():
+        raise TestbedError(f"{directory / LEDGER} exists: resume that campaign with --resume, or choose another --out")
     directory.mkdir(parents=True, exist_ok=True)
     meta = {"name": campaign.spec.name, "file": str(campaign.path), "digest": campaign.digest(),
             "inventory": str(campaign.inventory.path), "runs": len(campaign.runs)}  # fmt: skip
     rows = [(r.run_id, r.label(), [n.name for n in run_nodes(campaign.inventory, r.settings)]) for r in campaign.runs]
-    ledger = Ledger.create(directory / LEDGER, meta, rows)
-    shutil.copyfile(campaign.path, directory / "campaign.yaml")
-    (directory / "runs.json").write_text(json.dumps([describe_run(r) for r in campaign.runs], indent=1) + "\n")
-    return ledger
+    write_atomic(directory / "campaign.yaml", campaign.path.read_bytes())
+    write_atomic(directory / "runs.json", json.dumps([describe_run(r) for r in campaign.runs], indent=1) + "\n")
+    return Ledger.create(directory / LEDGER, meta, rows)
 
 
 def open_campaign(campaign: Campaign, directory: Path) -> Ledger:
@@ -100,51 +107,117 @@ def describe_run(run: PlannedRun) -> dict[str, Any]:
 
 def recover(campaign: Campaign, directory: Path, ledger: Ledger, *, say: Callable[[str], None]) -> list[str]:
     """Settle runs a dead controller left ``running``; restore every node of the campaign.
-    Returns the ids put back to ``todo``."""
+    Returns the ids put back to ``todo``. Every pool and process entry is checked before any is ended."""
     interrupted = [row for row in ledger.runs() if row.state == "running"]
-    end_registered_pools(campaign.inventory, directory / POOLS, say)
-    for row in interrupted:
-        _end_processes(campaign, attempt_dir(directory, row.run_id, row.attempts), say)
+    lab = campaign.inventory
+    checked_processes(lab, directory / POOLS, with_host=False)
+    noted = [e for row in interrupted
+             for e in checked_processes(lab, attempt_dir(directory, row.run_id, row.attempts) / "processes.json")]
+    end_registered_pools(lab, directory / POOLS, say)
+    _end_processes(lab, noted, say)
     # also between runs a dead controller leaves nodes set for the next run: restore them all, with the
     # nodes a run shapes without running on them (a device of the link group that the run does not use)
     shaped = {name for run in campaign.runs for name in configured_nodes(campaign, run.settings)[1]}
     restore_nodes(campaign, [n.name for n in campaign.inventory.nodes if n.name in {*campaign.nodes(), *shaped}], say)
     requeued = []
     for row in interrupted:
-        finished = final_dir(directory, row.run_id) / "manifest.json"
-        manifest = json.loads(finished.read_text()) if finished.is_file() else {}
-        if manifest.get("attempt") == row.attempts and manifest.get("status") in ("done", "failed"):
+        partial = attempt_dir(directory, row.run_id, row.attempts)
+        manifest = _finished_manifest(final_dir(directory, row.run_id), row.attempts)
+        if manifest is None and (_finished_manifest(partial, row.attempts) or {}).get("status") == "done":
+            _settle_directory(directory, row.run_id, partial, None)  # done, killed before the rename: kept
+            manifest = _finished_manifest(final_dir(directory, row.run_id), row.attempts)
+        if manifest is not None:
             say(f"{row.run_id}: attempt {row.attempts} had finished ({manifest['status']}) before the crash")
             ledger.finish(row.run_id, manifest["status"], reason=manifest.get("reason"),
                           node=manifest.get("failed_node"), run_nodes=row.nodes,
                           quarantine_after=campaign.spec.failure.quarantine_after)  # fmt: skip
             continue
-        partial = attempt_dir(directory, row.run_id, row.attempts)
         if partial.exists():
-            partial.rename(partial.with_name(partial.name + ".interrupted"))
+            rename_durably(partial, partial.with_name(partial.name + ".interrupted"))
         ledger.requeue(row.run_id, ["running"])
         requeued.append(row.run_id)
         say(f"{row.run_id}: attempt {row.attempts} was interrupted; it will run again")
     return requeued
 
 
-def _end_processes(campaign: Campaign, directory: Path, say: Callable[[str], None]) -> None:
-    """End what an interrupted attempt started on nodes (mpiexec, samplers), by their pidfiles."""
-    path = directory / "processes.json"
+def _finished_manifest(run_dir: Path, attempt: int) -> dict[str, Any] | None:
+    """``run_dir``'s manifest if it is attempt ``attempt``'s and says the attempt finished."""
+    path = run_dir / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):  # written atomically: a torn one was never the attempt's
+        return None
+    if isinstance(manifest, dict) and manifest.get("attempt") == attempt and manifest.get("status") in (
+            "done", "failed"):  # fmt: skip
+        return manifest
+    return None
+
+
+@dataclass(frozen=True)
+class NotedProcess:
+    node: NodeSpec  # the node whose commands reach the process (a phone's: its USB host)
+    pidfile: str
+
+
+def checked_processes(lab: Inventory, path: Path, *, with_host: bool = True) -> list[NotedProcess]:
+    """The processes a journal of started processes names (``processes.json``, ``pools.json``), each
+    entry checked again before anything is signalled: a node of the inventory (and its host), and a
+    pidfile under the testbed's workdir. An entry the controller never writes is refused with the file,
+    the entry and the field named (exit status 2), before any node is touched."""
     if not path.is_file():
-        return
-    lab = campaign.inventory
-    for entry in json.loads(path.read_text()):
-        node = lab.node(entry["host"]) if entry["host"] in {n.name for n in lab.nodes} else None
+        return []
+    hint = ("restore the file as the controller wrote it, or remove that entry and end its process on the node "
+            "by hand; then --resume again")  # fmt: skip
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TestbedError(f"{path}: not a JSON list of started processes ({exc}); {hint}") from None
+    if not isinstance(entries, list):
+        raise TestbedError(f"{path}: not a JSON list of started processes; {hint}")
+    nodes = {n.name: n for n in lab.nodes}
+    found = []
+    for number, entry in enumerate(entries, 1):
+        where = f"{path}: entry {number}"
+        if not isinstance(entry, dict):
+            raise TestbedError(f"{where}: not an object with node, host and pidfile; {hint}")
+        node = nodes.get(entry.get("node")) if isinstance(entry.get("node"), str) else None
         if node is None:
-            continue
+            raise TestbedError(f"{where}: node: {entry.get('node')!r} is not a node of {lab.path}; {hint}")
+        if with_host and entry.get("host") not in (node.name, host_of(node)):
+            raise TestbedError(f"{where}: host: {entry.get('host')!r} is neither {node.name} nor where its commands "
+                               f"run ({host_of(node)!r}); {hint}")  # fmt: skip
         try:
-            with open_transport(lab, node) as t:
-                how = t.stop_background(entry["pidfile"])
+            pidfile = checked_path(entry.get("pidfile"), "pidfile", suffix=".pid")
+            _check_under_workdir(pidfile, lab.spec.defaults.workdir)
+        except JournalValueError as exc:
+            raise TestbedError(f"{where}: {exc}; {hint}") from None
+        found.append(NotedProcess(node, pidfile))
+    return found
+
+
+def _check_under_workdir(path: str, workdir: str) -> None:
+    """``path`` is in the testbed's workdir on a node: ``~/W/...`` or ``<some home>/W/...`` for a
+    ``~/W`` workdir, ``W/...`` for an absolute one."""
+    workdir = workdir.rstrip("/")
+    if workdir.startswith("~/"):
+        inside = path.startswith(workdir + "/") or f"/{workdir[2:]}/" in path
+    else:
+        inside = workdir in ("", "~") or path.startswith(workdir + "/")
+    if not inside:
+        raise JournalValueError(f"pidfile: {path!r} is not under the testbed's workdir {workdir}")
+
+
+def _end_processes(lab: Inventory, noted: list[NotedProcess], say: Callable[[str], None]) -> None:
+    """End what interrupted attempts started on nodes (mpiexec, samplers, iperf3 servers), by their pidfiles."""
+    for process in noted:
+        name = process.node.name
+        try:
+            with transport_for(lab, process.node) as t:
+                how = t.stop_background(process.pidfile)
             if how in ("stopped", "killed"):
-                say(f"{entry['node']}: ended a process the interrupted run had left ({entry['pidfile']}: {how})")
+                say(f"{name}: ended a process the interrupted run had left ({process.pidfile}: {how})")
         except Exception as exc:  # a node that cannot be reached now is reported, not fatal
-            say(f"{entry['node']}: could not end {entry['pidfile']}: {exc}")
+            say(f"{name}: could not end {process.pidfile}: {exc}")
 
 
 def restore_nodes(campaign: Campaign, names: list[str], say: Callable[[str], None]) -> None:
@@ -201,6 +274,9 @@ def run_campaign(
     report: Report = lambda _e, _d: None,
 ) -> CampaignSummary:
     """Run every ``todo`` run of the campaign in order (after settling a crashed invocation)."""
+    if resume and not (directory / LEDGER).exists():  # a controller killed before its ledger touched nothing
+        say(f"{directory} has no ledger: nothing was started there; starting the campaign")
+        resume = False
     ledger = open_campaign(campaign, directory) if resume else start_campaign(campaign, directory)
     with ledger:
         if resume:
@@ -305,8 +381,8 @@ def _settle_directory(directory: Path, run_id: str, work: Path, reason: str | No
     if final.exists():
         previous = json.loads((final / "manifest.json").read_text()).get("attempt", 0) if (
             final / "manifest.json").is_file() else 0  # fmt: skip
-        final.rename(final.with_name(f"{run_id}.attempt{previous}"))
-    work.rename(final)
+        rename_durably(final, final.with_name(f"{run_id}.attempt{previous}"))
+    rename_durably(work, final)
     if reason is None or str(work) not in reason:
         return reason
     moved = reason.replace(str(work), str(final))

@@ -5,6 +5,11 @@ measured against target, kept as data so a run's manifest can store it.
 RTT is ping's user-to-user time (``ping -U``): plain ping times the reply by its kernel receive stamp,
 which is taken before the NFQUEUE delay path holds the packet on the receiving node, so it would
 miss the way back's delay.
+
+Each iperf3 server runs detached under ``timeout`` (it ends by itself a while after its test should
+have, also when no client ever came), and a caller that journals what it starts (a campaign's
+``processes.json``) is told its pidfile before it starts (``before_start``); the client runs under
+``timeout`` too, so a controller killed mid-measurement leaves nothing that runs on.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ UDP_MAX_BIT_S = 8e6  # at most this rate (1000 datagrams a second), at most half
 FIRST_PORT = 5301
 CONNECT_RETRY_S = 10.0
 IPERF3_ATTEMPTS = 2
+SERVER_MARGIN_S = 60.0  # a server outlives its client's longest wait by this, then ends itself
+KILL_AFTER_S = 5  # timeout's TERM, then KILL this much later
+
+BeforeStart = Callable[[str, str], None]  # (node, pidfile) of a detached process about to start
 
 _PING_RTT = re.compile(r"= ([\d.]+)/([\d.]+)/([\d.]+)/([\d.]+) ms")
 _PING_LOSS = re.compile(r"([\d.]+)% packet loss")
@@ -99,9 +108,20 @@ def iperf3_udp_loss(report: dict) -> tuple[float, int]:
     return 100 * received["lost_packets"] / received["packets"], int(received["packets"])
 
 
+def bounded(argv: list[str], limit_s: float) -> list[str]:
+    """``argv`` under coreutils ``timeout``: TERM after ``limit_s``, KILL a few seconds later."""
+    return ["timeout", "-k", str(KILL_AFTER_S), f"{math.ceil(limit_s)}", *argv]
+
+
+def iperf3_server_argv(dst_addr: str, port: int, duration_s: float) -> list[str]:
+    """A one-off iperf3 server that ends by itself a margin after its client's longest wait."""
+    limit_s = CONNECT_RETRY_S + duration_s + 30 + SERVER_MARGIN_S
+    return bounded(["iperf3", "-s", "-1", "-B", dst_addr, "-p", str(port)], limit_s)
+
+
 def _run_iperf3(
     src: Transport, dst: Transport, src_addr: str, dst_addr: str, port: int, duration_s: float, workdir: str,
-    *, udp_bit_s: float | None = None,
+    *, udp_bit_s: float | None = None, before_start: BeforeStart | None = None,
 ) -> tuple[float, int | None]:
     """TCP goodput (bit/s, retransmits); with ``udp_bit_s``, UDP at that rate: (loss %, packets).
     A test that broke off after connecting (iperf3's control connection crosses the same lossy link)
@@ -109,15 +129,16 @@ def _run_iperf3(
     base = f"{journal_dir(workdir)}/iperf3-{port}"
     dst.run_script(f"mkdir -p {quote_path(journal_dir(workdir))}").check()
     for attempt in range(IPERF3_ATTEMPTS):
-        dst.start_background(
-            ["iperf3", "-s", "-1", "-B", dst_addr, "-p", str(port)], pidfile=base + ".pid", logfile=base + ".log"
-        )
+        if before_start is not None:
+            before_start(dst.node, base + ".pid")
+        dst.start_background(iperf3_server_argv(dst_addr, port, duration_s), pidfile=base + ".pid",
+                             logfile=base + ".log")  # fmt: skip
         try:
             deadline = time.monotonic() + CONNECT_RETRY_S
             while True:
                 argv = ["iperf3", "-c", dst_addr, "-B", src_addr, "-p", str(port), "-t", f"{duration_s:g}", "-J"]
                 argv += ["-O", "1"] if udp_bit_s is None else ["-u", "-b", str(round(udp_bit_s)), "-l", str(UDP_BYTES)]
-                result = src.run(argv, timeout_s=duration_s + 30)
+                result = src.run(bounded(argv, duration_s + 25), timeout_s=duration_s + 30)
                 try:
                     report = json.loads(result.stdout or "{}")
                     return iperf3_goodput(report) if udp_bit_s is None else iperf3_udp_loss(report)
@@ -136,10 +157,11 @@ def _run_iperf3(
 
 def measure_link(
     inventory: Inventory, link: DirectedLink, *, port: int, duration_s: float,
-    all_links: Sequence[DirectedLink] | None = None,
+    all_links: Sequence[DirectedLink] | None = None, before_start: BeforeStart | None = None,
 ) -> LinkMeasurement:
     """One direction, measured against its profile (``all_links``: the set it belongs to, where its
-    way back is looked up; the inventory's links by default)."""
+    way back is looked up; the inventory's links by default; ``before_start``: told each iperf3
+    server's node and pidfile before it starts)."""
     src_node, dst_node = inventory.node(link.source), inventory.node(link.destination)
     target_rate = link.profile.rate_bit_s
     target_rtt = None
@@ -160,7 +182,7 @@ def measure_link(
     workdir = inventory.spec.defaults.workdir
     with open_transport(inventory, src_node) as src, open_transport(inventory, dst_node) as dst:
         measured, retransmits = _run_iperf3(
-            src, dst, src_node.data.address, dst_node.data.address, port, duration_s, workdir
+            src, dst, src_node.data.address, dst_node.data.address, port, duration_s, workdir, before_start=before_start
         )
         ok = True
         error_pct = None
@@ -182,7 +204,8 @@ def measure_link(
         if target_loss is not None:
             udp_bit_s = min(UDP_MAX_BIT_S, (target_rate or 2 * UDP_MAX_BIT_S) / 2)
             loss, loss_packets = _run_iperf3(
-                src, dst, src_node.data.address, dst_node.data.address, port, duration_s, workdir, udp_bit_s=udp_bit_s
+                src, dst, src_node.data.address, dst_node.data.address, port, duration_s, workdir, udp_bit_s=udp_bit_s,
+                before_start=before_start,
             )
             ok = ok and abs(loss - target_loss) <= loss_tolerance_pct(target_loss, loss_packets)
     return row(
@@ -198,15 +221,18 @@ def verify_links(
     *,
     duration_s: float = 3.0,
     say: Callable[[str], None] = lambda _: None,
+    before_start: BeforeStart | None = None,
 ) -> tuple[LinkMeasurement, ...]:
     """Measure each direction in turn (one at a time: a reverse flow's ACKs share the shaped
-    class of the other direction). A node error becomes that row's note, not an exception."""
+    class of the other direction). A node error becomes that row's note, not an exception.
+    ``before_start``: told each iperf3 server's (node, pidfile) before it starts."""
     rows = []
     links = tuple(links if links is not None else inventory.links)
     for i, link in enumerate(links):
         say(f"measuring {link.source} -> {link.destination} ({link.profile.describe()})")
         try:
-            rows.append(measure_link(inventory, link, port=FIRST_PORT + i, duration_s=duration_s, all_links=links))
+            rows.append(measure_link(inventory, link, port=FIRST_PORT + i, duration_s=duration_s, all_links=links,
+                                     before_start=before_start))  # fmt: skip
         except NodeError as exc:
             rows.append(
                 LinkMeasurement(link.source, link.destination, link.profile_name, link.profile.rate_bit_s,
