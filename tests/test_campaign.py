@@ -350,7 +350,6 @@ def test_the_server_may_take_every_middle_layer_but_no_more(tmp_path: Path) -> N
     ok = load_campaign(write(tmp_path, BASE.replace("stages: 2", "stages: 6"), "six.yaml"))
     assert ok.runs[0].settings.partition.stages == 6
     centralized = BASE.replace("method: ushape", "method: centralized").replace("stages: 2", "stages: 8")
-    centralized = centralized.replace("device_layers: 2", "device_layers: 0")  # (it runs none on the device)
     assert load_campaign(write(tmp_path, centralized, "central.yaml")).runs[0].settings.partition.stages == 8
     with pytest.raises(InputError):
         load_campaign(write(tmp_path, BASE.replace("stages: 2", "stages: 7"), "seven.yaml"))

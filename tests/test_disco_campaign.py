@@ -198,14 +198,15 @@ def test_an_external_endpoint_must_exist_and_its_key_be_set(tmp_path: Path, monk
     inventory = inventory_with_endpoint(tmp_path, "    url: http://10.207.0.2:18080/v1\n    api_key_env: TB_TEST_KEY\n")
     path = tmp_path / "campaign.yaml"
     monkeypatch.delenv("TB_TEST_KEY", raising=False)
-    path.write_text(campaign_text(inventory, "{policy: disco-s, external: lab}"))
+    external = campaign_text(inventory, "{policy: disco-s, external: lab}")  # (no server endpoint: the lab's)
+    path.write_text(external.replace("  dispatch.server_endpoint: [trace, engine]\n", ""))
     with pytest.raises(InputError, match=r"takes its key from \$TB_TEST_KEY, which is not set"):
         load_campaign(path)
     path.write_text(campaign_text(inventory, "{policy: disco-s, external: elsewhere}"))
     with pytest.raises(InputError, match="no endpoint 'elsewhere' in the inventory"):
         load_campaign(path)
     monkeypatch.setenv("TB_TEST_KEY", "s3cret")
-    path.write_text(campaign_text(inventory, "{policy: disco-s, external: lab}"))
+    path.write_text(external.replace("  dispatch.server_endpoint: [trace, engine]\n", ""))
     campaign = load_campaign(path)
     config = dispatch_config(campaign.runs[0].settings, campaign.inventory)
     assert config["external_url"] == "http://10.207.0.2:18080/v1" and config["external_key_env"] == "TB_TEST_KEY"

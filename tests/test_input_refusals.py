@@ -356,8 +356,6 @@ def test_import_mahimahi_refuses_options_that_are_not_finite_or_in_range(tmp_pat
       "  telemetry: {interval_ms: 100}\n  chunk_tokens: 64", "base.chunk_tokens"),
      ("examples/campaigns/llms-ablation.yaml", "  link: {shaped: false}", "  link: {shaped: false}\n  workload: "
       "{prompts: alpaca}", "base.workload"),
-     ("examples/campaigns/andes-table4.yaml", "partition: {device_layers: 0,", "partition: {device_layers: 1,",
-      "base.partition.device_layers"),
      ("examples/campaigns/andes-dp.yaml", "serving: {scheduler: andes,", "serving: {rr_interval: 5, scheduler: andes,",
       "base.serving.rr_interval"),
      ("examples/campaigns/andes-table4.yaml", "serving: {scheduler: fcfs,", "serving: {dp_block_tokens: 32, "

@@ -381,8 +381,6 @@ def ignored_settings(s: RunSettings) -> dict[str, str]:
         out["draft"] = f"{s.method} does not draft"
     if m.prefill not in ("device_chunks", "server_chunks"):
         out["chunk_tokens"] = f"{s.method} does not prefill in chunks"
-    if m.token_ids_only and s.partition.device_layers != 0:
-        out["partition.device_layers"] = f"{s.method} runs no decoder layer on the device"
     if m.serves_contexts:
         out["workload"] = f"{s.method}'s apps replay the context trace of context_service, not a workload"
     if not uses_serving_engine(s):
