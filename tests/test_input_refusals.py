@@ -531,3 +531,12 @@ def test_an_emulated_power_mode_number_written_as_text_or_too_small_to_run_is_re
                                                                                        new: str) -> None:  # fmt: skip
     path = example(tmp_path, INVENTORY, old, new)
     one(refused(lambda: load_inventory(path)), "nodes[0].emulated.power_modes[0].cpus")
+
+
+def test_a_matrix_that_expands_beyond_any_campaign_is_refused_before_it_is_expanded(tmp_path: Path) -> None:
+    values = ", ".join(f"{0.01 * (i + 1):.2f}" for i in range(999))
+    path = example(tmp_path, "examples/campaigns/demo.yaml", "  power.orin: [MAXN, MODE_30W]",
+                   f"  power.orin: [MAXN, MODE_30W]\n  workload.rate_per_s: [{values}]")  # fmt: skip
+    path.write_text(path.read_text().replace("repetitions: 1", "repetitions: 2"))
+    problem = one(refused(lambda: load_campaign(path)), "matrix")
+    assert "15984 runs" in problem.problem  # 2 x 2 x 2 x 999 values x 2 repetitions

@@ -301,7 +301,8 @@ class RunSettings(_Strict):
         return self
 
 
-MAX_RUNS = 100_000  # matrix points x repetitions a campaign may expand to
+MAX_RUNS = 10_000  # matrix points x repetitions a campaign may expand to (the largest example has 108)
+MAX_MATRIX_VALUES = 1000  # values of one matrix key
 
 
 class FailurePolicy(_Strict):
@@ -314,7 +315,7 @@ class CampaignSpec(_Strict):
     description: Annotated[str, Field(max_length=10_000)] = ""
     inventory: PlainText = "inventory.yaml"
     base: RunSettings = RunSettings()
-    matrix: dict[PlainText, Annotated[list[Any], Field(max_length=MAX_RUNS)]] = {}
+    matrix: dict[PlainText, Annotated[list[Any], Field(max_length=MAX_MATRIX_VALUES)]] = Field({}, max_length=64)
     repetitions: StrictInt = Field(1, ge=1, le=10_000)
     seed: StrictInt = Field(0, ge=0, le=2**63 - 1)  # a 64-bit seed (every derived seed is one too)
     # random: shuffled by the seed, then runs that one warm worker pool can serve (same server, devices
