@@ -30,6 +30,8 @@ from testbed.node_context import ensure_node_code, resolve_context
 from testbed.transport import open_transport
 
 SHARPNESSES = (1.4, 1.5, 2.0, 3.0, 4.0)
+MIN_EFFICIENCY = 1e-6  # of the peak: the slowest rate a fit may give
+MAX_OVERHEAD_MS = 1000.0  # per step or per layer: the largest fixed cost a fit may give
 QUICK_GRID = {"layers": "1,2", "prefill": "1,64,256", "batch": "1,8", "context": "0,256", "head": "1,8"}
 FULL_GRID = {"layers": "1,2,4", "prefill": "1,16,128,512,2048", "batch": "1,8,32,64", "context": "0,512,2048,4096",
              "head": "1,8,64"}  # fmt: skip
@@ -67,6 +69,7 @@ class Fit:
     max_relative_error: float
     points: int
     excluded: int  # paced points whose every repetition overran (they measure this machine)
+    at_bounds: tuple[str, ...] = ()  # rates the steps did not determine: the fit stopped at their bound
 
 
 def measure(
@@ -122,18 +125,24 @@ def _nelder_mead(loss: Callable[[np.ndarray], float], start: np.ndarray, steps: 
 
 
 def fit_profile(
-    measurements: Sequence[Measurement], model: TargetModel, peak_bw_gbps: float, peak_tflops: float
+    measurements: Sequence[Measurement], model: TargetModel, peak_bw_gbps: float, peak_tflops: float,
+    max_efficiency: float = 1.0,
 ) -> Fit:
     """The roofline that best explains ``measurements`` of ``model``'s steps (points left out whose
-    every repetition overran)."""
+    every repetition overran). Efficiencies stay within [:data:`MIN_EFFICIENCY`, ``max_efficiency``]
+    of the peak and overheads within :data:`MAX_OVERHEAD_MS`: where the steps do not tell a rate (a
+    model so small that reading its weights takes no time), the fit stops at a bound instead of
+    wandering off to numbers no hardware has (:attr:`Fit.at_bounds` names them)."""
     usable = [m for m in measurements if m.usable]
     if len(usable) < 4:
         raise TestbedError(f"{len(usable)} usable measurements: too few to fit a profile (widen the grid)")
     measured = np.log([m.seconds for m in usable])
+    low, high = math.log(MIN_EFFICIENCY), math.log(max_efficiency)
 
     def rates_of(x: np.ndarray, p: float) -> ModeRates:
-        return ModeRates(peak_bw_gbps, peak_tflops, math.exp(x[0]), math.exp(x[1]), abs(x[2]) * 1e-3,
-                         abs(x[3]) * 1e-3, p)  # fmt: skip
+        bw, flops = (math.exp(min(high, max(low, v))) for v in x[:2])
+        step_ms, layer_ms = (min(MAX_OVERHEAD_MS, abs(v)) for v in x[2:])
+        return ModeRates(peak_bw_gbps, peak_tflops, bw, flops, step_ms * 1e-3, layer_ms * 1e-3, p)
 
     best: tuple[float, ModeRates] | None = None
     for p in SHARPNESSES:
@@ -150,7 +159,12 @@ def fit_profile(
     assert best is not None
     rates = best[1]
     errors = [abs(m.predicted_s(rates, model) / m.seconds - 1) for m in usable]
-    return Fit(rates, math.sqrt(best[0]), max(errors), len(usable), len(measurements) - len(usable))
+    bounds = {"bw_efficiency": (MIN_EFFICIENCY, max_efficiency), "flops_efficiency": (MIN_EFFICIENCY, max_efficiency),
+              "step_overhead_s": (0.0, MAX_OVERHEAD_MS * 1e-3), "layer_overhead_s": (0.0, MAX_OVERHEAD_MS * 1e-3)}
+    at_bounds = tuple(name for name, (lo, hi) in bounds.items()
+                      if hi > 0 and (math.isclose(getattr(rates, name), hi, rel_tol=1e-9)
+                                     or (lo > 0 and math.isclose(getattr(rates, name), lo, rel_tol=1e-9))))
+    return Fit(rates, math.sqrt(best[0]), max(errors), len(usable), len(measurements) - len(usable), at_bounds)
 
 
 def agreement(a: ModeRates, b: ModeRates, model: TargetModel, measurements: Sequence[Measurement]) -> float:

@@ -179,9 +179,13 @@ def test_profile_gives_back_the_profile_a_node_is_paced_with_and_fits_the_real_e
     assert fitted.hardware == "agx-orin"
     measured = json.loads((tmp_path / "paced.measurements.json").read_text())
     assert len(measured["measurements"]) == result["points"] + result["excluded_points"]
-    # a repetition that overran (computation, or a late wake under the node's CPU quota) is not in its
-    # point's median; a point is left out only when every repetition overran
-    assert all(m["clean_reps"] + m["overruns"] == 2 for m in measured["measurements"])
+    # a repetition that overran (computation, or a late wake under load) is not in its point's median
+    # and is run again, a bounded number of times; a point is left out only when no repetition was clean
+    from nodes.workers.profile_engine import RETRIES_PER_REP
+
+    for m in measured["measurements"]:
+        assert m["clean_reps"] == 2 or m["overruns"] >= 2 * RETRIES_PER_REP, m
+        assert m["clean_reps"] + m["overruns"] <= 2 * (1 + RETRIES_PER_REP)
     assert result["overrun_repetitions"] == sum(m["overruns"] for m in measured["measurements"])
     # without --target: the real (tiny) engine on orin's CPU slice, fitted with orin's peak numbers
     real = run("profile", "orin", "-i", str(lab), "--reps", "1", "--out", str(tmp_path / "real.yaml"), "--json")

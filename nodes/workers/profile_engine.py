@@ -13,8 +13,9 @@ Each point is run once to warm up, then ``--reps`` times; the median is reported
 and ``--rates`` (a target model's shape and a compute profile's mode, as a run config carries them)
 every step is paced as a run paces it, so what is measured is the emulation (``testbed profile``'s
 self-check); repetitions that overran (the real computation took longer than its target, or the
-rank woke late from its wait) measure this machine, so the median is of the others, and the point
-says how many overran (``overruns``) and how many are left (``clean_reps``).
+rank woke late from its wait) measure this machine, so they are run again (a bounded number of
+times), the median is of the clean ones, and the point says how many overran (``overruns``) and how
+many were clean (``clean_reps``).
 
 Prints one JSON object per line, then ``{"done": true, ...}``.
 """
@@ -41,22 +42,30 @@ def _ints(text: str) -> List[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+RETRIES_PER_REP = 3  # a paced point runs again this many times per repetition that overran, at most
+
+
 def _measure(prepare: Callable[[], Any], step: Callable[[Any], Any], reps: int, sync: Callable[[], None],
-             violated: Callable[[], int]) -> Tuple[float, int]:  # fmt: skip
-    """Median seconds of ``step(prepare())`` over ``reps`` runs after one to warm up (``prepare``
+             violated: Callable[[], int]) -> Tuple[float, int, int]:  # fmt: skip
+    """Median seconds of ``step(prepare())`` over ``reps`` clean runs after one to warm up (``prepare``
     untimed: fresh caches every run), and how many runs ``violated`` (a paced step that overran: it
-    measured this machine, not the profile; left out of the median unless every run overran)."""
-    clean, late = [], []
-    for rep in range(reps + 1):
+    measured a hiccup of this machine, not the profile). A run that overran is run again, at most
+    :data:`RETRIES_PER_REP` times for each repetition, so that a moment of load on the machine does not
+    take a point out of the fit; the median is of the clean runs, of the late ones only if none was.
+    Returns (median seconds, clean runs, runs that overran)."""
+    clean, late = [], []  # type: List[float], List[float]
+    runs = 0
+    while len(clean) < reps and runs <= reps * (1 + RETRIES_PER_REP):
         inputs = prepare()
         sync()
         before = violated()
         started = time.monotonic()
         step(inputs)
         sync()
-        if rep:
+        if runs:  # the first run warms up
             (late if violated() > before else clean).append(time.monotonic() - started)
-    return statistics.median(clean or late), len(late)
+        runs += 1
+    return statistics.median(clean or late), len(clean), len(late)
 
 
 class _Profiler:
@@ -92,11 +101,11 @@ class _Profiler:
                 pacer.unchain()
                 return inputs
 
-        seconds, overruns = _measure(prepare, step, self.args.reps, self.sync,
-                                     lambda: pacer.overruns if pacer is not None else 0)  # fmt: skip
+        seconds, clean, overruns = _measure(prepare, step, self.args.reps, self.sync,
+                                            lambda: pacer.overruns if pacer is not None else 0)  # fmt: skip
         self.emit({"op": op, "layers": layers, "tokens": tokens, "sequences": sequences, "context_tokens": context,
                    "seconds": seconds, "overruns": overruns if pacer is not None else None,
-                   "clean_reps": self.args.reps - overruns if pacer is not None else None})  # fmt: skip
+                   "clean_reps": clean if pacer is not None else None})  # fmt: skip
         self.points += 1
 
     def part(self, layers: int, with_head: bool) -> None:

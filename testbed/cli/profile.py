@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -13,8 +15,28 @@ from rich.table import Table
 from foundation.errors import TestbedError
 from testbed.cli.app import InventoryOption, JsonOption, app, err, out
 from testbed.emulation.resolved import load_lab
+from testbed.inventory import Inventory
 
 TINY = "examples/models/tiny"
+MAX_PROFILE_RATE = 100_000.0  # GB/s or TFLOP/s: the largest rate a profile file accepts
+
+
+@contextlib.contextmanager
+def cpu_paced(lab: Inventory, names: list[str]) -> Iterator[None]:
+    """The emulated ones of ``names`` paced as a run paces them while the block measures paced steps:
+    a quota that never holds the real work back, in short periods. Under the power mode's quota (100 ms
+    periods) the profiler's untimed setup used up a period's time and the timed step after it waited
+    for the next period: an overrun that measured the quota, not the profile."""
+    from testbed.target_emulation import pace_nodes
+
+    if not names:
+        yield
+        return
+    pace_nodes(lab, names, True).require("pacing the node's CPU")
+    try:
+        yield
+    finally:
+        pace_nodes(lab, names, False).require("ending the CPU pacing")
 
 
 @app.command("profile")
@@ -62,8 +84,9 @@ def profile(
         shape = load_target_model(target, Path.cwd())
         paced = (shape, known.rates(chosen), dilation)
     model_dir = str(Path(model).resolve()) if Path(model).is_dir() else model  # emulated nodes share this disk
-    rows, said = measure(lab, spec, model_dir, QUICK_GRID if grid == "quick" else FULL_GRID, reps=reps,
-                         device=device, dtype=dtype, paced=paced)  # fmt: skip
+    with cpu_paced(lab, [node] if paced is not None else []):
+        rows, said = measure(lab, spec, model_dir, QUICK_GRID if grid == "quick" else FULL_GRID, reps=reps,
+                             device=device, dtype=dtype, paced=paced)  # fmt: skip
     if paced is None:  # the checkpoint's own shape, as the node read it
         shape = from_hf_config(said["config"], Path(model).name, "" if dtype == "auto" else dtype)
     if paced is not None:  # a dilated step lasts k times its target: fit what the target is
@@ -71,9 +94,11 @@ def profile(
     peak = (known.rates().mem_bw_gbps, known.rates().peak_tflops) if known is not None else (1.0, 1.0)
     if paced is not None:
         peak = (paced[1].mem_bw_gbps, paced[1].peak_tflops)
-    fit = fit_profile(rows, shape, *peak)
-    if known is None or fit.rates.bw_efficiency > 1 or fit.rates.flops_efficiency > 1:
-        # no peak known (or the known one is beaten): the effective rates are the peak, efficiency 1
+    # a known peak is the hardware's: no engine beats it. Without one, the rates are fitted as such, up
+    # to the largest a profile file accepts
+    fit = fit_profile(rows, shape, *peak, max_efficiency=1.0 if known is not None else MAX_PROFILE_RATE)
+    if known is None:
+        # no peak known: the effective rates are the peak, efficiency 1
         r = fit.rates
         fit = dataclasses.replace(fit, rates=r._replace(
             mem_bw_gbps=r.mem_bw_gbps * r.bw_efficiency, bw_efficiency=1.0,
@@ -84,6 +109,7 @@ def profile(
         "excluded_points": fit.excluded,
         "overrun_repetitions": sum(r.overruns or 0 for r in rows), "rms_log_error": round(fit.rms_log_error, 4),
         "max_relative_error": round(fit.max_relative_error, 4), "rates": rates.to_json(), "engine": said,
+        "at_bounds": list(fit.at_bounds),
     }  # fmt: skip
     if paced is not None:
         result["agreement_with_paced_profile"] = round(agreement(rates, paced[1], shape, rows), 4)
@@ -114,6 +140,8 @@ def profile(
             table.add_row(key, f"{value:.6g}")
         table.add_row("rms log error", f"{fit.rms_log_error:.4f}")
         table.add_row("largest relative error", f"{fit.max_relative_error:.2%}")
+        if fit.at_bounds:
+            table.add_row("not determined by the steps (at their bound)", ", ".join(fit.at_bounds))
         if "agreement_with_paced_profile" in result:
             table.add_row("differs from the paced profile by", f"{result['agreement_with_paced_profile']:.2%}")
         out.print(table)
