@@ -8,9 +8,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # iptables, libnetfilter-queue-dev and gcc (the NetfilterQueue build) and ethtool: the NFQUEUE delay path;
-# iputils-ping: link verify's round trips (ping -U).
-SYSTEM_PACKAGES := openssh-server iperf3 iproute2 iptables ethtool iputils-ping libnetfilter-queue-dev gcc
+# iputils-ping: link verify's round trips (ping -U); sudo: an emulated lab reached as a non-root user
+# (emulation.ssh_user) whose sudo allows only the rules the suite prints.
+SYSTEM_PACKAGES := openssh-server iperf3 iproute2 iptables ethtool iputils-ping libnetfilter-queue-dev gcc sudo
 PYTEST_ARGS ?=
+# Test files run side by side in TEST_WORKERS processes (pytest-xdist), a file's tests in one worker:
+# its labs (name prefix, subnets) and warm fixtures are its own. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 3
 DEMO_OUT ?= demo-output
 # Network namespaces need root; without it the demo runs the emulated nodes as local processes.
 EMULATE_MODE := $(if $(filter 0,$(shell id -u)),,--mode local)
@@ -42,7 +46,7 @@ lint: $(STAMP)
 	$(BIN)/vermin -q -t=3.8- --violations --no-tips --eval-annotations nodes
 
 test: $(STAMP) system-packages lint
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP) system-packages
 	$(BIN)/python bench/fanout.py

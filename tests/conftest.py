@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -71,8 +74,36 @@ def run_cli(*args: str, cwd: Path | None = None, timeout_s: float = 120) -> subp
 DEFAULT_INVENTORY = (REPO / "inventory.yaml").read_text()
 
 
+# Test files run side by side (pytest-xdist, `make test`): a lab's name prefix and its two subnets
+# (10.<octet>.0.0/24 and 10.<octet + 1>.0.0/24) must be one test file's own, or two workers would build
+# the same bridges and namespaces at once. Each use is claimed here for the whole test run (all its
+# workers), so a clash fails at once, naming both files, instead of as a flaky network.
+CLAIMS = Path(tempfile.gettempdir()) / "hil-testbed-test-claims"
+
+
+def claim_lab_names(prefix: str, subnet_octet: int) -> None:
+    """Claim ``prefix`` and the two subnets for the calling test file, for this test run."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"{os.getpid()}-{process_start_ticks(os.getpid())}"
+    caller = next((Path(f.filename).name for f in inspect.stack()[1:] if Path(f.filename).name.startswith("test_")),
+                  None)  # fmt: skip
+    if caller is None:
+        return  # a bench or a script: not run beside the tests
+    directory = CLAIMS / run
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in (f"prefix-{prefix}", f"subnet-{subnet_octet}", f"subnet-{subnet_octet + 1}"):
+        path = directory / name
+        try:
+            with open(path, "x") as f:
+                f.write(caller)
+        except FileExistsError:
+            owner = path.read_text()
+            assert owner in ("", caller), (f"{caller} uses the lab {name} that {owner} uses: give the labs of each "
+                                           "test file a name prefix and subnets of their own (tests/conftest.py)")  # fmt: skip
+
+
 def emulated_inventory(directory: Path, prefix: str, subnet_octet: int, nodes_yaml: str | None = None) -> Path:
     """The default inventory (or ``nodes_yaml``) under its own prefix, subnets and state directory."""
+    claim_lab_names(prefix, subnet_octet)
     text = DEFAULT_INVENTORY
     text = text.replace("10.231.0.0/24", f"10.{subnet_octet}.0.0/24").replace(
         "10.232.0.0/24", f"10.{subnet_octet + 1}.0.0/24"
@@ -101,6 +132,9 @@ def _session_alive(entry: Path) -> bool:
 @pytest.fixture(scope="session", autouse=True)
 def labs_of_killed_sessions_taken_down() -> None:
     """Labs that a killed earlier test session left up, taken down before this session's tests."""
+    for old in CLAIMS.glob("*") if CLAIMS.is_dir() else ():
+        if time.time() - old.stat().st_mtime > 86400:  # claims of test runs long over
+            shutil.rmtree(old, ignore_errors=True)
     if os.geteuid() != 0 or not LAB_REGISTRY.is_dir():
         return
     for entry in sorted(LAB_REGISTRY.iterdir()):

@@ -42,8 +42,8 @@ def test_a_node_that_answers_nonsense_is_an_error_naming_the_node():
 
     started = time.monotonic()
     with pytest.raises(NodeError, match="clock offset not measurable"):
-        measure_clock_offset(Broken("odd-node"))
-    assert time.monotonic() - started < 5
+        measure_clock_offset(Broken("odd-node"), timeout_s=60.0)
+    assert time.monotonic() - started < 60.0  # it ended at the nonsense, not at the reply timeout
 
 
 def test_one_alignment_corrects_offset_and_drift_for_samples_and_requests():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -115,17 +116,29 @@ def test_power_mode_switch_is_recorded_and_cores_follow_the_quota(tmp_path):
 
 
 def test_utilisation_is_against_the_current_modes_quota(tmp_path):
+    """CPUs busy are the node's CPU time over the wall time between samples (however much of a CPU
+    this machine's load left the busy loop); utilisation is that against the mode's quota, clipped."""
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time\nt=time.monotonic()\nwhile time.monotonic()-t<0.6: pass"]
+        [sys.executable, "-c", "import time\nt=time.monotonic()\nwhile time.monotonic()-t<5: pass"]
     )
     try:
-        node = node_config(tmp_path, cpu_root_pid=child.pid)
+        modes = [{"id": 0, "name": "MAXN", "cpus": 0.5, "idle_w": 7, "busy_w": 40},
+                 {"id": 1, "name": "MODE_3W", "cpus": 0.02, "idle_w": 2, "busy_w": 3}]  # fmt: skip
+        node = node_config(tmp_path, cpu_root_pid=child.pid, power_modes=modes)
+        node.set_power_mode(node.mode_by_id(1))
         meter = UtilisationMeter(node)
-        subprocess.run(["sleep", "0.4"], check=True)
+        before, started = ProcessTreeCpu(child.pid).usage_s(), time.monotonic()
+        subprocess.run(["sleep", "1.5"], check=True)  # CPU time is counted in 10 ms ticks: a long window
         busy_cpus, utilisation = meter.sample()
-        assert busy_cpus == pytest.approx(1.0, abs=0.35)
-        assert utilisation == 1.0  # one CPU busy against a 0.5 CPU quota: clipped
+        used = (ProcessTreeCpu(child.pid).usage_s() - before) / (time.monotonic() - started)
+        assert busy_cpus == pytest.approx(used, rel=0.15, abs=0.02)
+        assert busy_cpus > 0.02 and utilisation == 1.0  # a busy loop beyond a 0.02 CPU quota: clipped
+        node.set_power_mode(node.mode_by_id(0))  # the next sample is against MAXN's 0.5 CPUs
+        subprocess.run(["sleep", "1.0"], check=True)
+        busy_cpus, utilisation = meter.sample()
+        assert utilisation == pytest.approx(min(1.0, busy_cpus / 0.5))
     finally:
+        child.kill()
         child.wait()
 
 

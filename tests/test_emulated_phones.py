@@ -67,10 +67,10 @@ def test_the_catalogue_lays_out_a_phones_sysfs_and_reads_its_mode_back(tmp_path:
 def test_an_emulated_phones_inventory_is_checked(tmp_path: Path) -> None:
     bad_mode = PHONE_NODES.replace("name: powersave@1803000", "name: turbo")
     with pytest.raises(InputError, match="not a phone's power mode"):
-        load_inventory(emulated_inventory(tmp_path, "pq", 210, bad_mode))
+        load_inventory(emulated_inventory(tmp_path, "pq", 212, bad_mode))
     with pytest.raises(InputError, match="no emulated phone 'galaxy-s24'"):
-        load_inventory(emulated_inventory(tmp_path, "pq", 210, PHONE_NODES.replace("pixel-7-pro", "galaxy-s24")))
-    assert load_inventory(emulated_inventory(tmp_path, "pq", 210, PHONE_NODES)).node("pixel").emulated is not None
+        load_inventory(emulated_inventory(tmp_path, "pq", 212, PHONE_NODES.replace("pixel-7-pro", "galaxy-s24")))
+    assert load_inventory(emulated_inventory(tmp_path, "pq", 212, PHONE_NODES)).node("pixel").emulated is not None
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")

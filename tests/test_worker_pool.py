@@ -207,19 +207,22 @@ def test_the_part_cache_drops_what_the_run_has_not_asked_for_before_it_loads():
 
 
 @pytest.fixture(autouse=True)
-def _no_leftover_ranks():
-    """Every rank a test started is gone within seconds of its mpiexec (an aborted rank takes a moment)."""
+def _no_leftover_ranks(tmp_path_factory):
+    """Every rank a test started is gone within seconds of its mpiexec (an aborted rank takes a moment).
+    Only this test session's ranks count (their files are under its base temporary directory): other
+    sessions on the machine, or other xdist workers, run pools of their own."""
+    ours = str(tmp_path_factory.getbasetemp()).encode()
     yield
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
-        left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pool_rank(p)]
+        left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pool_rank(p, ours)]
         if not left:
             return
         time.sleep(0.1)
     raise AssertionError(f"pool ranks left running: {left}")
 
 
-def _pool_rank(proc: Path) -> bool:
+def _pool_rank(proc: Path, base: bytes) -> bool:
     try:
         words = (proc / "cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -228,7 +231,7 @@ def _pool_rank(proc: Path) -> bool:
         b"nodes.workers" in words
         and b"--pool" in words
         and os.getpid() != int(proc.name)
-        and any(b"pytest-of" in w for w in words)
+        and any(w.startswith(base) for w in words)
     )
 
 
