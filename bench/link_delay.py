@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emulated_lab, summary, write
 from netem.profile import DirectedLink, LinkProfile
-from testbed.links.apply import apply_plans, clear_nodes
+from testbed.links.apply import apply_plans, clear_nodes, handler_files
 from testbed.links.plans import compile_plan
 
 PREFIX = "tbd"
@@ -134,7 +134,7 @@ def cpu_s(pid: int) -> float:
 
 
 def handler_stats(lab_dir: Path, node: str, since_unix_s: float) -> list[dict]:
-    path = lab_dir / "nodes" / node / "home" / "hil-testbed" / "netem" / "delay-handler.jsonl"
+    path = Path(handler_files(str(lab_dir / "nodes" / node / "home" / "hil-testbed" / "netem"))["stats"])
     rows = [json.loads(line) for line in path.read_text().splitlines() if '"stats"' in line]
     return [r for r in rows if r["unix_s"] >= since_unix_s and r["packets"]]
 

@@ -1,6 +1,18 @@
-"""Delays packets in user space where the kernel has no sch_netem: the NFQUEUE delay path.
+"""Delays packets in user space where the kernel has no sch_netem: the NFQUEUE delay path; and the one
+program the suite runs as root for that path.
 
-Usage: ``python3 link_delay_handler.py CONFIG.json LOG.jsonl``
+Usage (as root, through sudo; installed root-owned, see testbed/delay_handler.py)::
+
+    link_delay_handler.py start DIR      # the config (JSON) on stdin; returns once every queue is bound
+    link_delay_handler.py retime DIR     # {"start_unix_s": ..., "timelines": {queue: rows}} on stdin; SIGHUP
+    link_delay_handler.py stop DIR       # TERM, then KILL; prints stopped, killed, stale or absent
+    link_delay_handler.py iptables -w -t mangle ARGS...   # only our chains' commands, checked, then run
+
+``DIR`` names the handler (the node's link journal directory, whose user it belongs to); nothing is read
+from or written to it. The handler's files (config.json, handler.pid, stats.jsonl, log) live in a
+directory of root's, ``/run/hil-testbed-delay/<first 16 hex digits of sha256(DIR)>`` (0755, files
+0644: the user reads them), so a root process never follows a path the user can change. A user
+(``SUDO_UID``) may stop or retime only a handler it started.
 
 iptables hands each delayed direction's packets to its own NFQUEUE (``--queue-bypass``: with no
 handler bound they pass undelayed, never dropped). This handler binds every queue of the node's
@@ -24,12 +36,15 @@ their due times, held packets), each flushed and synced. SIGTERM releases every 
 and exits. Standard library and the ``netfilterqueue`` binding only; runs on Python 3.8.
 """
 
+import hashlib
 import heapq
 import json
 import math
 import os
 import random
+import re
 import select
+import shutil
 import signal
 import sys
 import time
@@ -248,25 +263,299 @@ def _log(out, record):
     os.fsync(out.fileno())
 
 
-def main(argv):
-    if len(argv) != 3:
-        sys.stderr.write(__doc__)
-        return 2
+RUN_ROOT = "/run/hil-testbed-delay"  # testbed/delay_handler.py RUN_ROOT
+READY_S = 10.0
+STOP_GRACE_S = 5.0
+MAX_INPUT_BYTES = 64 << 20
+IPTABLES = ("/usr/sbin/iptables", "/sbin/iptables")
+BAD_INPUT, FAILED = 2, 1
+
+
+class Refused(Exception):
+    """A request this program does not carry out (exit status 2)."""
+
+
+def run_dir(directory):
+    """Where the handler named by ``directory`` keeps its files (testbed/delay_handler.run_dir)."""
+    return "%s/%s" % (RUN_ROOT, hashlib.sha256(directory.encode()).hexdigest()[:16])
+
+
+def _files(rundir):
+    names = {"config": "config.json", "pid": "handler.pid", "stats": "stats.jsonl", "log": "log", "for": "for"}
+    return dict((key, os.path.join(rundir, name)) for key, name in names.items())
+
+
+def _invoker():
+    """The user sudo ran us for (root when run by root without sudo)."""
+    value = os.environ.get("SUDO_UID", "")
+    return int(value) if value.isdigit() else os.getuid()
+
+
+def _start_ticks(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _running(files):
+    """The handler's pid while it runs (the pid and start time its pidfile names), else None."""
+    try:
+        with open(files["pid"]) as f:
+            pid, start = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(pid) if _start_ticks(int(pid)) == start else None
+
+
+def _write(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.rename(tmp, path)
+
+
+def _read_input():
+    data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+    if len(data) > MAX_INPUT_BYTES:
+        raise Refused("more than %d bytes on stdin" % MAX_INPUT_BYTES)
+    try:
+        value = json.loads(data.decode())
+    except ValueError as exc:
+        raise Refused("stdin is not JSON: %s" % exc) from None
+    if not isinstance(value, dict):
+        raise Refused("stdin is not a JSON object")
+    return value
+
+
+def check_config(config):
+    """Refuse a config whose queues the handler could not bind as given."""
+    queues = config.get("queues")
+    if not isinstance(queues, list) or not queues:
+        raise Refused("the config has no queues")
+    for q in queues:
+        if not isinstance(q, dict):
+            raise Refused("a queue is not an object")
+        for key, low, high in (("queue_num", 0, 65535), ("queue_length", 1, 1 << 20)):
+            value = q.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise Refused("queue %s: %s must be an integer in [%d, %d]" % (q.get("queue_num"), key, low, high))
+    return config
+
+
+def _owned(files):
+    """Refuse a user other than the one that started the handler (root may always)."""
+    try:
+        with open(files["for"]) as f:
+            owner = int(f.read().split("\n")[1])
+    except (OSError, ValueError, IndexError):
+        owner = 0
+    if _invoker() not in (0, owner):
+        raise Refused("this handler was started by uid %d" % owner)
+
+
+def start(directory):
+    """Start the handler for ``directory`` detached, with the config on stdin; wait until it is bound."""
+    config = check_config(_read_input())
+    rundir = run_dir(directory)
+    files = _files(rundir)
+    if not os.path.isdir(RUN_ROOT):
+        os.makedirs(RUN_ROOT, 0o755)
+    if _running(files) is not None:
+        raise Refused("a handler for %s is running already (pid in %s); stop it first" % (directory, files["pid"]))
+    shutil.rmtree(rundir, ignore_errors=True)
+    os.mkdir(rundir, 0o755)
+    os.chmod(rundir, 0o755)
+    _write(files["for"], "%s\n%d\n" % (directory, _invoker()))
+    _write(files["config"], json.dumps(config))
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                _daemon(files)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    deadline = time.monotonic() + READY_S
+    while True:
+        try:
+            with open(files["stats"]) as f:
+                ready = '"event": "ready"' in f.read()
+        except OSError:
+            ready = False
+        pid = _running(files)
+        if ready and pid is not None:
+            print("ready %d" % pid)
+            return 0
+        if (pid is None and os.path.exists(files["pid"])) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    try:
+        with open(files["log"]) as f:
+            tail = f.read()[-1500:]
+    except OSError:
+        tail = ""
+    stop(directory, quiet=True)
+    sys.stderr.write("the delay handler did not bind its queues: %s\n" % (tail.strip() or "no output"))
+    return FAILED
+
+
+def _daemon(files):
+    """The detached handler: its output to the log, its pid (and start time) in the pidfile."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(files["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.closerange(3, 1024)
+    os.chdir("/")
+    os.umask(0o022)
+    _write(files["pid"], "%d %s\n" % (os.getpid(), _start_ticks(os.getpid())))
+    try:
+        serve(files["config"], files["stats"])
+    except BaseException as exc:  # whatever ended it goes to the log
+        sys.stderr.write("handler ended: %r\n" % (exc,))
+    finally:
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def stop(directory, quiet=False):
+    """Stop the handler for ``directory`` and remove its files; prints what happened."""
+    rundir = run_dir(directory)
+    files = _files(rundir)
+    if not os.path.isdir(rundir):
+        state = "absent"
+    else:
+        _owned(files)
+        pid = _running(files)
+        state = "stale"
+        if pid is not None:
+            state = "stopped"
+            for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 2.0)):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    break
+                deadline = time.monotonic() + wait_s
+                while _start_ticks(pid) is not None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if _start_ticks(pid) is None:
+                    break
+                state = "killed"
+            if _start_ticks(pid) is not None:
+                raise Refused("pid %d survived SIGKILL" % pid)
+        shutil.rmtree(rundir, ignore_errors=True)
+    if not quiet:
+        print(state)
+    return 0
+
+
+def retime(directory):
+    """Give the running handler a trace's start and delay rows (stdin), then SIGHUP it."""
+    update = _read_input()
+    files = _files(run_dir(directory))
+    pid = _running(files)
+    if pid is None:
+        print("absent")
+        return FAILED
+    _owned(files)
+    with open(files["config"]) as f:
+        config = json.load(f)
+    start_unix_s = update.get("start_unix_s")
+    if start_unix_s is not None and not isinstance(start_unix_s, (int, float)):
+        raise Refused("start_unix_s must be a number")
+    config["start_unix_s"] = start_unix_s
+    timelines = update.get("timelines") or {}
+    for queue in config["queues"]:
+        rows = timelines.get(str(queue["queue_num"]), [])
+        if not isinstance(rows, list) or not all(isinstance(r, list) and 2 <= len(r) <= 3 for r in rows):
+            raise Refused("queue %s: a timeline is a list of [t_s, delay_s, loss_pct] rows" % queue["queue_num"])
+        queue["timeline"] = rows
+    _write(files["config"], json.dumps(config))
+    os.kill(pid, signal.SIGHUP)
+    print("signalled")
+    return 0
+
+
+_IFACE = r"[A-Za-z0-9][A-Za-z0-9_.@:-]{0,14}"
+_CHAIN = re.compile(r"TB-(IN|EG)-" + _IFACE)
+_RULE_VALUES = {
+    "-s": r"(\d{1,3}\.){3}\d{1,3}/32", "-d": r"(\d{1,3}\.){3}\d{1,3}/32", "-m": r"statistic|recent",
+    "--mode": r"random", "--probability": r"0(\.\d{1,12})?|1(\.0{1,12})?", "--name": r"tbge_[0-9_]{7,15}",
+    "--mask": r"255\.255\.255\.255", "-j": r"DROP|NFQUEUE", "--queue-num": r"\d{1,5}",
+}  # fmt: skip
+_RULE_FLAGS = ("!", "--rcheck", "--set", "--remove", "--rsource", "--rdest", "--queue-bypass")
+
+
+def check_iptables(args):
+    """Refuse anything but the commands of our chains (netem/nfqueue.py): the mangle table, chains named
+    ``TB-IN-<if>``/``TB-EG-<if>``, the jump into one, and rules of a fixed set of matches and targets."""
+    if list(args[:3]) != ["-w", "-t", "mangle"]:
+        raise Refused("iptables: only -w -t mangle")
+    rest = list(args[3:])
+    hooks = {"PREROUTING": "-i", "POSTROUTING": "-o"}
+
+    def chain(name):
+        if not _CHAIN.fullmatch(name):
+            raise Refused("iptables: %r is not one of our chains" % name)
+
+    if rest == ["-S"]:
+        return
+    if len(rest) == 2 and rest[0] in ("-N", "-F", "-X"):
+        return chain(rest[1])
+    if len(rest) in (7, 6) and rest[0] in ("-I", "-D") and rest[1] in hooks:
+        words = rest[2:] if rest[0] == "-D" else rest[3:]
+        if rest[0] == "-I" and rest[2] != "1":
+            raise Refused("iptables: a jump goes first in its hook")
+        if len(words) == 4 and words[0] == hooks[rest[1]] and re.fullmatch(_IFACE, words[1]) and words[2] == "-j":
+            return chain(words[3])
+    if len(rest) >= 2 and rest[0] == "-A":
+        chain(rest[1])
+        i = 2
+        while i < len(rest):
+            word = rest[i]
+            if word in _RULE_FLAGS:
+                i += 1
+            elif word in _RULE_VALUES and i + 1 < len(rest) and re.fullmatch(_RULE_VALUES[word], rest[i + 1]):
+                i += 2
+            else:
+                raise Refused("iptables: %r is not a word of our rules" % word)
+        return
+    raise Refused("iptables: %s is not a command of our chains" % " ".join(rest))
+
+
+def iptables(args):
+    check_iptables(args)
+    for path in IPTABLES:
+        if os.access(path, os.X_OK):
+            os.execv(path, [path] + list(args))
+    raise Refused("iptables is not installed (%s)" % " or ".join(IPTABLES))
+
+
+def serve(config_path, stats_path):
+    """Bind every queue of the config and delay their packets until SIGTERM."""
     from netfilterqueue import COPY_META, NetfilterQueue
 
-    with open(argv[1]) as f:
+    with open(config_path) as f:
         config = json.load(f)
-    with open(argv[2], "a") as out:
+    with open(stats_path, "a") as out:
         handler = Handler(config, out)
 
-        def stop(signum, frame):
+        def stop_serving(signum, frame):
             handler.stopping = True
 
         def reload(signum, frame):
-            handler.reload_from = argv[1]
+            handler.reload_from = config_path
 
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop_serving)
+        signal.signal(signal.SIGINT, stop_serving)
         signal.signal(signal.SIGHUP, reload)
         bound = []
         try:
@@ -283,7 +572,22 @@ def main(argv):
             for nfq in bound:
                 nfq.unbind()
             _log(out, {"event": "stopped", "unix_s": round(time.time(), 4)})
-    return 0
+
+
+def main(argv):
+    actions = {"start": start, "stop": stop, "retime": retime}
+    try:
+        if len(argv) >= 2 and argv[1] == "iptables":
+            iptables(argv[2:])
+        if len(argv) != 3 or argv[1] not in actions:
+            raise Refused("usage: %s start|stop|retime DIR, or iptables -w -t mangle ARGS" % argv[0])
+        directory = argv[2]
+        if not directory.startswith("/") or "\n" in directory or len(directory) > 4096:
+            raise Refused("DIR must be an absolute path")
+        return actions[argv[1]](directory)
+    except Refused as exc:
+        sys.stderr.write("refused: %s\n" % exc)
+        return BAD_INPUT
 
 
 if __name__ == "__main__":

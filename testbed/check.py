@@ -1,15 +1,18 @@
-"""``testbed inventory check``: reach every node in parallel and gather its facts."""
+"""``testbed inventory check``: reach every node in parallel and gather its facts (and, where sudo is
+used, whether it allows the suite's commands: else the sudoers rules to install)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from rich.console import Console
 
 from foundation.errors import NodeError
 from testbed.inventory import Inventory, NodeSpec
-from testbed.transport import open_transport, usb_host_transport
-from testbed.transport.facts import NodeFacts, gather_facts, gather_phone_facts
+from testbed.sudo_rules import install_hint, lacking_rules, sudo_probe_script
+from testbed.transport import Transport, open_transport, usb_host_transport
+from testbed.transport.facts import NodeFacts, gather_facts, gather_phone_facts, parse_key_values
 from testbed.transport.fanout import DEFAULT_PARALLEL, FanOutResult, fan_out
 
 
@@ -20,7 +23,21 @@ def check_node(inventory: Inventory, node: NodeSpec) -> NodeFacts:
         with usb_host_transport(inventory, node) as host:
             return gather_phone_facts(inventory, node, host)
     with open_transport(inventory, node) as transport:
-        return gather_facts(inventory, node, transport)
+        facts = gather_facts(inventory, node, transport)
+        if inventory.spec.defaults.sudo and facts.sudo != "root":
+            facts = _with_sudo_rules(facts, transport)
+        return facts
+
+
+def _with_sudo_rules(facts: NodeFacts, transport: Transport) -> NodeFacts:
+    """``facts`` with a problem, and the sudoers text to install, where the login's sudo lacks rules the
+    suite needs on this node (:mod:`testbed.sudo_rules`)."""
+    values = parse_key_values(transport.run_script(sudo_probe_script(), timeout_s=30.0).stdout)
+    lacking = lacking_rules(values)
+    if not lacking:
+        return facts
+    problem = f"sudo does not allow {', '.join(lacking)} without a password; " + install_hint(facts.user, values)
+    return dataclasses.replace(facts, problems=(*facts.problems, problem))
 
 
 def check_nodes(

@@ -32,9 +32,11 @@ from pathlib import Path
 
 from foundation.errors import NodeError, TestbedError
 from nodes.contracts.durable import write_atomic, write_json_atomic
+from testbed.delay_handler import HANDLER_SOURCE, handler_digest, install_script, installed_test
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_code import ensure_node_code
 from testbed.node_wheel import KIND_EXTRAS, NodeWheel, node_wheel
+from testbed.sudo_rules import install_hint, lacking_rules, sudo_probe_script
 from testbed.transport import open_transport
 from testbed.transport.base import Transport
 from testbed.transport.facts import NodeFacts, first_value, gather_facts, parse_key_values
@@ -71,11 +73,12 @@ S=$PATH:/usr/sbin:/sbin
 for t in tc ip iperf3 apt-get dnf timedatectl chronyc systemctl nvidia-smi adb; do
   PATH=$S command -v "$t" >/dev/null 2>&1 && k tool "$t"
 done
-if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then
-  for t in tc ip; do
-    p=$(PATH=$S command -v "$t") && sudo -n -l "$p" >/dev/null 2>&1 && k sudo_ok "$t"
-  done
+""" + f"""
+{installed_test()} && k delay_handler installed
+if [ "$(id -u)" != 0 ]; then
+{sudo_probe_script()}
 fi
+""" + r"""
 k glibc "$(getconf GNU_LIBC_VERSION 2>/dev/null | cut -d' ' -f2)"
 command -v timedatectl >/dev/null 2>&1 &&
   k ntp_synchronized "$(timedatectl show -p NTPSynchronized --value 2>/dev/null)"
@@ -127,6 +130,7 @@ CHANGE_KINDS = {
     "wheelhouse": ("wheelhouse pushed", "{n} wheelhouses pushed"),
     "weights": ("weight file sent", "{n} weight files sent"),
     "stale": ("stale file removed", "{n} stale files removed"),
+    "handler": ("delay handler installed", "delay handler installed {n} times"),
 }
 
 
@@ -232,14 +236,10 @@ def judge_readiness(
         if tool not in tools:
             fix = f"sudo apt-get install -y {package}" if apt else f"install {package} with the node's package manager"
             missing.append((tool, fix))
-    if sudo_used and facts.sudo == "yes":
-        for tool in ("tc", "ip"):
-            if tool in tools and tool not in values.get("sudo_ok", []):
-                missing.append(
-                    (f"passwordless sudo for {tool}",
-                     f"echo '{facts.user} ALL=(root) NOPASSWD: /usr/sbin/tc, /usr/sbin/ip, /usr/sbin/nvpmodel, "
-                     "/usr/bin/jetson_clocks' | sudo tee /etc/sudoers.d/hil-testbed")
-                )  # fmt: skip
+    lacking = lacking_rules(values)
+    if sudo_used and facts.sudo != "root" and lacking:
+        missing.append((f"passwordless sudo for {', '.join(lacking)} (exactly the suite's commands)",
+                        install_hint(facts.user, values)))  # fmt: skip
     free_kb = first_value(values, "workdir_free_kb")
     if free_kb.isdigit() and int(free_kb) / 2**20 < need_gib:
         missing.append(
@@ -305,6 +305,8 @@ class _NodeProvisioner:
         self.problems += facts.problems
         self.warnings += facts.warnings
         readiness = self.readiness(facts)
+        if not readiness.first("delay_handler"):
+            self.install_delay_handler(facts)
         wheel_version = self.venv_and_wheel(facts, readiness)
         installed = self.installed_report() if wheel_version else {}
         placed = self.place_weights() if self.parts else []
@@ -368,6 +370,26 @@ class _NodeProvisioner:
         self.warnings += warnings
         return Readiness(
             tuple(sorted(set(values.get("tool", [])))), tuple(missing), tuple(warnings), tuple(installed), values
+        )
+
+    def install_delay_handler(self, facts: NodeFacts) -> None:
+        """Install the NFQUEUE delay handler root-owned (:mod:`testbed.delay_handler`) where this
+        login may (root, or a sudo that allows it: an administrator's); else say what to run as root."""
+        lib = f"{self.workdir}/lib"
+        source, script = f"{lib}/link_delay_handler-{handler_digest()}.py", f"{lib}/install-delay-handler.sh"
+        self.t.store(source, HANDLER_SOURCE.read_bytes())
+        self.t.store(script, install_script(source, self.python).encode())
+        if facts.sudo in ("root", "yes"):
+            result = self.t.run(["/bin/sh", script], sudo=facts.sudo == "yes", timeout_s=120.0)
+            if result.ok:
+                self.change("handler", f"installed the NFQUEUE delay handler {handler_digest()} root-owned")
+                return
+            why = (result.stderr.strip() or result.stdout.strip())[-300:]
+        else:
+            why = "this login cannot run it as root"
+        self.warnings.append(
+            f"the NFQUEUE delay handler {handler_digest()} is not installed (delay, jitter and loss need it on a "
+            f"kernel without sch_netem); as root, run: sh {script} ({why})"
         )
 
     def probe(self) -> dict[str, list[str]]:

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
+import shutil
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -248,3 +253,65 @@ def test_a_traced_link_keeps_its_profiles_loss_correlation_for_the_handlers_chai
                   for p in compile_plan(LinkTopology(topo.source, topo.nodes, links)))  # fmt: skip
     chain = {c.node: c for c in nfqueue.compile_chains(topo, plans, tuple(driven))}["s"]
     assert chain.queues[0]["loss_pct"] == 2 and chain.queues[0]["loss_correlation_pct"] == 30
+
+
+def test_the_handler_runs_only_our_chains_iptables_commands_as_root():
+    """iptables runs through the installed handler, which checks every word as root: a sudoers pattern
+    cannot keep out ``--modprobe`` (which runs a program), another table, or chains not ours."""
+    topo = topology([
+        ("d", "s", {"rate": "40mbit", "delay": "10ms", "loss": "5%", "loss_correlation": "25%"}),
+        ("s", "d", {"rate": "40mbit", "delay": "10ms", "loss": "1%"}),
+        ("s", "p", {"rate": "8mbit", "delay": "30ms"}),
+    ])  # fmt: skip
+    ours = [c for chain in chains_of(topo).values()
+            for c in (chain.apply_commands(), chain.apply_commands(chain_exists=True, jump_exists=True),
+                      chain.undo_commands())]  # fmt: skip
+    ours += [["iptables", "-w", "-t", "mangle", "-S"]]
+    for command in (c for group in ours for c in (group if isinstance(group[0], list) else [group])):
+        assert command[0] == "iptables"
+        handler.check_iptables(command[1:])  # none refused
+    mangle = ["-w", "-t", "mangle"]
+    for words in (
+        ["-w", "-t", "filter", "-S"],
+        [*mangle, "--modprobe=/tmp/x", "-S"],
+        [*mangle, "-S", "-M", "/tmp/x"],
+        [*mangle, "-A", "TB-IN-eth1", "-s", "10.0.0.1/32", "--modp", "/tmp/x", "-j", "DROP"],
+        [*mangle, "-A", "TB-IN-eth1", "-j", "LOG"],
+        [*mangle, "-A", "INPUT", "-j", "DROP"],
+        [*mangle, "-F", "PREROUTING"],
+        [*mangle, "-X"],
+        [*mangle, "-I", "PREROUTING", "2", "-i", "eth1", "-j", "TB-IN-eth1"],
+        [*mangle, "-A", "TB-IN-eth1", "-s", "10.0.0.1/32; id", "-j", "DROP"],
+    ):
+        with pytest.raises(handler.Refused):
+            handler.check_iptables(words)
+
+
+def test_the_handlers_files_are_roots_and_named_alike_by_the_controller_the_node_shell_and_the_handler():
+    from testbed.delay_handler import RUN_ROOT, run_dir, run_dir_script
+    from testbed.links.apply import handler_files
+
+    directory = "/home/lab/hil-testbed/netem"
+    assert handler.RUN_ROOT == RUN_ROOT and handler.run_dir(directory) == run_dir(directory)
+    assert handler_files(directory)["pidfile"].startswith(run_dir(directory) + "/")
+    printed = subprocess.run(["sh", "-c", run_dir_script("'/home/lab/hil-testbed/netem'")], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    assert printed == run_dir(directory)
+    assert handler.main(["h", "stop", "relative/dir"]) == handler.BAD_INPUT
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the handler's files are root's")
+def test_a_user_may_stop_only_a_handler_it_started(tmp_path):
+    """``SUDO_UID`` says who sudo runs the handler for: another user's stop is refused, root's is not."""
+    directory = str(tmp_path / "netem")
+    rundir = Path(handler.run_dir(directory))
+    rundir.mkdir(parents=True)
+    try:
+        (rundir / "for").write_text(f"{directory}\n4321\n")
+        command = [sys.executable, str(Path(handler.__file__)), "stop", directory]
+        other = subprocess.run(command, env={**os.environ, "SUDO_UID": "1234"}, capture_output=True, text=True)
+        assert other.returncode == handler.BAD_INPUT and "started by uid 4321" in other.stderr and rundir.is_dir()
+        owner = subprocess.run(command, env={**os.environ, "SUDO_UID": "4321"}, capture_output=True, text=True)
+        assert (owner.returncode, owner.stdout.strip()) == (0, "stale") and not rundir.exists()
+    finally:
+        shutil.rmtree(rundir, ignore_errors=True)

@@ -21,7 +21,7 @@ import pytest
 from foundation.errors import TestbedError
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import links_from_file
-from testbed.links.apply import apply_plans, clear_nodes, show_nodes
+from testbed.links.apply import apply_plans, clear_nodes, handler_files, show_nodes
 from testbed.links.plans import compile_plan
 from testbed.links.verify import parse_ping, verify_links
 from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
@@ -350,8 +350,8 @@ def test_a_trace_plays_its_delay_and_loss_columns_on_the_nfqueue_path(lab, tmp_p
             time.sleep(max(0.0, applied + 3.3 - time.monotonic()))
             late = ping_rtt_ms("orin", "server", 20)
             assert early == pytest.approx(10, abs=1.0) and late == pytest.approx(50, abs=1.0), (early, late)
-            stats = next((lab.parent / "state" / "nodes" / "server" / "home").glob(
-                "hil-testbed/netem/delay-handler.jsonl")).read_text()  # fmt: skip
+            netem = lab.parent / "state" / "nodes" / "server" / "home" / "hil-testbed" / "netem"
+            stats = Path(handler_files(str(netem))["stats"]).read_text()  # root's file of the handler
             assert '"event": "reloaded", "unix_s"' in stats and '"timeline_rows": 1' in stats
         finally:
             cleared = run_cli("link", "clear", "-i", str(lab))

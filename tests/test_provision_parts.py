@@ -722,7 +722,8 @@ def readiness_inventory(tmp_path: Path) -> Inventory:
 def good_values(**changes: list[str]) -> dict[str, list[str]]:
     values = {
         "tool": ["tc", "ip", "iperf3", "apt-get", "timedatectl", "systemctl", "nvidia-smi"],
-        "sudo_ok": ["tc", "ip"],
+        "sudo_needed": ["HIL_TC", "HIL_IP", "HIL_PROBE"],
+        "sudo_ok": ["HIL_TC", "HIL_IP", "HIL_PROBE"],
         "workdir_free_kb": [str(20 * GIB_KB)],
         "ntp_synchronized": ["yes"],
         "jtop_service": ["active"],
@@ -749,7 +750,7 @@ def test_a_missing_tool_is_fixed_with_apt_where_there_is_apt(readiness_inventory
     tools = ["tc", "ip", "apt-get", "nvidia-smi"]
     missing, _ = judge(readiness_inventory, "gpu", good_values(tool=tools))
     assert missing == [("iperf3", "sudo apt-get install -y iperf3")]
-    missing, _ = judge(readiness_inventory, "gpu", good_values(tool=["dnf", "nvidia-smi"], sudo_ok=[]))
+    missing, _ = judge(readiness_inventory, "gpu", good_values(tool=["dnf", "nvidia-smi"], sudo_needed=[], sudo_ok=[]))
     assert missing == [
         ("tc", "install iproute2 with the node's package manager"),
         ("ip", "install iproute2 with the node's package manager"),
@@ -757,12 +758,17 @@ def test_a_missing_tool_is_fixed_with_apt_where_there_is_apt(readiness_inventory
     ]
 
 
-def test_passwordless_sudo_for_tc_and_ip_is_needed_only_where_sudo_is_used(readiness_inventory: Inventory):
+def test_passwordless_sudo_for_the_suites_rules_is_needed_only_where_sudo_is_used(readiness_inventory: Inventory):
     node = readiness_inventory.node("gpu")
-    values = good_values(sudo_ok=["tc"])
+    values = good_values(sudo_ok=["HIL_TC", "HIL_PROBE"])
     missing, _ = judge_readiness(node, facts_for("gpu", "server"), values, need_gib=1.0, sudo_used=True)
-    assert [w for w, _ in missing] == ["passwordless sudo for ip"]
-    assert "nvidia ALL=(root) NOPASSWD:" in missing[0][1] and "/usr/sbin/ip" in missing[0][1]
+    assert [w for w, _ in missing] == ["passwordless sudo for HIL_IP (exactly the suite's commands)"]
+    assert "nvidia ALL=(root) NOPASSWD: HIL_TC, HIL_IP" in missing[0][1]
+    assert "Cmnd_Alias HIL_IP = /usr/sbin/ip link add * type ifb" in missing[0][1]
+    # a Jetson's tools where the node has them (an emulated one's stand-ins)
+    values = good_values(sudo_needed=["HIL_JETSON"], sudo_ok=[], tool_path=["nvpmodel:/opt/x/nvpmodel"])
+    missing, _ = judge_readiness(node, facts_for("gpu", "server", sudo="no"), values, need_gib=1.0, sudo_used=True)
+    assert "/opt/x/nvpmodel -m [0-9]" in missing[0][1] and "/usr/sbin/nvpmodel" not in missing[0][1]
     assert judge_readiness(node, facts_for("gpu", "server"), values, need_gib=1.0, sudo_used=False) == ([], [])
     assert judge_readiness(node, facts_for("gpu", "server", sudo="root"), values, need_gib=1.0, sudo_used=True) == (
         [],

@@ -20,11 +20,13 @@ Command line (``nodes/power/__main__.py``; prints one JSON object, exit status 1
 
 import json
 import os
+import shutil
 import subprocess
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from nodes.contracts.durable import write_json_atomic
 from nodes.contracts.journal_values import JournalValueError
+from nodes.contracts.root_paths import JETSON_CLOCKS_FILE
 from nodes.contracts.tool_errors import NodeToolError
 
 
@@ -51,7 +53,8 @@ class PowerState(NamedTuple):
 
 
 class Runner(object):
-    """Runs the node's tools, adding ``sudo -n`` to privileged ones when asked to."""
+    """Runs the node's tools, adding ``sudo -n`` to privileged ones when asked to (with the tool's
+    absolute path: sudo's rules name programs by path, testbed/sudo_rules.py)."""
 
     def __init__(self, sudo: bool = False, timeout_s: float = 60.0) -> None:
         self.sudo = sudo
@@ -60,7 +63,10 @@ class Runner(object):
     def __call__(
         self, argv: Sequence[str], privileged: bool = False, stdin: str = ""
     ) -> "subprocess.CompletedProcess[str]":
-        words = (["sudo", "-n", "--"] if privileged and self.sudo else []) + list(argv)
+        words = list(argv)
+        if privileged and self.sudo:
+            found = shutil.which(argv[0], path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+            words = ["sudo", "-n", "--", found or argv[0]] + words[1:]
         try:
             return subprocess.run(
                 words,
@@ -183,7 +189,9 @@ def make_driver(
     if kind == "jetson":
         from nodes.jetson.power import JetsonPower
 
-        return JetsonPower(runner, clocks_file=os.path.join(os.path.dirname(journal.path), "l4t_dfs.conf"))
+        # with sudo, the clocks go to root's own file (jetson_clocks would write and restore a user's as root)
+        clocks = JETSON_CLOCKS_FILE if sudo else os.path.join(os.path.dirname(journal.path), "l4t_dfs.conf")
+        return JetsonPower(runner, clocks_file=clocks)
     if kind == "server":
         from nodes.server.nvml_power import NvmlPower
 

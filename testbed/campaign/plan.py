@@ -337,7 +337,9 @@ def plan_run(
         # each shaping node's delay path (netem, or NFQUEUE rules on the receivers) as the apply will take it
         plan = dataclasses.replace(plan, tc_plans=assign_delay_paths(tc_plans, probes, lab.spec.defaults.delay_path))
     elif any(p.has_delay_or_loss for p in tc_plans):
-        unresolved.append("the delay path (netem, or NFQUEUE without sch_netem) is chosen when the nodes are read")
+        if lab.spec.defaults.delay_path == "auto":
+            unresolved.append("the delay path (netem, or NFQUEUE without sch_netem) is chosen when the nodes are read")
+        plan = dataclasses.replace(plan, tc_plans=assign_delay_paths(tc_plans, {}, lab.spec.defaults.delay_path))
     commands = plan_commands(campaign, plan, probes)
     return dataclasses.replace(plan, unresolved=tuple(unresolved), commands=tuple(commands), probes=probes)
 

@@ -18,11 +18,10 @@ from testbed.context_service import STOP_GRACE_S
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
 from testbed.links.apply import (
-    HANDLER_READY_S,
     chains_by_node,
     commands_for,
+    handler_command,
     handler_files,
-    handler_ready_script,
     handler_report_script,
     iptables_commands_for,
     iptables_read_script,
@@ -265,8 +264,7 @@ def _service_lines(lines: _Lines, plan: RunPlan) -> None:
 
 
 def _probe_script(lab: Inventory, devices: Sequence[str]) -> str:
-    sudo_words = prefix_words(sudo=lab.spec.defaults.sudo, env=None)
-    return probe_script(devices, lab.spec.defaults.workdir, lab.spec.defaults.python, sudo_words)
+    return probe_script(devices, lab.spec.defaults.workdir, lab.spec.defaults.sudo)
 
 
 def run_chains(lab: Inventory, plan: RunPlan) -> dict[str, tuple[NfqueueRules, ...]]:
@@ -285,7 +283,7 @@ def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:
     workdir = lab.spec.defaults.workdir
     by_node = plans_by_node(plan.tc_plans)
     chains = run_chains(lab, plan)
-    sudo_words = prefix_words(sudo=lab.spec.defaults.sudo, env=None)
+    sudo = lab.spec.defaults.sudo
     touched = list(dict.fromkeys([*by_node, *chains]))
     for name in touched:
         if name not in probes:  # the plan's own read is reused when it has one
@@ -304,31 +302,28 @@ def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:
         queued = any(r.queues for r in held)
         directory = plan.contexts[name].path(node_journal.journal_dir(workdir)) if name in plan.contexts else None
         if queued:
-            earlier = handler_files(directory or node_journal.journal_dir(workdir))["pidfile"]
-            lines.add(name, "configure", "where the delay handler lives",
-                      _sh("echo " + quote_path(node_journal.journal_dir(workdir))), when)  # fmt: skip
+            lines.add(name, "configure", "where the delay handler lives", _where_handler_lives(workdir), when)
             lines.add(name, "configure", "stop the delay handler of an earlier apply",
-                      _sh(background_stop_script(earlier, 5.0)), "live")  # fmt: skip
+                      command_line(handler_command("stop", directory or node_journal.journal_dir(workdir), sudo=sudo)),
+                      "live")  # fmt: skip
         lines.store(name, "configure", "write the link journal (the interfaces, rules and handler as they were)",
                     node_journal.journal_path(workdir), "if-differs")  # fmt: skip
-        lines.add(name, "configure", "shape the links", _sh(node_journal.commands_script(commands, sudo_words)), when)
+        lines.add(name, "configure", "shape the links", _sh(node_journal.commands_script(commands, sudo)), when)
         if queued and directory is not None:
-            files = handler_files(directory)
-            argv = [*sudo_words, lab.spec.defaults.python, files["script"], files["config"], files["stats"]]
-            lines.store(name, "configure", "store the delay handler", files["script"], when)
-            lines.store(name, "configure", "store the delay handler's queues", files["config"], when)
-            lines.add(name, "configure", "start the delay handler afresh", _sh(f"rm -f {quote_path(files['stats'])}"),
-                      when)  # fmt: skip
-            lines.detached(name, "configure", "start the delay handler (detached)", argv, files["pidfile"],
-                           files["log"], when)  # fmt: skip
-            lines.add(name, "configure", f"wait until it has bound its queues (at most {HANDLER_READY_S:g} s)",
-                      _sh(handler_ready_script(files)), "polled")  # fmt: skip
+            start = handler_command("start", directory, sudo=sudo)
+            lines.add(name, "configure", "start the delay handler (root-owned, detached; returns once its queues are "
+                      "bound)", command_line(start), when, f"(its queues on stdin) {shlex.join(start)}")  # fmt: skip
         if plans:
             lines.add(name, "configure", "read tc back", _sh(_read_script(plan_devices(plans))), "if-differs")
         if held:
-            lines.add(name, "configure", "read iptables back", _sh(iptables_read_script(sudo_words)), when)
+            lines.add(name, "configure", "read iptables back", _sh(iptables_read_script(sudo)), when)
     if plan.trace is not None:
         _trace_lines(lines, plan)
+
+
+def _where_handler_lives(workdir: str) -> str:
+    """The journal's directory as an absolute path (the delay handler is named by it): ``node_directory``."""
+    return _sh("echo " + quote_path(node_journal.journal_dir(workdir)))
 
 
 def _trace_lines(lines: _Lines, plan: RunPlan) -> None:
@@ -340,8 +335,7 @@ def _trace_lines(lines: _Lines, plan: RunPlan) -> None:
     workdir = lab.spec.defaults.workdir
     assert plan.trace is not None
     _links, driven = traced_links(lab, {d: plan.trace for d in plan.devices})
-    sudo_words = prefix_words(sudo=lab.spec.defaults.sudo, env=None)
-    for schedule in schedules(plan.tc_plans, driven, sudo_words):
+    for schedule in schedules(plan.tc_plans, driven, ()):
         name = schedule.node
         directory_tilde = node_journal.journal_dir(workdir)
         context = plan.contexts.get(name) or unresolved_context(lab, lab.node(name))
@@ -377,7 +371,7 @@ def _link_restore_lines(lines: _Lines, plan: RunPlan) -> None:
         return
     lab = lines.lab
     workdir = lab.spec.defaults.workdir
-    sudo_words = prefix_words(sudo=lab.spec.defaults.sudo, env=None)
+    sudo = lab.spec.defaults.sudo
     by_node, chains = plans_by_node(plan.tc_plans), run_chains(lab, plan)
     for name in dict.fromkeys([*by_node, *chains]):
         plans, held = by_node.get(name, []), chains.get(name, ())
@@ -385,18 +379,19 @@ def _link_restore_lines(lines: _Lines, plan: RunPlan) -> None:
         undo = [c for r in held for c in r.undo_commands()] + _undo_for(plans)
         steps = [("read the link journal", _sh(node_journal.read_script(workdir)))]
         if any(r.queues for r in held) and name in plan.contexts:
-            pidfile = handler_files(plan.contexts[name].path(node_journal.journal_dir(workdir)))["pidfile"]
-            steps.append(("stop the delay handler", _sh(background_stop_script(pidfile, 5.0))))
+            directory = plan.contexts[name].path(node_journal.journal_dir(workdir))
+            steps.append(("where the delay handler lives", _where_handler_lives(workdir)))
+            steps.append(("stop the delay handler", command_line(handler_command("stop", directory, sudo=sudo))))
         steps.append(("read tc before undoing", _sh(_read_script(journal_devices))))
         if held:
-            steps.append(("read iptables before undoing", _sh(iptables_read_script(sudo_words))))
-        undo_line = _sh(node_journal.commands_script(undo, sudo_words))
+            steps.append(("read iptables before undoing", _sh(iptables_read_script(sudo))))
+        undo_line = _sh(node_journal.commands_script(undo, sudo))
         steps += [
             ("undo the shaping (only what the journal says is ours)", undo_line),
             ("read tc after undoing", _sh(_read_script(journal_devices))),
         ]
         if held:
-            steps.append(("read iptables after undoing", _sh(iptables_read_script(sudo_words))))
+            steps.append(("read iptables after undoing", _sh(iptables_read_script(sudo))))
         steps.append(("drop the link journal", _sh(node_journal.remove_script(workdir))))
         for what, line in steps:
             lines.add(name, "restore", what, line, "at-release")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import signal
 import subprocess
 import time
@@ -22,8 +23,8 @@ HOST = "emulation host"  # what a failure of this machine's own commands is repo
 STOP_GRACE_S = 3.0
 GONE_WAIT_S = 10.0
 # down removes processes first, then what they live in, then the links between nodes, then puts back
-# the host settings it raised.
-UNDO_PHASES = ("process", "cgroup", "veth", "netns", "bridge", "sysctl")
+# the host settings it raised, then the SSH user's sudo rules and the user (emulation.ssh_user).
+UNDO_PHASES = ("process", "cgroup", "veth", "netns", "bridge", "sysctl", "sudoers", "user")
 # The kernel's IPv4 neighbour (ARP) table is one table for every network namespace, limited by these
 # two host-wide settings (soft and hard); past the hard one, connect() fails with "No route to host".
 NEIGHBOUR_TABLE_SOFT = "net.ipv4.neigh.default.gc_thresh2"
@@ -178,6 +179,39 @@ class HostChanges:
         """Record a process that was just started (a pid is only known after the start)."""
         self.journal.record("process", label, pid=pid, start_ticks=process_start_ticks(pid))
 
+    def user(self, name: str, home: Path) -> pwd.struct_passwd:
+        """A user of the lab's own (the nodes' SSH user), with ``home`` as its home; refused when
+        ``name`` exists (it would not be ours to remove)."""
+        with contextlib.suppress(KeyError):
+            pwd.getpwnam(name)
+            raise TestbedError(f"user {name} exists already on this host; emulation.ssh_user names a user that "
+                               "`testbed emulate up` makes and `down` removes: choose a name no one uses")  # fmt: skip
+        self.journal.record("user", f"{self.prefix}-user", user=name, comment=self._comment())
+        # password "*": none to log in with, yet not locked ("!"), which sshd without PAM refuses
+        run_checked(["useradd", "--no-create-home", "--user-group", "--home-dir", str(home), "--shell", "/bin/sh",
+                     "--comment", self._comment(), "--password", "*", name])  # fmt: skip
+        account = pwd.getpwnam(name)
+        home.mkdir(parents=True, exist_ok=True)
+        os.chown(home, account.pw_uid, account.pw_gid)
+        home.chmod(0o700)
+        return account
+
+    def _comment(self) -> str:
+        return f"hil-testbed emulated lab {self.prefix}"
+
+    def sudoers(self, path: Path, text: str) -> None:
+        """Install ``text`` as the sudoers file ``path`` (checked by visudo first; sudo skips the
+        temporary file: its name has a dot)."""
+        self.journal.record("sudoers", f"{self.prefix}-sudoers", path=str(path))
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o440)
+        checked = run_checked(["visudo", "-cf", str(tmp)], check=False)
+        if checked.returncode != 0:
+            tmp.unlink()
+            raise NodeError(HOST, f"visudo refused the rules for {path}: {checked.stdout}{checked.stderr}")
+        os.rename(tmp, path)
+
 
 def undo(entries: list[JournalEntry], prefix: str) -> list[str]:
     """Remove everything in ``entries`` that still exists; return what could not be removed."""
@@ -238,6 +272,30 @@ def _undo_netns(entry: JournalEntry) -> None:
         ip("netns", "del", entry.name)
 
 
+def _undo_sudoers(entry: JournalEntry) -> None:
+    Path(entry.details["path"]).unlink(missing_ok=True)
+
+
+def _undo_user(entry: JournalEntry) -> None:
+    try:
+        account = pwd.getpwnam(entry.details["user"])
+    except KeyError:
+        return
+    if account.pw_gecos != entry.details.get("comment"):
+        raise TestbedError(f"user {account.pw_name} is not the one `up` made ({account.pw_gecos!r}); left alone")
+    end_processes(lambda: _pids_of(account.pw_uid))
+    run_checked(["userdel", account.pw_name])
+
+
+def _pids_of(uid: int) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and proc.stat().st_uid == uid and process_start_ticks(int(proc.name)) is not None:
+                pids.append(int(proc.name))
+    return pids
+
+
 def _undo_sysctl(entry: JournalEntry) -> None:
     if read_sysctl(entry.name) == entry.details.get("set"):
         _sysctl_path(entry.name).write_text(f"{entry.details['before']}\n")
@@ -245,6 +303,8 @@ def _undo_sysctl(entry: JournalEntry) -> None:
 
 _UNDO = {
     "sysctl": _undo_sysctl,
+    "sudoers": _undo_sudoers,
+    "user": _undo_user,
     "cgroup": _undo_cgroup,
     "veth": _undo_link,
     "netns": _undo_netns,

@@ -17,7 +17,7 @@ from nodes.contracts.durable import append_line
 
 @dataclass(frozen=True)
 class JournalEntry:
-    kind: str  # bridge, netns, veth, cgroup, process, sysctl
+    kind: str  # bridge, netns, veth, cgroup, process, sysctl, sudoers, user
     name: str
     details: dict[str, Any]
 

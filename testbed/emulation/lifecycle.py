@@ -8,9 +8,11 @@ which also cleans up after an ``up`` that was killed halfway.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import ipaddress
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -22,15 +24,26 @@ from pathlib import Path
 
 from foundation.errors import TestbedError
 from nodes.contracts.durable import write_json_atomic
+from nodes.contracts.root_paths import ROOT_STATE
 from nodes.emulated import phones as phones_catalogue
 from nodes.emulated.cgroup import CpuCgroup, cgroup_version
+from testbed.delay_handler import HANDLER_SOURCE, install_script
 from testbed.emulation import host
 from testbed.emulation.journal import Journal
 from testbed.emulation.node_files import ADB_DEVICES_FILE, REPO, NodeFiles, write_node_tools
 from testbed.emulation.plan import NODE_DATA_INTERFACE, NODE_MGMT_INTERFACE, EmulationPlan, plan_emulation
 from testbed.emulation.resolved import RESOLVED_NAME, NodeAccess, source_digest, write_resolved_inventory
-from testbed.emulation.sshd_server import SshdServer, SshKeys, accepts_connections, free_port, login_user
+from testbed.emulation.sshd_server import (
+    SshdServer,
+    SshKeys,
+    accepts_connections,
+    free_port,
+    generate_key,
+    login_user,
+    reach_script,
+)
 from testbed.inventory import Inventory, load_inventory
+from testbed.sudo_rules import sudoers_text
 
 MODES = ("netns", "local")
 SSHD_READY_S = 20.0
@@ -176,7 +189,9 @@ def _check_names_free(plan: EmulationPlan) -> None:
 def _build_netns(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say) -> dict[str, NodeAccess]:
     changes = host.HostChanges(journal, plan.prefix)
     changes.neighbour_table_room(len(plan.nodes))
-    write_node_tools(plan.state_dir, keys)
+    _install_delay_handler(say)
+    user = _ssh_user(plan, changes, keys) if plan.ssh_user else None
+    write_node_tools(plan.state_dir, keys, identity=user.identity if user else None)
     changes.bridge(plan.mgmt_bridge)
     host.ip("addr", "add", f"{plan.host_mgmt_address}/{plan.mgmt_network.prefixlen}", "dev", plan.mgmt_bridge)
     changes.bridge(plan.data_bridge)
@@ -204,6 +219,8 @@ def _build_netns(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say)
         group = changes.cgroup(node.cgroup, initial.cpus if initial else None)
         files = NodeFiles(plan.state_dir, node)
         files.create(mode="netns", cgroup=node.cgroup)
+        if user is not None:
+            user.give(files)
         server = SshdServer(
             keys,
             address=node.mgmt_address,
@@ -216,16 +233,94 @@ def _build_netns(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say)
             hostname=node.name,
             cgroup=group,
             detached=True,
+            mounts=user.mounts(files) if user is not None else "",
         )
         changes.process(server.launch(), f"sshd {node.name}")
         servers.append(server)
+    if user is not None:
+        changes.sudoers(user.sudoers_path, sudoers_text(user.name, _standins(plan)))
     _wait_all(servers)
-    return {
-        n.name: NodeAccess(n.mgmt_address, 22, login_user(), NODE_DATA_INTERFACE, n.data_address) for n in plan.nodes
-    }
+    name = user.name if user is not None else login_user()
+    return {n.name: NodeAccess(n.mgmt_address, 22, name, NODE_DATA_INTERFACE, n.data_address) for n in plan.nodes}
+
+
+def _standins(plan: EmulationPlan) -> dict[str, list[str]]:
+    """The emulated Jetsons' stand-in tools, by tool: where the lab's sudo rules allow them."""
+    jetsons = [NodeFiles(plan.state_dir, n) for n in plan.nodes if n.kind == "jetson"]
+    return {tool: [str(f.jetson_bin / tool) for f in jetsons] for tool in ("nvpmodel", "jetson_clocks")}
+
+
+def _install_delay_handler(say: Say) -> None:
+    """The NFQUEUE delay handler, root-owned in its place (testbed.delay_handler), to run with this
+    Python, where this Python has the binding (else the delay path says what it lacks)."""
+    if importlib.util.find_spec("netfilterqueue") is None:
+        return
+    script = install_script(str(HANDLER_SOURCE), sys.executable)
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        say(f"the NFQUEUE delay handler was not installed: {(done.stderr or done.stdout).strip()[-400:]}")
+
+
+@dataclass(frozen=True)
+class _SshUser:
+    """The lab's nodes reached as ``emulation.ssh_user``: a user of the lab's own with a key of its own
+    (for ssh between nodes), a home on each node, and sudo limited to the suite's printed rules."""
+
+    name: str
+    uid: int
+    gid: int
+    identity: Path
+    sudoers_path: Path
+    reach: tuple[Path, ...]  # what the user must reach on every node: this Python and the repository
+
+    def give(self, files: NodeFiles) -> None:
+        """The node's home, and the directory where the stand-in tegrastats (run as the user, as the real
+        one is) keeps its instances, to the user; root's own directory of the node (its /var/lib/hil-testbed)."""
+        for directory in (files.home, files.directory / "tegrastats"):
+            directory.mkdir(exist_ok=True)
+            os.chown(directory, self.uid, self.gid)
+        files.root_state.mkdir(mode=0o755, exist_ok=True)
+
+    def mounts(self, files: NodeFiles) -> str:
+        """The node's mount namespace: its own /var/lib/hil-testbed, an /etc/hosts that names the node
+        (sudo looks its host name up), and this Python reachable."""
+        hosts = files.directory / "hosts"
+        hosts.write_text(Path("/etc/hosts").read_text() + f"\n127.0.1.1\t{files.node.name}\n")
+        hosts.chmod(0o644)
+        reach = reach_script(list(self.reach), files.directory / ".reach")
+        own = [f"mount --bind {shlex.quote(str(files.root_state))} {ROOT_STATE}",
+               f"mount --bind {shlex.quote(str(hosts))} /etc/hosts"]  # fmt: skip
+        return " && ".join([*own, reach] if reach else own)
+
+
+def _ssh_user(plan: EmulationPlan, changes: host.HostChanges, keys: SshKeys) -> _SshUser:
+    assert plan.ssh_user is not None
+    if shutil.which("sudo") is None or shutil.which("visudo") is None:
+        raise TestbedError("emulation.ssh_user needs sudo on this machine: make system-packages (apt-get install sudo)")
+    for parent in plan.state_dir.parents:
+        if not parent.stat().st_mode & 0o001:
+            raise TestbedError(f"{parent} is closed to other users (mode {parent.stat().st_mode & 0o777:o}), so "
+                               f"{plan.ssh_user} cannot reach the lab's state in {plan.state_dir}; set "
+                               "emulation.state_dir to a directory others may pass through")  # fmt: skip
+    if not Path(ROOT_STATE).is_dir():
+        raise TestbedError(f"{ROOT_STATE} is missing: the NFQUEUE delay handler's install makes it (is the "
+                           "netfilterqueue binding installed? make venv)")  # fmt: skip
+    plan.state_dir.chmod(0o711)  # passable, not readable: each node's home, the keys the user may read
+    home = plan.state_dir / "ssh-user"
+    account = changes.user(plan.ssh_user, home)
+    identity = generate_key(home / "id_ed25519")
+    for path in (identity, identity.with_suffix(".pub")):
+        os.chown(path, account.pw_uid, account.pw_gid)
+    with keys.authorized_keys.open("a") as f:  # ssh between nodes, as the user, with its own key
+        f.write(identity.with_suffix(".pub").read_text())
+    reach = (Path(sys.executable), Path(sys.base_prefix), REPO)
+    return _SshUser(plan.ssh_user, account.pw_uid, account.pw_gid, identity,
+                    Path(f"/etc/sudoers.d/hil-testbed-{plan.prefix}"), reach)  # fmt: skip
 
 
 def _build_local(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say) -> dict[str, NodeAccess]:
+    if plan.ssh_user:
+        raise TestbedError("emulation.ssh_user needs the netns mode (nodes of their own, reached as that user)")
     say("local mode: nodes are sshd processes on 127.0.0.1 (no isolation, no link shaping, no CPU quotas)")
     changes = host.HostChanges(journal, plan.prefix)
     write_node_tools(plan.state_dir, keys)

@@ -37,16 +37,10 @@ def _write_executable(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
-def write_node_tools(state_dir: Path, keys: SshKeys) -> None:
-    """Tools on the nodes' PATH: the stand-in Jetson tools (run with this Python), and an ``ssh``
-    that trusts the other nodes, as in a lab whose nodes share keys (mpiexec launches ranks with it)."""
-    for tool, module in JETSON_TOOLS.items():
-        _write_executable(
-            state_dir / "bin-jetson" / tool,
-            "#!/bin/sh\n"
-            f"# Stand-in for NVIDIA's {tool}, written by `testbed emulate up` (hil-testbed).\n"
-            f"PYTHONPATH='{REPO}' exec '{sys.executable}' -m {module} \"$@\"\n",
-        )
+def write_node_tools(state_dir: Path, keys: SshKeys, identity: Path | None = None) -> None:
+    """Tools on the nodes' PATH: the stand-in adb and phone tools (run with this Python), and an ``ssh``
+    that trusts the other nodes, as in a lab whose nodes share keys (mpiexec launches ranks with it;
+    ``identity``: the key it uses, where the nodes' user cannot read the controller's)."""
     _write_executable(
         state_dir / "bin-adb" / "adb",
         "#!/bin/sh\n# Stand-in for Android's adb on the USB host of emulated phones (hil-testbed).\n"
@@ -64,7 +58,7 @@ def write_node_tools(state_dir: Path, keys: SshKeys) -> None:
     config = keys.directory / "ssh_config"
     config.write_text(
         "Host *\n"
-        f"  IdentityFile {keys.client_key}\n"
+        f"  IdentityFile {identity or keys.client_key}\n"
         f"  UserKnownHostsFile {keys.known_hosts}\n"
         "  StrictHostKeyChecking yes\n"
         "  BatchMode yes\n"
@@ -86,7 +80,8 @@ class NodeFiles:
         self.config = self.directory / "node.json"
         self.power_mode = self.directory / "power_mode"
         self.standin_root = self.directory / "root"
-        self.jetson_bin = state_dir / "bin-jetson"
+        self.jetson_bin = self.directory / "bin-jetson"  # its own: sudo drops the environment that names the node
+        self.root_state = self.directory / "root-state"  # the node's /var/lib/hil-testbed (nodes.contracts.root_paths)
         self.node_bin = state_dir / "bin-node"
         self.android_bin = state_dir / "bin-android"
         self.adb_bin = state_dir / "bin-adb"
@@ -98,6 +93,7 @@ class NodeFiles:
         initial = self.node.initial_power_mode
         self.power_mode.write_text(f"{initial.id}\n" if initial else "")
         if self.node.kind == "jetson":
+            self.write_jetson_tools()
             board = boards.board_for(self.node.model)
             release = self.standin_root / "etc" / "nv_tegra_release"
             model = self.standin_root / "proc" / "device-tree" / "model"
@@ -109,6 +105,18 @@ class NodeFiles:
             phones.write_phone_files(str(self.standin_root), phones.phone_named(self.node.model),
                                      initial.name if initial else "schedutil")  # fmt: skip
         self.write_config(mode=mode, cgroup=cgroup, cpu_root_pid=None)
+
+    def write_jetson_tools(self) -> None:
+        """The stand-in Jetson tools on the node's PATH (run with this Python), each naming its node and
+        board files itself: run with sudo, a tool keeps none of the session's environment."""
+        for tool, module in JETSON_TOOLS.items():
+            _write_executable(
+                self.jetson_bin / tool,
+                "#!/bin/sh\n"
+                f"# Stand-in for NVIDIA's {tool} on {self.node.name}, written by `testbed emulate up` (hil-testbed).\n"
+                f"{CONFIG_VARIABLE}='{self.config}' {STANDIN_ROOT_VARIABLE}='{self.standin_root}' PYTHONPATH='{REPO}' "
+                f"exec '{sys.executable}' -m {module} \"$@\"\n",
+            )
 
     def write_config(self, *, mode: str, cgroup: str | None, cpu_root_pid: int | None) -> None:
         """What the stand-in tools read: the board, power modes, and where the node's CPU time is."""

@@ -56,6 +56,7 @@ class EmulationPlan:
     data_network: ipaddress.IPv4Network
     host_mgmt_address: str
     nodes: tuple[EmulatedNodePlan, ...]
+    ssh_user: str | None = None  # the nodes' SSH user, made by `up` with only the printed sudo rules
 
     def node(self, name: str) -> EmulatedNodePlan:
         for node in self.nodes:
@@ -120,4 +121,5 @@ def plan_emulation(inventory: Inventory) -> EmulationPlan:
         data_network=emulation.data_subnet,
         host_mgmt_address=str(mgmt_hosts[0]),
         nodes=tuple(nodes),
+        ssh_user=emulation.ssh_user,
     )

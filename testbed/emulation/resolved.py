@@ -70,6 +70,8 @@ def write_resolved_inventory(
     }
     if mode == "local":
         data.setdefault("defaults", {})["sudo"] = False  # local nodes run as the user, never via sudo
+    if inventory.spec.emulation.ssh_user:
+        data.setdefault("defaults", {})["sudo"] = True  # the nodes' user has only the printed sudo rules
     for node in data["nodes"]:
         a = access.get(str(node["name"]))
         if a is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -108,6 +109,7 @@ class SshdServer:
         hostname: str | None = None,
         cgroup: CpuCgroup | None = None,
         detached: bool = False,
+        mounts: str = "",
     ) -> None:
         self.keys = keys
         self.address = address
@@ -118,6 +120,7 @@ class SshdServer:
         self.hostname = hostname
         self.cgroup = cgroup
         self.detached = detached
+        self.mounts = mounts  # sh run in the node's mount namespace before sshd starts (netns only)
         # Set in every session: stand-in tools on PATH, or a HOME of the node's own (which also keeps
         # the controller user's shell start-up files, such as a slow pyenv init, out of node commands).
         self.environment = dict(environment or {})
@@ -200,7 +203,8 @@ class SshdServer:
         scratch.mkdir(exist_ok=True)
         setup = (
             'hostname "$0" && mount --rbind /sys/fs/cgroup "$1" && mount -t sysfs sysfs /sys '
-            '&& mount --move "$1" /sys/fs/cgroup && shift && exec "$@"'
+            '&& mount --move "$1" /sys/fs/cgroup && ' + (f"{{ {self.mounts}; }} && " if self.mounts else "")
+            + 'shift && exec "$@"'
         )
         return [
             "nsenter", f"--net=/run/netns/{self.netns}", "--",
@@ -240,6 +244,28 @@ class SshdServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def reach_script(paths: list[Path], scratch: Path) -> str:
+    """sh (for a node's own mount namespace) that lets any user reach ``paths``: each directory on the
+    way that others may not pass through (a Python under /root, 0700) is covered by a tmpfs that others
+    may pass, with the one entry on the way put back into it by a bind mount. The host is untouched."""
+    blocked: dict[Path, set[str]] = {}
+    for path in paths:
+        parts = path.resolve().parts
+        for depth in range(2, len(parts)):
+            here = Path(*parts[:depth])
+            if not here.stat().st_mode & 0o001:
+                blocked.setdefault(here, set()).add(parts[depth])
+                break
+    lines = []
+    for i, (directory, names) in enumerate(sorted(blocked.items())):
+        kept = [(f"{scratch}/{i}-{n}", directory / n) for n in sorted(names)]
+        lines += [f"mkdir -p {shlex.quote(k)} && mount --rbind {shlex.quote(str(d))} {shlex.quote(k)}" for k, d in kept]
+        lines.append(f"mount -t tmpfs -o mode=0755 tmpfs {shlex.quote(str(directory))}")
+        lines += [f"mkdir {shlex.quote(str(d))} && mount --move {shlex.quote(k)} {shlex.quote(str(d))}"
+                  for k, d in kept]  # fmt: skip
+    return " && ".join(lines)
 
 
 def login_user() -> str:

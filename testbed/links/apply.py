@@ -6,8 +6,9 @@ qdiscs in the way) and refuses, changing nothing, when any problem is found. The
 chosen per node from the probe (``defaults.delay_path``; auto: netem where the kernel has it, else
 the NFQUEUE path of :mod:`netem.nfqueue`). Then, on each node: the journal is written (snapshot of
 the interfaces before the first apply, the iptables chains and the delay handler about to exist),
-the plan's commands run with sudo, the delay handler starts, and tc and iptables are read back and
-compared with the plan. When any node fails, every node already touched is undone. ``clear_nodes``
+the plan's commands run (each with sudo, as one fixed program: :mod:`testbed.sudo_rules`), the delay
+handler installed root-owned starts (:mod:`testbed.delay_handler`), and tc and iptables are
+read back and compared with the plan. When any node fails, every node already touched is undone. ``clear_nodes``
 undoes from the nodes' journals alone, so it also works after the controller was killed.
 
 One concept, the link transaction on the nodes (probe, refuse, journal, apply, read back, undo).
@@ -29,12 +30,14 @@ from netem import nfqueue
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan
 from netem.tc_state import InterfaceState, differences, parse_read, read_script, split_sections
 from netem.trace import BandwidthTrace, NodeSchedule, delay_timelines, schedules
+from testbed.delay_handler import RUN_ROOT, installed_test, launcher_path, run_dir, run_dir_script
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
 from testbed.links.node_journal import DeviceSnapshot, LinkJournal
 from testbed.links.plans import compile_plan, link_topology, traced_links
+from testbed.sudo_rules import privileged
 from testbed.transport import Transport, open_transport
-from testbed.transport.base import background_alive_test, prefix_words, quote_path
+from testbed.transport.base import background_alive_test, quote_path
 from testbed.transport.fanout import FanOutResult, NodeOutcome, fan_out
 
 Say = Callable[[str], None]
@@ -48,24 +51,24 @@ NETEM_PROBE = (
 )
 
 
-def nfqueue_probe(python: str) -> str:
+def nfqueue_probe() -> str:
     """sh that prints ``ready`` when the NFQUEUE delay path can run on the node, else ``missing:``
-    and what is missing (iptables, the kernel's nfnetlink_queue, the Python binding)."""
-    py = shlex.quote(python)
+    and what is missing (iptables, the kernel's nfnetlink_queue, this checkout's handler installed)."""
     return (
-        "why=''; command -v iptables >/dev/null 2>&1 || why=\"$why iptables\"; "
+        "why=''; { [ -x /usr/sbin/iptables ] || [ -x /sbin/iptables ]; } || why=\"$why iptables\"; "
         "{ [ -e /proc/net/netfilter/nfnetlink_queue ] || [ -d /sys/module/nfnetlink_queue ] "
         "|| grep -qs /nfnetlink_queue.ko \"/lib/modules/$(uname -r)/modules.builtin\" "
-        "|| modprobe -n -q nfnetlink_queue 2>/dev/null; } || why=\"$why nfnetlink_queue\"; "
-        f"{py} -c 'import netfilterqueue' 2>/dev/null || why=\"$why python-netfilterqueue\"; "
+        "|| /sbin/modprobe -n -q nfnetlink_queue 2>/dev/null; } || why=\"$why nfnetlink_queue\"; "
+        f"{installed_test()} || why=\"$why delay-handler\"; "
         'if [ -z "$why" ]; then echo ready; else echo "missing:$why"; fi'
     )
 
 
-def iptables_read_script(sudo_words: Sequence[str]) -> str:
-    """sh that prints our table's rules (``iptables -S``), empty where iptables is not installed."""
-    words = shlex.join([*sudo_words, "iptables", "-w", "-t", nfqueue.TABLE, "-S"])
-    return f"command -v iptables >/dev/null 2>&1 && {words} 2>/dev/null; true"
+def iptables_read_script(sudo: bool) -> str:
+    """sh that prints our table's rules (``iptables -S``, through the installed delay handler), empty
+    where the handler is not installed."""
+    words = shlex.join(privileged(["iptables", "-w", "-t", nfqueue.TABLE, "-S"], sudo=sudo))
+    return f"{installed_test()} && {words} 2>/dev/null; true"
 
 
 @dataclass(frozen=True)
@@ -108,15 +111,15 @@ def _interface_of(addr_json: str, address: str | None) -> str | None:
     return None
 
 
-def probe_script(devices: Sequence[str], workdir: str, python: str = "python3", sudo_words: Sequence[str] = ()) -> str:
+def probe_script(devices: Sequence[str], workdir: str, sudo: bool = False) -> str:
     """sh that reads, in sections, everything :func:`refusals` and the apply need to know of a node."""
     return "\n".join(
         [
             'echo "#### ssh"; echo "${SSH_CONNECTION:-}"',
             'echo "#### addr"; ip -j addr show 2>/dev/null || echo "[]"',
             f'echo "#### netem"; {NETEM_PROBE}',
-            f'echo "#### nfqueue"; {nfqueue_probe(python)}',
-            f'echo "#### iptables"; {iptables_read_script(sudo_words)}',
+            f'echo "#### nfqueue"; {nfqueue_probe()}',
+            f'echo "#### iptables"; {iptables_read_script(sudo)}',
             node_journal.read_script(workdir),
             handler_read_script(workdir),
             read_script(devices),
@@ -127,16 +130,19 @@ def probe_script(devices: Sequence[str], workdir: str, python: str = "python3", 
 def handler_read_script(workdir: str) -> str:
     """sh that prints, in a ``#### handler`` section, the running delay handler's config (nothing when
     none runs): a re-apply with the same queues leaves it alone."""
-    files = handler_files(node_journal.journal_dir(workdir))
-    return (f'echo "#### handler"; if {background_alive_test(files["pidfile"])}; then '
-            f"cat {quote_path(files['config'])}; fi; echo")  # fmt: skip
+    rundir = f"$({run_dir_script(quote_path(node_journal.journal_dir(workdir)))})"
+    return f'echo "#### handler"; r={rundir}; if {_alive_in("$r")}; then cat "$r/config.json"; fi; echo'
 
 
-def probe_node(
-    transport: Transport, node: NodeSpec, devices: Sequence[str], workdir: str, python: str = "python3"
-) -> NodeProbe:
-    sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
-    script = probe_script(devices, workdir, python, sudo_words)
+def _alive_in(rundir_word: str) -> str:
+    """A shell test that succeeds while the handler whose run directory ``rundir_word`` names runs."""
+    pidfile = f"{rundir_word}/handler.pid"
+    return (f'{{ [ -s {pidfile} ] && read pid start < {pidfile} && [ -n "$pid" ] && '
+            f'[ "$(sed \'s/.*) //\' /proc/$pid/stat 2>/dev/null | cut -d\' \' -f20)" = "$start" ]; }}')  # fmt: skip
+
+
+def probe_node(transport: Transport, node: NodeSpec, devices: Sequence[str], workdir: str) -> NodeProbe:
+    script = probe_script(devices, workdir, transport.use_sudo)
     output = transport.run_script(script, timeout_s=30.0).check().stdout
     sections = split_sections(output)
     ssh = sections.get("ssh", "").split()
@@ -231,11 +237,12 @@ def chain_refusals(probe: NodeProbe, chains: Sequence[nfqueue.NfqueueRules]) -> 
 def assign_delay_paths(
     plans: Sequence[TcPlan], probes: Mapping[str, NodeProbe], preference: str
 ) -> tuple[TcPlan, ...]:
-    """The plans, each on its node's delay path (:meth:`NodeProbe.delay_path`)."""
+    """The plans, each on its node's delay path (:meth:`NodeProbe.delay_path`; a node not probed takes
+    the path named by ``preference``, netem for auto)."""
     out = []
     for p in plans:
         probe = probes.get(p.node)
-        path = probe.delay_path(preference) if probe is not None else "netem"
+        path = probe.delay_path(preference) if probe is not None else preference.replace("auto", "netem")
         out.append(dataclasses.replace(p, delay_path=path))
     return tuple(out)
 
@@ -248,14 +255,16 @@ def chains_by_node(chains: Sequence[nfqueue.NfqueueRules]) -> dict[str, tuple[nf
 
 
 def handler_files(directory: str) -> dict[str, str]:
-    """Where the delay handler's script, config, pidfile, log and stats live on the node."""
-    return {
-        "script": f"{directory}/link_delay_handler.py",
-        "config": f"{directory}/delay-handler.json",
-        "pidfile": f"{directory}/delay-handler.pid",
-        "log": f"{directory}/delay-handler.log",
-        "stats": f"{directory}/delay-handler.jsonl",
-    }
+    """Where the delay handler named by ``directory`` (the journal's, absolute) keeps its config,
+    pidfile, log and stats: root's run directory of it, which the user reads."""
+    rundir = run_dir(directory)
+    return {"dir": rundir, "config": f"{rundir}/config.json", "pidfile": f"{rundir}/handler.pid",
+            "log": f"{rundir}/log", "stats": f"{rundir}/stats.jsonl"}  # fmt: skip
+
+
+def handler_command(action: str, directory: str, *, sudo: bool) -> list[str]:
+    """The installed delay handler's ``start``, ``stop`` or ``retime`` of the handler for ``directory``."""
+    return privileged([launcher_path(), action, directory], sudo=sudo)
 
 
 def _journal_for(
@@ -366,61 +375,50 @@ def node_directory(transport: Transport, workdir: str) -> str:
     return transport.run_script("echo " + quote_path(node_journal.journal_dir(workdir))).check().stdout.strip()
 
 
-HANDLER_SOURCE = Path(__file__).resolve().parents[2] / "nodes" / "link_delay_handler.py"
-HANDLER_READY_S = 10.0
+HANDLER_READY_S = 10.0  # nodes/link_delay_handler.py READY_S: its start returns within this
+HANDLER_WAIT_S = HANDLER_READY_S + 20.0  # its stop (TERM, 5 s, KILL) and the SSH round trips besides
 
 
-def start_delay_handler(transport: Transport, directory: str, python: str, config: dict) -> None:
-    """Store the handler and its config, start it detached (with sudo: binding a queue needs
-    CAP_NET_ADMIN) and wait until it says every queue is bound."""
-    files = handler_files(directory)
-    node_journal.store(transport, files["script"], HANDLER_SOURCE.read_bytes())
-    node_journal.store(transport, files["config"], json.dumps(config).encode())
-    transport.run_script(f"rm -f {quote_path(files['stats'])}", sudo=True).check()  # one log per handler
-    transport.start_background(
-        [python, files["script"], files["config"], files["stats"]],
-        pidfile=files["pidfile"], logfile=files["log"], sudo=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + HANDLER_READY_S
-    while True:
-        lines = transport.run_script(handler_ready_script(files), sudo=True).stdout.splitlines()
-        if lines[:1] == ["ready"]:
-            return
-        if "gone" in lines[:2] or time.monotonic() > deadline:
-            detail = " | ".join(line for line in lines if line not in ("gone", "ready")) or "no output"
-            raise NodeError(transport.node, f"the NFQUEUE delay handler did not bind its queues: {detail}")
-        time.sleep(0.1)
+def start_delay_handler(transport: Transport, directory: str, config: dict) -> None:
+    """Start the installed handler for ``directory`` (with sudo: binding a queue needs CAP_NET_ADMIN)
+    with ``config``; it returns once every queue is bound."""
+    result = transport.run(handler_command("start", directory, sudo=False), sudo=True, timeout_s=HANDLER_WAIT_S,
+                           stdin=json.dumps(config).encode())  # fmt: skip
+    if not result.ok:
+        detail = (result.stderr.strip() or result.stdout.strip())[-600:] or f"exit status {result.exit_code}"
+        raise NodeError(transport.node, f"the NFQUEUE delay handler did not start: {detail}")
 
 
-def handler_ready_script(files: Mapping[str, str]) -> str:
-    """sh that prints ``ready`` once the handler logged that its queues are bound, ``gone`` if it is
-    not running, then the tail of its output."""
-    return (
-        f"grep -qs '\"event\": \"ready\"' {quote_path(files['stats'])} && echo ready; "
-        f"kill -0 \"$(cut -d' ' -f1 {quote_path(files['pidfile'])})\" 2>/dev/null || echo gone; "
-        f"tail -n 5 {quote_path(files['log'])} 2>/dev/null"
-    )
+def stop_delay_handler(transport: Transport, directory: str) -> str:
+    """Stop the handler for ``directory``: ``stopped``, ``killed``, ``stale`` or ``absent``."""
+    result = transport.run(handler_command("stop", directory, sudo=False), sudo=True, timeout_s=HANDLER_WAIT_S)
+    return result.check().stdout.strip().splitlines()[-1]
 
 
 def retime_delay_handler(
     transport: Transport, directory: str, start_unix_s: float, timelines: Mapping[int, list]
 ) -> None:
     """Give the running delay handler a trace's delay rows per queue, reckoned from ``start_unix_s``
-    (its config is rewritten, then SIGHUP makes it read the rows again)."""
-    files = handler_files(directory)
-    config = json.loads(transport.run_script(f"cat {quote_path(files['config'])}", sudo=True).check().stdout)
-    config["start_unix_s"] = start_unix_s
-    for queue in config["queues"]:
-        queue["timeline"] = timelines.get(queue["queue_num"], [])
-    node_journal.store(transport, files["config"], json.dumps(config).encode())
-    how = transport.signal_background(files["pidfile"], "HUP", sudo=True)
-    if how != "signalled":
-        raise NodeError(transport.node, f"the NFQUEUE delay handler is not running ({how}): the trace's delays")
+    (it rewrites its config, then SIGHUP makes it read the rows again)."""
+    update = {"start_unix_s": start_unix_s, "timelines": {str(q): rows for q, rows in timelines.items()}}
+    result = transport.run(handler_command("retime", directory, sudo=False), sudo=True, timeout_s=HANDLER_WAIT_S,
+                           stdin=json.dumps(update).encode())  # fmt: skip
+    if not result.ok:
+        detail = (result.stdout.strip() + " " + result.stderr.strip()).strip()[-300:]
+        raise NodeError(transport.node, f"the NFQUEUE delay handler is not running ({detail}): the trace's delays")
+
+
+def stop_earlier_handler(transport: Transport, directory: str, pidfile: str | None) -> str:
+    """Stop the handler a journal names: the installed one's (root's run directory), or one a journal
+    of an earlier version names in the user's directory (stopped as the user: no sudo'd shell)."""
+    if pidfile is not None and not pidfile.startswith(RUN_ROOT + "/"):
+        return transport.stop_background(pidfile)
+    return stop_delay_handler(transport, directory)
 
 
 def apply_on_node(
     transport: Transport, probe: NodeProbe, plans: Sequence[TcPlan], workdir: str, *,
-    chains: Sequence[nfqueue.NfqueueRules] = (), python: str = "python3", seed: int = 0,
+    chains: Sequence[nfqueue.NfqueueRules] = (), seed: int = 0,
 ) -> NodeApplied:
     """Journal first, then the commands, then the delay handler, then read back and compare.
     Raises :class:`NodeError` naming the interface and the difference when the read-back does not
@@ -429,24 +427,25 @@ def apply_on_node(
     if holds_plans(probe, plans, chains, seed):
         return NodeApplied(probe.node, tuple(plans), 0, probe.states, changed=False, chains=tuple(chains))
     queued = any(c.queues for c in chains)
-    directory = node_directory(transport, workdir) if queued else None  # the handler's files need a path
-    files = handler_files(directory) if directory is not None else None
+    earlier = probe.journal is not None and probe.journal.handler_pidfile is not None
+    # the handler is named by the journal's directory as an absolute path
+    directory = node_directory(transport, workdir) if queued or earlier else None
+    files = handler_files(directory) if directory is not None and queued else None
     journal = _journal_for(probe, plans, chains, files["pidfile"] if files else None)
     if journal.trace_pidfile:  # a trace still playing would overwrite the new rates
-        transport.stop_background(journal.trace_pidfile, sudo=True)
+        transport.stop_background(journal.trace_pidfile)
         journal = journal.with_trace(None)
-    if probe.journal is not None and probe.journal.handler_pidfile:  # the new config starts a new one
-        transport.stop_background(probe.journal.handler_pidfile, sudo=True)
+    if earlier and directory is not None:  # the new config starts a new one
+        stop_earlier_handler(transport, directory, probe.journal.handler_pidfile if probe.journal else None)
     commands = [c for p in plans for c in commands_for(p, probe.states)] + iptables_commands_for(chains, probe)
-    sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
     node_journal.write(transport, workdir, journal)  # names the chains and the handler before they exist
-    transport.run_script(node_journal.commands_script(commands, sudo_words), timeout_s=60.0).check()
-    if directory is not None:
-        start_delay_handler(transport, directory, python, nfqueue.handler_config(chains, seed=seed))
+    transport.run_script(node_journal.commands_script(commands, transport.use_sudo), timeout_s=60.0).check()
+    if directory is not None and queued:
+        start_delay_handler(transport, directory, nfqueue.handler_config(chains, seed=seed))
     states = read_states(transport, plan_devices(plans)) if plans else {}
     problems = [d for p in plans for d in differences(p, states)]
     if chains:
-        listing = transport.run_script(iptables_read_script(sudo_words), timeout_s=30.0).check().stdout
+        listing = transport.run_script(iptables_read_script(transport.use_sudo), timeout_s=30.0).check().stdout
         problems += [d for c in chains for d in nfqueue.rule_differences(c, listing)]
     if problems:
         raise NodeError(probe.node, "read-back differs from the plan: " + "; ".join(problems))
@@ -470,21 +469,20 @@ def clear_on_node(transport: Transport, node: str, workdir: str) -> NodeCleared:
         return NodeCleared(node, False, 0, None, ())
     stopped = None
     if journal.trace_pidfile:
-        stopped = transport.stop_background(journal.trace_pidfile, sudo=True)
+        stopped = transport.stop_background(journal.trace_pidfile)
     if journal.handler_pidfile:
-        transport.stop_background(journal.handler_pidfile, sudo=True)
+        stop_earlier_handler(transport, node_directory(transport, workdir), journal.handler_pidfile)
     devices = list(dict.fromkeys([*journal.devices, *journal.ingress_on, *journal.ifbs]))
-    sudo_words = prefix_words(sudo=transport.use_sudo, env=None)
 
     def read_listing() -> str:
         if not journal.chains:
             return ""
-        return transport.run_script(iptables_read_script(sudo_words), timeout_s=30.0).check().stdout
+        return transport.run_script(iptables_read_script(transport.use_sudo), timeout_s=30.0).check().stdout
 
     states = read_states(transport, devices)
     commands = journal.chain_undo_commands(read_listing()) + journal.undo_commands(states)
     if commands:
-        transport.run_script(node_journal.commands_script(commands, sudo_words), timeout_s=60.0).check()
+        transport.run_script(node_journal.commands_script(commands, transport.use_sudo), timeout_s=60.0).check()
     after, listing = read_states(transport, devices), read_listing()
     leftovers = journal.snapshot_differences(after, listing)
     still_ours = journal.undo_commands(after) + journal.chain_undo_commands(listing)
@@ -526,7 +524,7 @@ def probe_nodes(
     def probe(name: str) -> NodeProbe:
         with open_transport(inventory, inventory.node(name)) as t:
             node, devices = inventory.node(name), plan_devices(by_node.get(name, []))
-            return probe_node(t, node, devices, _workdir(inventory), inventory.spec.defaults.python)
+            return probe_node(t, node, devices, _workdir(inventory))
 
     return fan_out(names, probe, description="probing interfaces")
 
@@ -583,8 +581,7 @@ def apply_plans(
     def apply(name: str) -> NodeApplied:
         with open_transport(inventory, inventory.node(name)) as t:
             return apply_on_node(
-                t, probe_of[name], by_node.get(name, []), _workdir(inventory), chains=chains.get(name, ()),
-                python=inventory.spec.defaults.python, seed=seed,
+                t, probe_of[name], by_node.get(name, []), _workdir(inventory), chains=chains.get(name, ()), seed=seed,
             )  # fmt: skip
 
     applied = fan_out(touched, apply, description="shaping links")
@@ -620,7 +617,7 @@ def stop_trace_players(inventory: Inventory, names: Sequence[str]) -> FanOutResu
             journal = node_journal.read(t, workdir)
             if journal is None or not journal.trace_pidfile:
                 return None
-            how = t.stop_background(journal.trace_pidfile, sudo=True)
+            how = t.stop_background(journal.trace_pidfile)  # it runs as the user; its tc commands with sudo
             node_journal.write(t, workdir, journal.with_trace(None))
             return how
 
@@ -651,15 +648,15 @@ def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanO
             states = read_states(t, list(dict.fromkeys(devices)))
             if journal is None or not journal.chains:
                 return NodeShaping(name, journal, states)
-            sudo_words = prefix_words(sudo=t.use_sudo, env=None)
-            listing = t.run_script(iptables_read_script(sudo_words), timeout_s=30.0).check().stdout
+            listing = t.run_script(iptables_read_script(t.use_sudo), timeout_s=30.0).check().stdout
             chains = {nfqueue.chain_name(i, side): nfqueue.chain_lines(listing, nfqueue.chain_name(i, side))
                       for i, side in journal.chains}  # fmt: skip
             handler: tuple[dict, ...] = ()
-            if journal.handler_pidfile:
-                files = handler_files(journal.handler_pidfile.rsplit("/", 1)[0])
-                text = t.run_script(f"if {background_alive_test(files['pidfile'])}; then tail -n 64 "
-                                    f"{quote_path(files['stats'])}; fi", sudo=True).stdout  # fmt: skip
+            if journal.handler_pidfile and journal.handler_pidfile.startswith(RUN_ROOT + "/"):
+                pidfile = journal.handler_pidfile
+                stats = pidfile.rsplit("/", 1)[0] + "/stats.jsonl"
+                text = t.run_script(f"if {background_alive_test(pidfile)}; then tail -n 64 "
+                                    f"{quote_path(stats)}; fi").stdout  # fmt: skip
                 latest: dict[int, dict] = {}
                 for line in text.splitlines():
                     record = _json_or_none(line)
@@ -723,6 +720,18 @@ def read_delay_handlers(
 PLAYER_SOURCE = Path(__file__).resolve().parents[2] / "nodes" / "link_trace_player.py"
 
 
+def player_schedules(
+    plans: Sequence[TcPlan], driven: dict[tuple[str, str], tuple[BandwidthTrace, str]], *, sudo: bool
+) -> tuple[NodeSchedule, ...]:
+    """The trace players' schedules, each step's tc commands as the player runs them (as the user,
+    each tc with sudo: :func:`testbed.sudo_rules.privileged`)."""
+    return tuple(
+        dataclasses.replace(s, steps=tuple({**step, "commands": [privileged(c, sudo=sudo) for c in step["commands"]]}
+                                           for step in s.steps))
+        for s in schedules(plans, driven, ())
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TraceStarted:
     """A trace being replayed: t = 0 was ``start_unix_s`` (controller clock), when the first row
@@ -755,7 +764,7 @@ def apply_trace(
     start_unix_s = time.time()
     applied = [o.value for o in result.applied.outcomes if o.value]
     plans = tuple(p for a in applied for p in a.plans)  # on their delay paths
-    node_schedules = schedules(plans, driven, prefix_words(sudo=inventory.spec.defaults.sudo, env=None))
+    node_schedules = player_schedules(plans, driven, sudo=inventory.spec.defaults.sudo)
     timelines = delay_timelines([c for a in applied for c in a.chains], driven)
     workdir = _workdir(inventory)
     player = PLAYER_SOURCE.read_bytes()

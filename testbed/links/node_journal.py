@@ -17,6 +17,7 @@ from netem import nfqueue
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE
 from netem.tc_state import InterfaceState, split_sections
 from nodes.contracts.journal_values import INTERFACE, JournalValueError, checked, checked_path
+from testbed.sudo_rules import privileged
 from testbed.transport.base import Transport, quote_path
 
 JOURNAL_FORMAT = 1
@@ -192,10 +193,11 @@ def remove_script(workdir: str) -> str:
     return f"rm -f {quote_path(journal_path(workdir))}"
 
 
-def commands_script(commands: Sequence[Sequence[str]], sudo_words: Sequence[str]) -> str:
-    """sh that runs tc/ip commands in order and stops at the first failure, saying which."""
+def commands_script(commands: Sequence[Sequence[str]], sudo: bool) -> str:
+    """sh that runs tc, ip and iptables commands in order (each with sudo, as the one fixed program
+    :func:`testbed.sudo_rules.privileged` makes it) and stops at the first failure, saying which."""
     lines = []
     for i, cmd in enumerate(commands):
-        line = shlex.join([*sudo_words, *cmd])
+        line = shlex.join(privileged(cmd, sudo=sudo))
         lines.append(f"{line} || {{ echo {shlex.quote(f'failed command {i + 1}: ' + shlex.join(cmd))} >&2; exit 3; }}")
     return "\n".join(lines) + "\n"

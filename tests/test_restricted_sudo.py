@@ -1,0 +1,241 @@
+"""The emulated lab reached as a real lab is: as a non-root SSH user (``emulation.ssh_user``) whose sudo
+allows only the rules the suite prints. A small demo campaign (delay on its links, so the NFQUEUE delay
+path runs, and two power modes) finishes every run there, gives the tokens it gives as root, and leaves
+nothing set; a privileged command outside the rules is refused by sudo; ``down`` removes the user and
+its sudoers file."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from testbed.delay_handler import RUN_ROOT
+from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
+    pytest.mark.skipif(shutil.which("sudo") is None, reason="sudo is not installed (make system-packages)"),
+    pytest.mark.slow,
+    pytest.mark.root,
+]
+
+ROOT_PREFIX, USER_PREFIX = "hesr", "hesu"
+USER = f"hesudo{os.getpid() % 100000}"  # a user of its own per test session, removed by `down`
+NODES = """nodes:
+  - name: server
+    kind: server
+    model: a6000-server
+    roles: [server]
+    emulated:
+      power_modes:
+        - {id: 0, name: default, cpus: 1.0, idle_w: 90, busy_w: 300}
+  - name: orin
+    kind: jetson
+    model: agx-orin
+    roles: [device]
+    emulated:
+      initial_mode: 0
+      power_modes:
+        - {id: 0, name: MAXN, cpus: 0.5, idle_w: 7.0, busy_w: 40.0}
+        - {id: 2, name: MODE_30W, cpus: 0.25, idle_w: 6.0, busy_w: 30.0}
+  - name: xavier
+    kind: jetson
+    model: agx-xavier
+    roles: [device]
+    emulated:
+      initial_mode: 0
+      power_modes:
+        - {id: 0, name: MAXN, cpus: 0.4, idle_w: 6.0, busy_w: 30.0}
+        - {id: 3, name: MODE_30W_ALL, cpus: 0.3, idle_w: 5.0, busy_w: 30.0}
+groups:
+  devices: [orin, xavier]
+link_profiles:
+  wifi-up: {rate: 8MBps, delay: 2ms}
+  wifi-down: {rate: 12MBps, delay: 2ms}
+links:
+  - {from: devices, to: server, profile: wifi-up}
+  - {from: server, to: devices, profile: wifi-down}
+"""
+
+CAMPAIGN = """name: demo-sudo
+inventory: {inventory}
+base:
+  method: ushape
+  model: {model}
+  partition: {{device_layers: 2, stages: 2}}
+  server: server
+  devices: [orin, xavier]
+  workload: {{arrival: poisson, rate_per_s: 2.0, requests_per_device: 3, prompts: tiny-python, max_new_tokens: 8}}
+  link: {{profile: wifi-up}}
+  power: {{orin: MAXN, xavier: MAXN}}
+  telemetry: {{interval_ms: 200}}
+matrix:
+  power.orin: [MAXN, MODE_30W]
+repetitions: 1
+seed: 2026
+run_timeout_s: 180
+"""
+
+
+def lab_directory(name: str) -> Path:
+    """A directory the SSH user can pass through (pytest's own temporary directories are 0700)."""
+    path = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    path.chmod(0o711)
+    return path
+
+
+def lab_inventory(directory: Path, prefix: str, octet: int, ssh_user: str | None) -> Path:
+    path = emulated_inventory(directory, prefix, octet, NODES)
+    if ssh_user is not None:
+        text = path.read_text().replace("emulation:\n", f"emulation:\n  ssh_user: {ssh_user}\n  sudo_rules: printed\n")
+        path.write_text(text)
+    return path
+
+
+def run_campaign(inventory: Path, directory: Path) -> dict[str, pd.DataFrame]:
+    """Run the campaign on ``inventory``'s lab; each run's tokens by run id (every run must be done)."""
+    campaign = directory / "campaign.yaml"
+    campaign.write_text(CAMPAIGN.format(inventory=inventory, model=REPO / "examples" / "models" / "tiny"))
+    out = directory / "out"
+    ran = run_cli("run", str(campaign), "--out", str(out), "--json", timeout_s=600)
+    assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-4000:]
+    runs = json.loads(ran.stdout)["runs"]
+    assert [r["state"] for r in runs] == ["done", "done"], runs
+    return {r["run_id"]: pd.read_parquet(out / "runs" / r["run_id"] / "tokens.parquet") for r in runs}
+
+
+def nodes_left_set(prefix: str, state: Path) -> list[str]:
+    """Whatever a campaign may leave on the nodes: qdiscs, iptables chains, journals, power modes,
+    delay handlers."""
+    left = []
+    for node in ("server", "orin", "xavier"):
+        ns = ["ip", "netns", "exec", f"{prefix}-{node}"]
+        qdiscs = json.loads(subprocess.run([*ns, "tc", "-j", "qdisc", "show", "dev", "data0"], capture_output=True,
+                                           text=True, check=True).stdout)  # fmt: skip
+        if any(q["kind"] not in ("noqueue",) for q in qdiscs):
+            left.append(f"{node}: qdiscs {qdiscs}")
+        mangle = subprocess.run([*ns, "iptables", "-w", "-t", "mangle", "-S"], capture_output=True, text=True,
+                                check=True).stdout  # fmt: skip
+        left += [f"{node}: {line}" for line in mangle.splitlines() if "TB-" in line]
+        mode = (state / "nodes" / node / "power_mode").read_text().strip()
+        if mode != "0":
+            left.append(f"{node}: power mode {mode}")
+    left += [str(p) for p in (state / "nodes").glob("*/home/hil-testbed/netem/journal.json")]
+    left += [str(p) for p in (state / "nodes").glob("*/home/hil-testbed/power/journal.json")]
+    left += [f"delay handler {pid}" for pid in handler_pids(state)]
+    for rundir in Path(RUN_ROOT).glob("*"):  # root's files of this lab's handlers
+        named = rundir / "for"
+        if named.is_file() and str(state) in named.read_text(errors="replace"):
+            left.append(str(rundir))
+    return left
+
+
+def handler_pids(state: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if proc.name.isdigit() and "link_delay_handler.py" in cmdline and str(state) in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+def user_processes(user: str) -> list[str]:
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return []
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and proc.stat().st_uid == uid:
+                out.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def user_lab() -> Iterator[Path]:
+    directory = lab_directory("he-sudo-user")
+    path = lab_inventory(directory, USER_PREFIX, 192, USER)
+    try:
+        with emulated_lab(path):
+            yield path
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert not Path(f"/etc/sudoers.d/hil-testbed-{USER_PREFIX}").exists()
+    with pytest.raises(KeyError):
+        pwd.getpwnam(USER)
+
+
+def as_user(lab: Path, node: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``argv`` on ``node`` through its sshd, as the lab's SSH user (what the controller does)."""
+    from testbed.emulation.resolved import load_lab
+    from testbed.transport import open_transport
+
+    inventory = load_lab(lab)
+    with open_transport(inventory, inventory.node(node)) as t:
+        result = t.run(list(argv), timeout_s=60)
+    return subprocess.CompletedProcess(argv, result.exit_code or 0, result.stdout, result.stderr)
+
+
+def test_the_demo_campaign_as_a_user_with_only_the_printed_rules_gives_the_tokens_it_gives_as_root(user_lab):
+    root_directory = lab_directory("he-sudo-root")
+    try:
+        root_lab = lab_inventory(root_directory, ROOT_PREFIX, 190, None)
+        with emulated_lab(root_lab):
+            as_root = run_campaign(root_lab, root_directory)
+            assert nodes_left_set(ROOT_PREFIX, root_directory / "state") == []
+    finally:
+        shutil.rmtree(root_directory, ignore_errors=True)
+    whoami = as_user(user_lab, "orin", "id", "-un")
+    assert whoami.stdout.strip() == USER and whoami.returncode == 0
+    as_user_tokens = run_campaign(user_lab, user_lab.parent)
+    assert set(as_user_tokens) == set(as_root)
+    key = ["node", "request_id", "index"]
+    for run_id, tokens in as_root.items():
+        merged = tokens.merge(as_user_tokens[run_id], on=key, suffixes=("_root", "_user"))
+        assert len(merged) == len(tokens) == len(as_user_tokens[run_id]) > 0, run_id
+        assert (merged.token_id_root == merged.token_id_user).all(), run_id
+    assert nodes_left_set(USER_PREFIX, user_lab.parent / "state") == []
+    deadline = time.monotonic() + 30
+    while user_processes(USER) and time.monotonic() < deadline:  # sessions that are closing
+        time.sleep(0.5)
+    assert user_processes(USER) == []
+
+
+def test_a_privileged_command_outside_the_rules_is_refused(user_lab):
+    allowed = as_user(user_lab, "orin", "sudo", "-n", "-l", "/usr/sbin/tc", "qdisc", "show")
+    assert (allowed.returncode, allowed.stderr) == (0, ""), allowed.stdout + allowed.stderr  # its host name resolves
+    checked = run_cli("inventory", "check", "-i", str(user_lab))  # the rules it needs are all there
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    for argv in (
+        ["sh", "-c", "id -u"],
+        ["/usr/sbin/iptables", "-w", "-t", "filter", "-S"],
+        ["/usr/sbin/tc", "-batch", "/etc/shadow"],
+        ["/usr/sbin/ip", "netns", "list"],
+    ):
+        refused = as_user(user_lab, "orin", "sudo", "-n", "--", *argv)
+        assert refused.returncode != 0, argv
+        assert "password is required" in refused.stderr or "not allowed" in refused.stderr, refused.stderr
+    # the delay handler is allowed, and checks its own arguments as root: only our chains in mangle
+    from testbed.delay_handler import launcher_path
+
+    handler = as_user(user_lab, "orin", "sudo", "-n", "--", launcher_path(), "iptables", "-w", "-t", "filter", "-S")
+    assert handler.returncode == 2, handler.stdout + handler.stderr
+    assert "refused" in handler.stderr
+    mine = as_user(user_lab, "orin", "touch", "/etc/hil-testbed-sudo-test")
+    assert mine.returncode != 0 and not Path("/etc/hil-testbed-sudo-test").exists()
