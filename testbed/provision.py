@@ -353,11 +353,10 @@ class _NodeProvisioner:
         packages = sorted({TOOL_PACKAGES[w] for w, _ in missing if w in TOOL_PACKAGES})
         can_install = "apt-get" in values.get("tool", []) and facts.sudo in ("root", "yes") and not facts.emulated
         if packages and can_install:
-            result = self.t.run_script(
-                "DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends " + " ".join(packages),
-                timeout_s=600.0,
-                sudo=facts.sudo == "yes",
-            )
+            # an administrator's sudo (not one of the printed rules): one program, no shell under sudo
+            argv = ["/usr/bin/env", "DEBIAN_FRONTEND=noninteractive", "/usr/bin/apt-get", "install", "-y",
+                    "--no-install-recommends", *packages]  # fmt: skip
+            result = self.t.run(argv, timeout_s=600.0, sudo=facts.sudo == "yes")
             if result.ok:
                 installed = packages
                 self.change("system", "installed " + ", ".join(packages))
