@@ -19,7 +19,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import json
 import math
+import os
 import re
 import time
 from collections import Counter
@@ -201,19 +203,23 @@ def yaml_data(path: Path, rewrite: Callable[[str], str] = lambda text: text) -> 
     return plain(YamlSource.parse(rewrite(path.read_text(encoding="utf-8")), path).data)
 
 
-def outcome(family: str, run: Callable[[], None]) -> str:
+def outcome(family: str, run: Callable[[], None], what: str = "") -> str:
     """Run a load (and its plan): refused with every problem located, or accepted. Anything else is
-    raised (the test fails with the traceback a user would have seen)."""
+    raised (the test fails with the traceback a user would have seen). With ``$HIL_MUTATION_LOG`` set,
+    each mutation and how it ended is appended to that file."""
     RAN[family] += 1
+    ended, first = "accepted", ""
     try:
         run()
     except InputError as exc:
         unplaced = [str(p) for p in exc.problems if p.line is None or not p.file]
         assert not unplaced, f"problems without FILE:LINE: {unplaced}"
-        OUTCOMES[(family, "refused")] += 1
-        return "refused"
-    OUTCOMES[(family, "accepted")] += 1
-    return "accepted"
+        ended, first = "refused", str(exc.problems[0])
+    OUTCOMES[(family, ended)] += 1
+    if os.environ.get("HIL_MUTATION_LOG"):
+        with open(os.environ["HIL_MUTATION_LOG"], "a", encoding="utf-8") as log:
+            log.write(json.dumps({"family": family, "mutation": what, "ended": ended, "problem": first}) + "\n")
+    return ended
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,35 +306,43 @@ def campaign_text(text: str) -> str:
     return text.replace("../../", f"{REPO}/").replace("../", f"{EXAMPLES}/")
 
 
-def check_yaml_family(family: str, files: Sequence[Path], load_and_plan: Callable[[Path], None], tmp: Path,
-                      rewrite: Callable[[str], str] = lambda text: text) -> Callable[..., None]:  # fmt: skip
-    """The property over mutations of ``files`` (YAML): ``load_and_plan(path)`` of the mutated file."""
+def check_yaml_family(family: str, files: Sequence[Path], load_and_plan: Callable[[Path, tuple[Any, ...]], None],
+                      tmp: Path, rewrite: Callable[[str], str] = lambda text: text) -> Callable[..., None]:  # fmt: skip
+    """The property over mutations of ``files`` (YAML): ``load_and_plan(path, field)`` of the mutated file."""
     sources = [(path, yaml_data(path, rewrite)) for path in files]
     fields = [field_paths(data) for _path, data in sources]
 
     @mutation_settings(family)
-    @given(st.integers(0, len(sources) - 1), st.integers(0, 1 << 20), st.sampled_from(KINDS), st.integers(0, 15))
-    def prop(index: int, field_index: int, kind: str, choice: int) -> None:
+    @given(st.sampled_from(range(len(sources))), st.data(), st.sampled_from(KINDS), st.integers(0, 15))
+    def prop(index: int, draw: st.DataObject, kind: str, choice: int) -> None:
         # a file, then one of its fields: each file gets its share, however many fields it has
         original, data = sources[index]
-        field = fields[index][field_index % len(fields[index])]
+        field = draw.draw(st.sampled_from(fields[index]), label="field")
         mutated, what = mutate(data, field, kind, choice)
         path = tmp / original.name
         path.write_text(dump_yaml(mutated), encoding="utf-8")
         note(f"{original.name}: {what}")
-        outcome(family, lambda: load_and_plan(path))
+        outcome(family, lambda: load_and_plan(path, field), f"{original.name}: {what}")
 
     return prop
 
 
 def test_every_example_inventory_mutated_is_refused_at_a_line_or_planned(tmp_path: Path) -> None:
-    check_yaml_family("inventory", INVENTORIES, lambda path: plan_inventory(load_inventory(path)), tmp_path)()
+    check_yaml_family("inventory", INVENTORIES, lambda path, _field: plan_inventory(load_inventory(path)), tmp_path)()
     report("inventory")
 
 
-def plan_campaign(path: Path) -> None:
+def plan_campaign(path: Path, field: tuple[Any, ...]) -> None:
+    """The plan of the campaign's first run and, for a mutated matrix value, of the first run with it."""
     campaign = load_campaign(path)
-    plan_run(campaign, campaign.runs[0], 1, live=False)
+    runs = [campaign.runs[0]]
+    if len(field) >= 2 and field[0] == "matrix" and isinstance(field[1], str):
+        runs += [r for r in campaign.runs if any(key == field[1] for key, _value in r.overrides)][:1]
+        values = campaign.spec.matrix.get(field[1], [])
+        if len(field) >= 3 and isinstance(field[2], int) and field[2] < len(values):  # (not a removed one)
+            runs += [r for r in campaign.runs if (field[1], values[field[2]]) in r.overrides][:1]
+    for run in {run.run_id: run for run in runs}.values():
+        plan_run(campaign, run, 1, live=False)
 
 
 @pytest.mark.parametrize("slow", [False, True], ids=["quick-plans", "slow-plans"])
@@ -340,12 +354,12 @@ def test_every_example_campaign_mutated_is_refused_at_a_line_or_planned(tmp_path
 
 
 def test_every_example_profile_mutated_is_refused_at_a_line_or_planned(tmp_path: Path) -> None:
-    check_yaml_family("profile", PROFILES, plan_profile, tmp_path)()
+    check_yaml_family("profile", PROFILES, lambda path, _field: plan_profile(path), tmp_path)()
     report("profile")
 
 
 def test_every_example_links_file_mutated_is_refused_at_a_line_or_planned(tmp_path: Path) -> None:
-    def load_and_plan(path: Path) -> None:
+    def load_and_plan(path: Path, _field: tuple[Any, ...]) -> None:
         plan_links(DEFAULT_LAB, links_from_file(DEFAULT_LAB, path))
 
     check_yaml_family("links", LINKS_FILES, load_and_plan, tmp_path)()
@@ -396,7 +410,7 @@ def test_every_example_trace_mutated_is_refused_at_a_line_or_planned(tmp_path: P
         path = tmp_path / original.name
         path.write_text("\n".join(mutated) + "\n", encoding="utf-8")
         note(f"{original.name}: {what}")
-        outcome("trace", lambda: plan_trace(path))
+        outcome("trace", lambda: plan_trace(path), f"{original.name}: {what}")
 
     prop()
     report("trace")
@@ -438,7 +452,7 @@ def test_a_mahimahi_trace_mutated_is_refused_at_a_line_or_imported_and_planned(t
             write_trace(imported.trace, written)
             plan_trace(written)
 
-        outcome("mahimahi", import_and_plan)
+        outcome("mahimahi", import_and_plan, f"line {line + 1}: kind {kind}, {word!r:.40}, bin {bin_s}")
 
     prop()
     report("mahimahi")
