@@ -140,16 +140,19 @@ def nodes_left_set(prefix: str, state: Path) -> list[str]:
     return left
 
 
-def handler_pids(state: Path) -> list[int]:
-    found = []
+def processes() -> Iterator[tuple[int, int, str]]:
+    """(pid, uid, command line) of every process."""
     for proc in Path("/proc").iterdir():
         try:
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except (OSError, ValueError):
+            if proc.name.isdigit():
+                yield int(proc.name), proc.stat().st_uid, (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
             continue
-        if proc.name.isdigit() and "link_delay_handler.py" in cmdline and str(state) in cmdline:
-            found.append(int(proc.name))
-    return found
+
+
+def handler_pids(state: Path) -> list[int]:
+    """The delay handlers of a lab (their command lines name the journal directory, in its state)."""
+    return [pid for pid, _uid, cmdline in processes() if "link_delay_handler.py" in cmdline and str(state) in cmdline]
 
 
 def user_processes(user: str) -> list[str]:
@@ -157,14 +160,7 @@ def user_processes(user: str) -> list[str]:
         uid = pwd.getpwnam(user).pw_uid
     except KeyError:
         return []
-    out = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and proc.stat().st_uid == uid:
-                out.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-        except OSError:
-            continue
-    return out
+    return [cmdline.replace("\0", " ") for _pid, owner, cmdline in processes() if owner == uid]
 
 
 @pytest.fixture(scope="module")
