@@ -91,18 +91,20 @@ def install_script(source: str, python: str, lib: str = ROOT_LIB) -> str:
     digest = handler_digest()
     target = f"{lib}/{digest}"
     launcher = f'#!/bin/sh\\nexec %s -I {target}/link_delay_handler.py "$@"\\n'
+    installed = f'[ -x "$D/{LAUNCHER}" ] && [ "$(sha256sum "$D/link_delay_handler.py" | cut -c1-16)" = {digest} ]'
     return f"""set -eu
 [ "$(id -u)" = 0 ] || {{ echo "run this as root" >&2; exit 3; }}
 D={shlex.quote(target)}
-if [ -x "$D/{LAUNCHER}" ] && [ "$(sha256sum "$D/link_delay_handler.py" | cut -c1-16)" = {digest} ]; then
-  echo installed; exit 0
-fi
+if {installed}; then echo installed; exit 0; fi
 S={shlex.quote(source)}
 [ "$(sha256sum "$S" | cut -c1-16)" = {digest} ] || {{ echo "$S is not the delay handler {digest}" >&2; exit 3; }}
 PY={shlex.quote(python)}
 case "$PY" in /*) ;; *) PY=$(command -v "$PY") || {{ echo "no {python} on root's PATH" >&2; exit 3; }} ;; esac
 "$PY" -I -c {shlex.quote(_CHECK)}
 install -d -o root -g root -m 0755 {shlex.quote(lib)} {ROOT_STATE}
+exec 9>{shlex.quote(lib)}/.install.lock
+flock 9  # one installer at a time (labs come up side by side)
+if {installed}; then echo installed; exit 0; fi
 T=$(mktemp -d {shlex.quote(lib)}/.install.XXXXXX)
 install -o root -g root -m 0644 "$S" "$T/link_delay_handler.py"
 printf '{launcher}' "$PY" > "$T/{LAUNCHER}"

@@ -354,3 +354,10 @@ def test_the_installer_puts_the_handler_root_owned_and_refuses_a_python_others_m
                              text=True, timeout=60, check=False)  # fmt: skip
     assert checked.returncode == 2 and "refused" in checked.stderr  # the installed handler answers, isolated
     assert install(sys.executable).stdout.strip() == "installed"  # again: nothing to do
+    # labs come up side by side: installers at once leave one complete copy
+    lib = tmp_path / "lib2"
+    script = install_script(str(HANDLER_SOURCE), sys.executable, lib=str(lib))
+    racing = [subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    assert [p.communicate(timeout=120)[0].strip() for p in racing] == ["installed"] * 3
+    assert sorted(p.name for p in lib.iterdir()) == sorted([".install.lock", handler_digest()])
+    assert sorted(p.name for p in (lib / handler_digest()).iterdir()) == sorted([LAUNCHER, "link_delay_handler.py"])
