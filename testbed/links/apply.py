@@ -229,8 +229,9 @@ def chain_refusals(probe: NodeProbe, chains: Sequence[nfqueue.NfqueueRules]) -> 
     directions = ", ".join(f"{d.sender} -> {d.receiver}" for c in chains for d in c.directions)
     return [
         f"{probe.node}: the NFQUEUE delay path is not ready ({probe.nfqueue}) for {directions} (the kernel has no "
-        "sch_netem); install iptables and the NetfilterQueue Python package (it needs libnetfilter-queue), or "
-        "drop delay/jitter/loss from the profile"
+        "sch_netem); install iptables, and the delay handler root-owned (`testbed provision` does, or says the one "
+        "command to run as root; its Python needs NetfilterQueue, which needs libnetfilter-queue), or drop "
+        "delay/jitter/loss from the profile"
     ]
 
 
