@@ -235,3 +235,33 @@ def test_a_privileged_command_outside_the_rules_is_refused(user_lab):
     assert "refused" in handler.stderr
     mine = as_user(user_lab, "orin", "touch", "/etc/hil-testbed-sudo-test")
     assert mine.returncode != 0 and not Path("/etc/hil-testbed-sudo-test").exists()
+
+
+def test_a_privileged_command_that_times_out_is_ended_by_the_user_through_its_sudo(user_lab):
+    """A command run with sudo that outlives its timeout is ended without a shell under sudo (which the
+    rules refuse): the user signals its own sudo, which relays the TERM to the command it runs as root.
+    The rules here allow one more command for the test, ``sleep``, to have a root process that waits."""
+    from testbed.emulation.resolved import load_lab
+    from testbed.transport import open_transport
+
+    rule = Path(f"/etc/sudoers.d/hil-testbed-test-sleep-{USER}")
+    rule.write_text(f"{USER} ALL=(root) NOPASSWD: /usr/bin/sleep\n")
+    rule.chmod(0o440)
+    marker = f"{4000 + os.getpid() % 1000}"  # a sleep of ours, told apart by its length
+    try:
+        inventory = load_lab(user_lab)
+        with open_transport(inventory, inventory.node("orin")) as t:
+            result = t.run(["sleep", marker], sudo=True, timeout_s=3)
+        assert result.timed_out and t.use_sudo
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            sleeping = [pid for pid, uid, cmdline in processes() if uid == 0 and cmdline == f"sleep\0{marker}\0"]
+            if not sleeping:
+                break
+            time.sleep(0.2)
+        assert sleeping == [], "the root command outlived its timeout"
+    finally:
+        rule.unlink()
+        for pid, _uid, cmdline in processes():
+            if cmdline == f"sleep\0{marker}\0":
+                os.kill(pid, 9)

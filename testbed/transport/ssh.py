@@ -360,7 +360,7 @@ class SshTransport(Transport):
         pid_line, _, rest = bytes(out).partition(b"\n")
         if timed_out:
             if pid_line.strip().isdigit():
-                self._kill_group(int(pid_line), privileged)
+                self._kill_group(int(pid_line))
             chan.close()
         exit_code = None if timed_out else chan.recv_exit_status()  # ready: the loop ended on it
         chan.close()
@@ -378,8 +378,11 @@ class SshTransport(Transport):
             timed_out=timed_out,
         )
 
-    def _kill_group(self, pid: int, privileged: bool) -> None:
-        """TERM, then KILL, the process group of the timed-out command's shell."""
+    def _kill_group(self, pid: int) -> None:
+        """TERM, then KILL, the process group of the timed-out command's shell, as the SSH user even
+        for a privileged command: its ``sudo`` runs with the user's real uid, so the user may signal
+        it, and sudo relays the TERM to the command it runs as root. No shell runs under sudo, which the
+        printed sudoers rules would refuse (testbed/sudo_rules.py)."""
         steps = int(KILL_GRACE_S / 0.1)
         script = (
             f"g=$(sed 's/.*) //' /proc/{pid}/stat 2>/dev/null | cut -d' ' -f3); [ -n \"$g\" ] || exit 0; "
@@ -387,7 +390,7 @@ class SshTransport(Transport):
             f'while kill -0 "-$g" 2>/dev/null && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done; '
             f'kill -KILL "-$g" 2>/dev/null; exit 0'
         )
-        command = ("sudo -n -- " if privileged else "") + "sh -c " + shlex.quote(script)
+        command = "sh -c " + shlex.quote(script)
         # A connection that does not carry the kill is dropped and the kill tried once more on a new
         # one: a frozen session leaves the node's sshd itself able to take it.
         for _ in range(2):
@@ -487,7 +490,7 @@ class SshTransport(Transport):
         conn = self.connection()
         chan = self._channel(conn)
         self._start(conn, chan, _reporting_pid("exec " + shlex.join(argv)))
-        session = _SshLineSession(chan, lambda pid: self._kill_group(pid, privileged=False))
+        session = _SshLineSession(chan, self._kill_group)
         try:
             session.pid = int(session.read_line(self.target.connect_timeout_s))
         except BaseException:
