@@ -278,8 +278,9 @@ def judge(inventory: Inventory, node: NodeSpec, facts: NodeFacts) -> tuple[list[
             problems.append("no L4T release in /etc/nv_tegra_release")
     if node.kind != "android" and inventory.spec.defaults.sudo and facts.sudo == "no":
         problems.append(
-            f"sudo needs a password for {facts.user}; allow passwordless sudo for tc, nvpmodel, "
-            "jetson_clocks (or set defaults.sudo: false and log in as root)"
+            f"sudo needs a password for {facts.user}; install the sudoers rules that `testbed provision` prints "
+            "for this node (only the suite's own commands, README: pointing it at a real lab), or set "
+            "defaults.sudo: false and log in as root"
         )
     if node.kind == "server" and node.gpus and len(facts.gpus) != node.gpus:
         problems.append(f"inventory says {node.gpus} GPUs, nvidia-smi lists {len(facts.gpus)}")
