@@ -9,12 +9,14 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -23,7 +25,7 @@ from testbed.emulation.resolved import load_lab
 from testbed.inventory import links_from_file
 from testbed.links.apply import apply_plans, clear_nodes, handler_files, show_nodes
 from testbed.links.plans import compile_plan
-from testbed.links.verify import parse_ping, verify_links
+from testbed.links.verify import verify_links
 from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated te
 PREFIX = "tw"
 LAB_DIRECTORY = "links-lab"  # the handlers' command lines name it (their scripts live in the lab's state)
 NODES = ("server", "orin", "xavier", "orin-nx")
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,17 @@ def lab(tmp_path_factory: pytest.TempPathFactory):
     path = emulated_inventory(directory, PREFIX, 226)
     with emulated_lab(path):
         yield path
+
+
+def measured_until(measure: Callable[[], T], good: Callable[[T], bool], tries: int = 3) -> list[T]:
+    """``measure()`` up to ``tries`` times until its value is ``good``; every value measured, the last
+    one the one to judge. A shaped link's throughput and delay only come out worse than configured when
+    this machine is loaded (iperf3, ping or the delay handler short of CPU), never better, so a short
+    measurement is taken again while one that beats the link is a failure on any try."""
+    values = [measure()]
+    while not good(values[-1]) and len(values) < tries:
+        values.append(measure())
+    return values
 
 
 def qdiscs(node: str, device: str = "data0") -> list:
@@ -81,11 +95,15 @@ def test_profiles_measure_within_ten_percent_each_way_and_undo_restores_the_snap
     assert result.ok, [o.error for o in result.applied.failed]
     assert len(journals(lab)) == 4
 
-    rows = verify_links(inv, links, duration_s=2)
-    measured = {(r.source, r.destination): r for r in rows}
+    def within(rows) -> bool:
+        return all(r.measured_rate_bit_s == pytest.approx(r.target_rate_bit_s, rel=0.10) for r in rows)
+
+    tries = measured_until(lambda: verify_links(inv, links, duration_s=2), within)
+    assert all(r.measured_rate_bit_s <= 1.10 * r.target_rate_bit_s for rows in tries for r in rows), tries
+    measured = {(r.source, r.destination): r for r in tries[-1]}
     assert set(measured) == {(lk.source, lk.destination) for lk in links}
     for (src, dst), r in measured.items():
-        assert r.measured_rate_bit_s == pytest.approx(r.target_rate_bit_s, rel=0.10), (src, dst, r)
+        assert r.measured_rate_bit_s == pytest.approx(r.target_rate_bit_s, rel=0.10), (src, dst, tries)
     # The asymmetric link really differs by direction (5 MB/s = 40 mbit up, 10 MB/s = 80 mbit down).
     assert (
         measured[("server", "orin-nx")].measured_rate_bit_s > 1.8 * measured[("orin-nx", "server")].measured_rate_bit_s
@@ -216,10 +234,18 @@ def nfqueue_path_checks(inventory: Path, f: Path) -> None:
     drop = [r for r in xavier if "statistic" in r]
     assert len(drop) == 1 and f"-s {data_address('server')}/32" in drop[0] and "0.1000000" in drop[0], xavier
     assert len(handler_pids()) == 3  # server, orin and xavier each receive a delayed direction
+    # each stands for a link, not for its node's software: it asks to run first (nice -20) when a
+    # release is due, so a loaded machine delays its packets as little as possible
+    assert {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) for pid in handler_pids()} == {-20}
 
     inv = load_lab(inventory)
-    rows = {(r.source, r.destination): r for r in verify_links(inv, links_from_file(inv, f), duration_s=2)}
-    assert all(r.within_tolerance for r in rows.values()), rows
+    tries = measured_until(lambda: verify_links(inv, links_from_file(inv, f), duration_s=2),
+                           lambda rows: all(r.within_tolerance for r in rows))  # fmt: skip
+    # never faster, never shorter than the link: 40 mbit, 10 ms each way
+    assert all(r.measured_rate_bit_s <= 1.10 * r.target_rate_bit_s for rows in tries for r in rows), tries
+    assert all(r.measured_rtt_ms >= 19.0 for rows in tries for r in rows if r.source == "orin"), tries
+    rows = {(r.source, r.destination): r for r in tries[-1]}
+    assert all(r.within_tolerance for r in rows.values()), tries
     there_and_back = rows[("orin", "server")]
     assert there_and_back.measured_rtt_ms == pytest.approx(20, abs=1.0), there_and_back
     assert there_and_back.measured_rate_bit_s == pytest.approx(40e6, rel=0.10)
@@ -263,8 +289,12 @@ def test_ingress_shaping_through_ifb_for_a_sender_that_cannot_run_tc(lab, tmp_pa
     assert plan.node == "server" and plan.ifb
     result = apply_plans(inv, [plan])
     assert result.ok, [o.error for o in result.applied.failed]
-    rate = iperf3_intervals("orin", "server", seconds=3)
-    assert sum(rate[1:]) / len(rate[1:]) == pytest.approx(64e6, rel=0.10)
+    def rate_bit_s() -> float:
+        rates = iperf3_intervals("orin", "server", seconds=3)
+        return sum(rates[1:]) / len(rates[1:])  # the first second is TCP's slow start
+
+    tries = measured_until(rate_bit_s, lambda rate: rate == pytest.approx(64e6, rel=0.10))
+    assert max(tries) <= 1.10 * 64e6 and tries[-1] == pytest.approx(64e6, rel=0.10), tries
     assert clear_nodes(inv, ["server"]).ok
     assert qdiscs("server") == before
     assert not Path(f"/sys/class/net/{plan.ifb}").exists()
@@ -283,9 +313,11 @@ def data_address(node: str) -> str:
     return next(a["local"] for a in json.loads(out.stdout)[0]["addr_info"] if a["family"] == "inet")
 
 
-def iperf3_intervals(src: str, dst: str, *, seconds: int) -> list[float]:
+def iperf3_run(src: str, dst: str, *, seconds: int) -> tuple[list[float], float, float]:
     """Bit/s received by the server in each second of one iperf3 run between two nodes' data
-    addresses (the client's intervals count bytes written to its socket, not bytes delivered)."""
+    addresses (the client's intervals count bytes written to its socket, not bytes delivered), and
+    the unix times between which its first second began: when the client that ran was started, and
+    ``seconds`` before it returned."""
     server = subprocess.Popen(
         ["ip", "netns", "exec", f"{PREFIX}-{dst}", "iperf3", "-s", "-1", "-J", "-B", data_address(dst), "-p", "5399"],
         stdout=subprocess.PIPE, text=True,
@@ -293,33 +325,49 @@ def iperf3_intervals(src: str, dst: str, *, seconds: int) -> list[float]:
     try:
         deadline = time.monotonic() + 10
         while True:
+            launched = time.time()
             client = subprocess.run(
                 ["ip", "netns", "exec", f"{PREFIX}-{src}", "iperf3", "-c", data_address(dst), "-p", "5399",
                  "-t", str(seconds), "-i", "1", "-J"],
                 capture_output=True, text=True, timeout=seconds + 30, check=False,
             )  # fmt: skip
+            returned = time.time()
             if "error" not in json.loads(client.stdout or "{}") and client.returncode == 0:
                 break
             assert time.monotonic() < deadline, client.stdout + client.stderr
             time.sleep(0.1)  # not listening yet
         received, _ = server.communicate(timeout=30)  # -1: the server exits after this one test
         intervals = [i["sum"] for i in json.loads(received)["intervals"]]
-        return [i["bits_per_second"] for i in intervals if i["seconds"] > 0.9]  # the last may be a sliver
+        rates = [i["bits_per_second"] for i in intervals if i["seconds"] > 0.9]  # the last may be a sliver
+        return rates, launched, returned - seconds
     finally:
         if server.poll() is None:
             server.kill()
             server.wait(timeout=30)
 
 
+def iperf3_intervals(src: str, dst: str, *, seconds: int) -> list[float]:
+    """Bit/s received in each second of one iperf3 run (:func:`iperf3_run`)."""
+    return iperf3_run(src, dst, seconds=seconds)[0]
+
+
 def test_a_two_step_trace_changes_throughput_at_the_step(lab, tmp_path):
+    """1 MB/s up, then 4 MB/s from t = 4 s: each second of an iperf3 run is judged by when it was,
+    against t = 0 as `link apply` reports it (however long this machine took to start the run)."""
     trace = tmp_path / "two-step.csv"
     trace.write_text("t_s,up_rate,down_rate\n0,1MBps,2MBps\n4,4MBps,2MBps\n")
-    proc = run_cli("link", "apply", "-i", str(lab), "--trace", f"orin={trace}")
+    proc = run_cli("link", "apply", "-i", str(lab), "--trace", f"orin={trace}", "--json")
     try:
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        rates = iperf3_intervals("orin", "server", seconds=8)  # starts within a second of t = 0
-        early, late = sum(rates[1:3]) / 2, sum(rates[-2:]) / 2  # single seconds of TCP swing by several %
-        assert early == pytest.approx(8e6, rel=0.10) and late == pytest.approx(32e6, rel=0.10), rates
+        step_unix_s = json.loads(proc.stdout)["trace"]["start_unix_s"] + 4
+        rates, first_from, first_by = iperf3_run("orin", "server", seconds=8)
+        # second i was [begin + i, begin + i + 1] for some begin in [first_from, first_by]; TCP takes
+        # up to a second to find the new rate, and the first second its slow start
+        early = [r for i, r in enumerate(rates) if i > 0 and first_by + i + 1 <= step_unix_s]
+        late = [r for i, r in enumerate(rates) if first_from + i >= step_unix_s + 1]
+        assert early and late, (rates, first_from, first_by, step_unix_s)
+        early_bit_s, late_bit_s = sum(early) / len(early), sum(late) / len(late)
+        assert early_bit_s == pytest.approx(8e6, rel=0.10) and late_bit_s == pytest.approx(32e6, rel=0.10), rates
         log = next((lab.parent / "state" / "nodes" / "orin" / "home").glob("hil-testbed/netem/trace.jsonl"))
         steps = [json.loads(line) for line in log.read_text().splitlines() if '"step"' in line]
         assert [s["t_s"] for s in steps] == [4] and steps[0]["ok"] and abs(steps[0]["late_ms"]) < 100
@@ -328,28 +376,37 @@ def test_a_two_step_trace_changes_throughput_at_the_step(lab, tmp_path):
     assert cleared.returncode == 0 and "trace player" in cleared.stdout, cleared.stdout + cleared.stderr
 
 
-def ping_rtt_ms(src: str, dst: str, count: int) -> float:
+def ping_replies(src: str, dst: str, until_unix_s: float) -> list[tuple[float, float]]:
+    """(unix time the echo was sent, RTT ms) of each reply to pings every 50 ms until ``until_unix_s``."""
+    count = max(1, int((until_unix_s - time.time()) / 0.05))
     out = subprocess.run(
-        ["ip", "netns", "exec", f"{PREFIX}-{src}", "ping", "-U", "-q", "-c", str(count), "-i", "0.05",
-         data_address(dst)], capture_output=True, text=True, check=True, timeout=30,
+        ["ip", "netns", "exec", f"{PREFIX}-{src}", "ping", "-U", "-D", "-c", str(count), "-i", "0.05",
+         data_address(dst)], capture_output=True, text=True, check=True, timeout=count * 0.05 + 30,
     )  # fmt: skip
-    return parse_ping(out.stdout)[0]
+    replies = re.findall(r"^\[(\d+\.\d+)\].* time=([\d.]+) ms", out.stdout, re.MULTILINE)
+    return [(float(ts) - float(rtt) / 1000, float(rtt)) for ts, rtt in replies]
 
 
 def test_a_trace_plays_its_delay_and_loss_columns_on_the_nfqueue_path(lab, tmp_path):
-    """delay_ms is one way, each direction: 5 ms both ways, then 25 ms from t = 3 s; the handler on
-    each receiver plays the rows (the player plays the rates)."""
+    """delay_ms is one way, each direction: 5 ms both ways, then 25 ms from t = 5 s; the handler on
+    each receiver plays the rows (the player plays the rates). Each echo is judged by when it was sent,
+    against t = 0 as `link apply` reports it."""
     trace = tmp_path / "delay-step.csv"
-    trace.write_text("t_s,up_rate,down_rate,delay_ms,loss_pct\n0,40mbit,40mbit,5,0\n3,40mbit,40mbit,25,0\n")
+    trace.write_text("t_s,up_rate,down_rate,delay_ms,loss_pct\n0,40mbit,40mbit,5,0\n5,40mbit,40mbit,25,0\n")
     with delay_path_set(lab, "nfqueue"):
-        proc = run_cli("link", "apply", "-i", str(lab), "--trace", f"orin={trace}")
-        applied = time.monotonic()  # t = 0 of the trace was a little before
+        proc = run_cli("link", "apply", "-i", str(lab), "--trace", f"orin={trace}", "--json")
         try:
             assert proc.returncode == 0, proc.stdout + proc.stderr
-            early = ping_rtt_ms("orin", "server", 20)  # within the first 1.5 s
-            time.sleep(max(0.0, applied + 3.3 - time.monotonic()))
-            late = ping_rtt_ms("orin", "server", 20)
-            assert early == pytest.approx(10, abs=1.0) and late == pytest.approx(50, abs=1.0), (early, late)
+            step_unix_s = json.loads(proc.stdout)["trace"]["start_unix_s"] + 5
+            replies = ping_replies("orin", "server", step_unix_s + 2)
+            early = sorted(rtt for sent, rtt in replies if sent < step_unix_s - 0.2)
+            late = sorted(rtt for sent, rtt in replies if sent > step_unix_s + 0.2)
+            assert len(early) >= 5 and len(late) >= 5, (replies, step_unix_s)
+            # never shorter than the delay; the median within a millisecond of it (a loaded machine's
+            # delay handler may release a packet late, never early)
+            assert early[0] >= 9.5 and late[0] >= 49.5, (early, late)
+            assert early[len(early) // 2] == pytest.approx(10, abs=1.0), early
+            assert late[len(late) // 2] == pytest.approx(50, abs=1.0), late
             netem = lab.parent / "state" / "nodes" / "server" / "home" / "hil-testbed" / "netem"
             stats = Path(handler_files(str(netem))["stats"]).read_text()  # root's file of the handler
             assert '"event": "reloaded", "unix_s"' in stats and '"timeline_rows": 1' in stats
