@@ -25,12 +25,12 @@ import numpy as np
 from foundation.errors import NodeError, TestbedError
 from nodes.contracts.compute_profile import ModeRates, step_seconds
 from nodes.contracts.target_model import TargetModel
+from testbed.compute_profiles import MIN_EFFICIENCY
 from testbed.inventory import Inventory, NodeSpec
 from testbed.node_context import ensure_node_code, resolve_context
 from testbed.transport import open_transport
 
 SHARPNESSES = (1.4, 1.5, 2.0, 3.0, 4.0)
-MIN_EFFICIENCY = 1e-6  # of the peak: the slowest rate a fit may give
 MAX_OVERHEAD_MS = 1000.0  # per step or per layer: the largest fixed cost a fit may give
 QUICK_GRID = {"layers": "1,2", "prefill": "1,64,256", "batch": "1,8", "context": "0,256", "head": "1,8"}
 FULL_GRID = {"layers": "1,2,4", "prefill": "1,16,128,512,2048", "batch": "1,8,32,64", "context": "0,512,2048,4096",

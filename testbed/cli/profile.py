@@ -14,11 +14,11 @@ from rich.table import Table
 
 from foundation.errors import TestbedError
 from testbed.cli.app import InventoryOption, JsonOption, app, err, out
+from testbed.compute_profiles import MAX_RATE
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import Inventory
 
 TINY = "examples/models/tiny"
-MAX_PROFILE_RATE = 100_000.0  # GB/s or TFLOP/s: the largest rate a profile file accepts
 
 
 @contextlib.contextmanager
@@ -96,7 +96,7 @@ def profile(
         peak = (paced[1].mem_bw_gbps, paced[1].peak_tflops)
     # a known peak is the hardware's: no engine beats it. Without one, the rates are fitted as such, up
     # to the largest a profile file accepts
-    fit = fit_profile(rows, shape, *peak, max_efficiency=1.0 if known is not None else MAX_PROFILE_RATE)
+    fit = fit_profile(rows, shape, *peak, max_efficiency=1.0 if known is not None else MAX_RATE)
     if known is None:
         # no peak known: the effective rates are the peak, efficiency 1
         r = fit.rates
