@@ -105,6 +105,10 @@ def main() -> None:
     up_s = time.monotonic() - started
     state = str(state_dir_of(lab))
     campaign = work / "hat-lab-short.yaml"
+    from nodes.workers.methods import method_named
+
+    # draft settings for a method that drafts (a campaign refuses settings no run uses)
+    draft = "  draft: {eta: 0.6, max_draft_tokens: 8, top_k: 3}\n" if method_named(args.method).drafts else ""
     campaign.write_text(f"""name: hat-lab-short
 inventory: {INVENTORY}
 base:
@@ -114,8 +118,7 @@ base:
   devices: [devices]
   workload: {{arrival: poisson, rate_per_s: 0.1333, requests_per_device: {args.requests}, prompts: specbench,
              max_new_tokens: 32}}
-  draft: {{eta: 0.6, max_draft_tokens: 8, top_k: 3}}
-  target: {{model: vicuna-7b, dilation: {args.dilation}}}
+{draft}  target: {{model: vicuna-7b, dilation: {args.dilation}}}
   telemetry: {{interval_ms: 1000}}
   device_slots: {args.slots}
   drain_s: 0.5
