@@ -44,7 +44,13 @@ PAPER_TABLE5_SPECBENCH = {  # HAT Table 5, SpecBench, Vicuna-7B: change against 
 def campaign_file(
     directory: Path, methods: list[str], dilations: list[float], repetitions: int, device_slots: int = 1
 ) -> Path:
+    from nodes.workers.methods import method_named
+
     path = directory / "target-emulation.yaml"
+    # chunk and draft settings only where a method of the matrix reads them (unused ones are refused)
+    used = [method_named(m) for m in methods]
+    chunks = "  chunk_tokens: 128\n" if any(m.prefill in ("device_chunks", "server_chunks") for m in used) else ""
+    draft = "  draft: {eta: 0.6, max_draft_tokens: 8, top_k: 3}\n" if any(m.drafts for m in used) else ""
     path.write_text(f"""name: target-emulation
 inventory: {INVENTORY}
 base:
@@ -54,9 +60,7 @@ base:
   devices: [orin, xavier]
   workload: {{arrival: poisson, rate_per_s: 0.2, requests_per_device: 5, prompts: specbench, max_new_tokens: 48}}
   link: {{trace: {REPO / "examples" / "traces" / "hat-mid.csv"}}}
-  chunk_tokens: 128
-  draft: {{eta: 0.6, max_draft_tokens: 8, top_k: 3}}
-  power: {{orin: MAXN, xavier: MAXN}}
+{chunks}{draft}  power: {{orin: MAXN, xavier: MAXN}}
   target: {{model: vicuna-7b, dilation: 1}}
   telemetry: {{interval_ms: 200}}
   device_slots: {device_slots}
