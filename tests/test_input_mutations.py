@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from ruamel.yaml import YAML
 
-from foundation.errors import InputError, TestbedError
+from foundation.errors import InputError
 from foundation.user_files import YamlSource
 from netem.mahimahi import import_mahimahi
 from netem.nfqueue import compile_chains
@@ -243,17 +243,14 @@ def with_data_planes(inventory: Inventory) -> Inventory:
 
 def plan_links(inventory: Inventory, links: Any = None, traces: dict[str, BandwidthTrace] | None = None) -> None:
     """tc plans, NFQUEUE chains and trace schedules, as ``link apply`` computes them before it changes
-    anything; a linked node with no data plane is its documented up-front refusal (exit status 2)."""
+    anything. Every node a link names has a data plane: one without is refused at load."""
     topology = link_topology(inventory)
     driven: dict = {}
     if traces:
         links, driven = traced_links(inventory, traces)
     links = inventory.links if links is None else links
     ends = {name for link in links for name in (link.source, link.destination)}
-    if any(topology.node(name).data_address is None for name in ends):
-        with pytest.raises(TestbedError, match="no data"):
-            compile_plan(inventory, links)
-        return
+    assert all(topology.node(name).data_address is not None for name in ends), "a linked node off the data plane"
     plans = compile_plan(inventory, links)
     for plan in plans:
         assert plan.apply_commands() and plan.undo_commands()

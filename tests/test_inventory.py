@@ -29,10 +29,12 @@ nodes:
     ssh: {user: lab, port: 2222}
     gpus: 8
     roles: [server]
+    data: {interface: eth1, address: 10.0.0.2}
   - name: phone
     kind: android
     model: pixel-7-pro
     adb: {serial: 28011FDH2000AB, usb_host: gpu}
+    data: {interface: wlan0, address: 10.0.0.21}
 groups:
   devices: [orin-1, phone]
 link_profiles:
@@ -122,16 +124,16 @@ REJECTIONS = [
     # (change to GOOD, line, field, words in the problem)
     (edit("    model: agx-orin\n", "    model: agx-orin\n    colour: red\n"), 7, "nodes[0].colour", "unknown key"),
     (edit("  - name: gpu\n", "  - name: orin-1\n"), 10, "nodes[1].name", "duplicate node name"),
-    (edit("  devices: [orin-1, phone]", "  devices: [orin-1, phnoe]"), 22, "groups.devices[1]", "unknown node"),
-    (edit("{from: devices, to: gpu", "{from: devices, to: gpus"), 27, "links[0].to", "unknown node or group"),
-    (edit("profile: down}", "profile: dwn}"), 28, "links[1].profile", "unknown link profile"),
-    (edit("rate: 80mbit", "rate: 10 mbps"), 25, "link_profiles.down.rate", "whitespace"),
-    (edit("rate: 80mbit", "rate: 10mbps"), 25, "link_profiles.down.rate", "ambiguous"),
-    (edit("delay: 5ms", "delay: 5"), 24, "link_profiles.up.delay", "no unit"),
-    (edit("loss: 0.1%", "loss: 120%"), 24, "link_profiles.up.loss", "more than 100%"),
-    (edit("rate: 80mbit", "rate: 0mbit"), 25, "link_profiles.down.rate", "greater than 0"),
-    (edit("rate: 80mbit", "rate: 900gbit"), 25, "link_profiles.down.rate", "less than or equal"),
-    (edit("delay: 5ms", "delay: 5min"), 24, "link_profiles.up.delay", "less than or equal"),
+    (edit("  devices: [orin-1, phone]", "  devices: [orin-1, phnoe]"), 24, "groups.devices[1]", "unknown node"),
+    (edit("{from: devices, to: gpu", "{from: devices, to: gpus"), 29, "links[0].to", "unknown node or group"),
+    (edit("profile: down}", "profile: dwn}"), 30, "links[1].profile", "unknown link profile"),
+    (edit("rate: 80mbit", "rate: 10 mbps"), 27, "link_profiles.down.rate", "whitespace"),
+    (edit("rate: 80mbit", "rate: 10mbps"), 27, "link_profiles.down.rate", "ambiguous"),
+    (edit("delay: 5ms", "delay: 5"), 26, "link_profiles.up.delay", "no unit"),
+    (edit("loss: 0.1%", "loss: 120%"), 26, "link_profiles.up.loss", "more than 100%"),
+    (edit("rate: 80mbit", "rate: 0mbit"), 27, "link_profiles.down.rate", "greater than 0"),
+    (edit("rate: 80mbit", "rate: 900gbit"), 27, "link_profiles.down.rate", "less than or equal"),
+    (edit("delay: 5ms", "delay: 5min"), 26, "link_profiles.up.delay", "less than or equal"),
     (edit("port: 2222", "port: 70000"), 14, "nodes[1].ssh.port", "less than or equal"),
     (edit("gpus: 8", "gpus: -1"), 15, "nodes[1].gpus", "greater than or equal"),
     (edit("gpus: 8", "gpus: true"), 15, "nodes[1].gpus", "valid integer"),
@@ -151,7 +153,7 @@ REJECTIONS = [
         "defaults.ssh.identity_file",
         "not allowed",
     ),
-    (edit("serial: 28011FDH2000AB", "serial: '28011$(reboot)'"), 20, "nodes[2].adb.serial", "not allowed"),
+    (edit("serial: 28011FDH2000AB", "serial: '28011$(reboot)'"), 21, "nodes[2].adb.serial", "not allowed"),
     (edit("address: 192.168.1.11", "address: '192.168.1.11 && reboot'"), 7, "nodes[0].address", "not an IP"),
     (edit("address: 10.0.0.11", "address: wlan.example"), 8, "nodes[0].data.address", "not an IP address"),
     (
@@ -169,9 +171,9 @@ REJECTIONS = [
     (edit("    kind: jetson\n", "    kind: jetsn\n"), 5, "nodes[0].kind", "'jetson', 'android' or 'server'"),
     (edit("    model: agx-orin\n", "    model: agx-orn\n"), 6, "nodes[0].model", "unknown Jetson model"),
     (edit("    address: 192.168.1.11\n", ""), 4, "nodes[0]", "'address' is missing"),
-    (edit("    adb: {serial: 28011FDH2000AB, usb_host: gpu}\n", ""), 17, "nodes[2]", "needs an 'adb:' section"),
-    (edit("usb_host: gpu}", "usb_host: nowhere}"), 20, "nodes[2].adb.usb_host", "unknown node"),
-    (edit("usb_host: gpu}", "usb_host: phone}"), 20, "nodes[2].adb.usb_host", "is a phone"),
+    (edit("    adb: {serial: 28011FDH2000AB, usb_host: gpu}\n", ""), 18, "nodes[2]", "needs an 'adb:' section"),
+    (edit("usb_host: gpu}", "usb_host: nowhere}"), 21, "nodes[2].adb.usb_host", "unknown node"),
+    (edit("usb_host: gpu}", "usb_host: phone}"), 21, "nodes[2].adb.usb_host", "is a phone"),
     (
         edit("address: gpu.lab.example", "address: 192.168.1.11\n    ssh: {port: 22}").replace(
             "    ssh: {user: lab, port: 2222}\n", ""
@@ -182,24 +184,24 @@ REJECTIONS = [
     ),
     (
         edit("  up: {rate: 5MBps, delay: 5ms, jitter: 1ms, loss: 0.1%}", "  up: {rate: 5MBps, jitter: 1ms}"),
-        24,
+        26,
         "link_profiles.up.jitter",
         "jitter needs a delay",
     ),
     (
         edit("  up: {rate: 5MBps, delay: 5ms, jitter: 1ms, loss: 0.1%}", "  up: {queue_limit_packets: 10}"),
-        24,
+        26,
         "link_profiles.up",
         "shapes nothing",
     ),
     (
         edit("  devices: [orin-1, phone]", "  devices: [orin-1, more]\n  more: [devices]"),
-        22,
+        24,
         "groups.devices",
         "include each other",
     ),
-    (edit("  devices: [orin-1, phone]", "  gpu: [orin-1]"), 22, "groups.gpu", "already a node name"),
-    (GOOD + "  - {from: orin-1, to: gpu, profile: down}\n", 29, "links[2]", "also shaped by the link on line 27"),
+    (edit("  devices: [orin-1, phone]", "  gpu: [orin-1]"), 24, "groups.gpu", "already a node name"),
+    (GOOD + "  - {from: orin-1, to: gpu, profile: down}\n", 31, "links[2]", "also shaped by the link on line 29"),
     (
         edit(
             "nodes:\n",
@@ -210,8 +212,8 @@ REJECTIONS = [
         "nodes[1].name",
         "duplicate node name",
     ),
-    (edit("  devices: [orin-1, phone]", "  devices: [orin-1, phone\n"), 24, "", "YAML syntax error"),
-    (edit("  down: {rate: 80mbit}", "  down: {rate: 80mbit}\n  down: {rate: 10mbit}"), 26, "", "duplicate key"),
+    (edit("  devices: [orin-1, phone]", "  devices: [orin-1, phone\n"), 26, "", "YAML syntax error"),
+    (edit("  down: {rate: 80mbit}", "  down: {rate: 80mbit}\n  down: {rate: 10mbit}"), 28, "", "duplicate key"),
 ]
 
 
@@ -241,7 +243,7 @@ def test_cli_rejects_bad_inventory_with_status_2_and_the_message(tmp_path):
     for args in (["inventory", "show"], ["inventory", "check"], ["inventory", "export-ansible"]):
         proc = run_cli(*args, "-i", str(path))
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
-        assert f"{path}:25: link_profiles.down.rate" in proc.stderr
+        assert f"{path}:27: link_profiles.down.rate" in proc.stderr
         assert "Traceback" not in proc.stderr
 
 
@@ -272,7 +274,7 @@ def test_problem_in_a_merged_mapping_still_gets_a_line(tmp_path):
         "link_profiles:\n", "link_profiles:\n  base: &base {rate: 10mbit}\n  merged: {<<: *base, loss: 200%}\n"
     )
     problems = problems_of(tmp_path, text)
-    assert any(p.startswith(f"{tmp_path / 'inventory.yaml'}:25: link_profiles.merged.loss") for p in problems), problems
+    assert any(p.startswith(f"{tmp_path / 'inventory.yaml'}:27: link_profiles.merged.loss") for p in problems), problems
 
 
 def test_nan_power_is_refused(tmp_path):
@@ -286,3 +288,14 @@ def test_nan_power_is_refused(tmp_path):
     )
     problems = problems_of(tmp_path, text)
     assert any("idle_w" in p and "finite" in p for p in problems), problems
+
+
+def test_a_link_to_a_node_off_the_data_plane_is_refused_at_its_line(tmp_path):
+    """A shaped link is shaped on the data plane: a real node a link names needs its data: section
+    (interface and address). Refused at load, not when `link apply` first compiles a plan."""
+    text = edit("    data: {interface: eth1, address: 10.0.0.2}\n", "")
+    (problem,) = problems_of(tmp_path, text)
+    assert problem.startswith(f"{tmp_path / 'inventory.yaml'}:28: links[0]: orin-1 -> gpu: node gpu has no data:")
+    assert "give gpu data: {interface: ..., address: ...}" in problem
+    # a node no link names needs none
+    assert load_inventory(write(tmp_path, text[: text.index("links:\n")] + "links: []\n"))

@@ -257,6 +257,7 @@ def link_problems(
             )
     if groups_ok:
         yield from _link_conflicts(spec, src)
+        yield from _links_without_data(spec, src)
 
 
 def _node_kind_problems(
@@ -409,6 +410,24 @@ def _group_cycle(groups: dict[str, tuple[str, ...]]) -> list[str] | None:
         if found:
             return found
     return None
+
+
+def _links_without_data(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
+    """A shaped link needs both ends on the data plane: the shaping node's data interface and the
+    other end's data address (the tc filter's match). An emulated node gets both when it comes up."""
+    nodes = {n.name: n for n in spec.nodes}
+    named: set[str] = set()
+    for i, s, d in link_pairs(spec, expand_groups(spec)):
+        for end in (s, d):
+            node = nodes.get(end)
+            if node is None or node.data is not None or node.emulated is not None or end in named:
+                continue
+            named.add(end)
+            yield src.problem(
+                ("links", i), f"{s} -> {d}: node {end} has no data: section, so the link has no interface or "
+                "address to shape", f"give {end} data: {{interface: ..., address: ...}} (the plane MPI and iperf3 "
+                "use, never the SSH one), or leave it out of the links",
+            )  # fmt: skip
 
 
 def _link_conflicts(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
