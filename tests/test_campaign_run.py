@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -31,6 +32,7 @@ pytestmark = [
 PREFIX = "tc"
 TINY = REPO / "examples" / "models" / "tiny"
 WAIT_LIMIT_S = 240.0
+POLL_S = 0.01  # how often the tests look for the event they wait on
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def ledger_rows(out: Path) -> list[tuple]:
     with sqlite3.connect(path, timeout=30) as db:
         try:
             return db.execute(
-                "SELECT position, run_id, state, attempts, reason, failed_node FROM runs ORDER BY position"
+                "SELECT position, run_id, state, attempts, reason, failed_node, started_s FROM runs ORDER BY position"
             ).fetchall()
         except sqlite3.OperationalError:  # the controller has created the file, not yet its tables
             return []
@@ -93,23 +95,37 @@ def orin_requests_file(inventory: Path, run_id: str, attempt: int) -> Path:
     return home / "hil-testbed" / "runs" / f"{run_id}-a{attempt}" / "out" / "device-0-orin" / "requests.jsonl"
 
 
-def served(path: Path) -> int:
-    if not path.exists():
+def served(path: Path, since_unix_s: float = 0.0) -> int:
+    """Requests finished in a device's requests.jsonl (0 when it was last written before ``since_unix_s``:
+    a file an earlier test's run of the same id left, before this attempt's stage removed it)."""
+    try:
+        if path.stat().st_mtime < since_unix_s:
+            return 0
+        return sum(1 for line in path.read_text().splitlines() if line.startswith("{"))
+    except FileNotFoundError:
         return 0
-    return sum(1 for line in path.read_text().splitlines() if line.startswith("{"))
 
 
-def wait_until_serving(out: Path, inventory: Path, position: int, controller: subprocess.Popen) -> str:
-    """Wait until the run at ``position`` has finished at least one request on orin; its id."""
+def wait_until_serving(
+    out: Path, inventory: Path, position: int, controller: subprocess.Popen, *, then: Callable[[], None] = lambda: None
+) -> str:
+    """Wait for the event "the run at ``position`` has finished a request on orin", then call ``then`` at
+    once (before the run can go on much further); the run's id. Polled every POLL_S: only a hang meets
+    the limit."""
     deadline = time.monotonic() + WAIT_LIMIT_S
+    running: tuple | None = None
     while time.monotonic() < deadline:
         assert controller.poll() is None, f"the campaign ended early: {ledger_rows(out)}"
-        rows = ledger_rows(out)
-        if len(rows) > position and rows[position][2] == "running":
-            run_id = rows[position][1]
-            if served(orin_requests_file(inventory, run_id, rows[position][3])) >= 1:
-                return run_id
-        time.sleep(0.2)
+        if running is None:
+            rows = ledger_rows(out)
+            if len(rows) > position and rows[position][2] == "running":
+                running = rows[position]
+            elif len(rows) > position and rows[position][2] != "todo":
+                raise AssertionError(f"run {position} ended before its first request was seen: {rows}")
+        if running is not None and served(orin_requests_file(inventory, running[1], running[3]), running[6]) >= 1:
+            then()
+            return running[1]
+        time.sleep(POLL_S)
     raise AssertionError(f"run {position} never started serving: {ledger_rows(out)}")
 
 
@@ -183,12 +199,17 @@ def test_a_killed_device_worker_fails_its_run_and_the_next_run_proceeds(lab, tmp
     campaign = campaign_file(tmp_path, lab, name="killed-worker", methods=["ushape", "centralized"], requests=5)
     out = tmp_path / "out"
     controller = start_campaign(campaign, out)
+    worker: list[int] = []
+
+    def freeze() -> None:  # the moment the first request is seen done: what the worker finished stays as it is
+        worker.extend(device_worker_pids(lab))
+        assert len(worker) == 1, worker
+        os.kill(worker[0], signal.SIGSTOP)
+
     try:
-        killed_run = wait_until_serving(out, lab, 0, controller)
-        pids = device_worker_pids(lab)
-        assert len(pids) == 1, pids
-        os.kill(pids[0], signal.SIGKILL)
-        finished_before_kill = served(orin_requests_file(lab, killed_run, 1))  # the dead worker writes no more
+        killed_run = wait_until_serving(out, lab, 0, controller, then=freeze)
+        finished_before_kill = served(orin_requests_file(lab, killed_run, 1))  # the stopped worker writes no more
+        os.kill(worker[0], signal.SIGKILL)
         assert controller.wait(timeout=WAIT_LIMIT_S) == 1  # a failed run: exit status 1
     finally:
         if controller.poll() is None:
@@ -225,10 +246,9 @@ def test_sigkill_of_the_controller_then_resume_does_every_run_exactly_once(lab, 
     out = tmp_path / "out"
     controller = start_campaign(campaign, out)
     try:
-        killed_id = wait_until_serving(out, lab, 1, controller)
-        assert len(device_worker_pids(lab)) == 1  # the pool that served the first run serves the second
-        controller.send_signal(signal.SIGKILL)
+        killed_id = wait_until_serving(out, lab, 1, controller, then=lambda: controller.send_signal(signal.SIGKILL))
         controller.wait(timeout=30)
+        assert len(device_worker_pids(lab)) == 1  # the pool that served the first run serves the second
     finally:
         if controller.poll() is None:
             controller.kill()
@@ -292,8 +312,7 @@ def test_sigterm_in_a_warm_run_restores_what_the_runs_had_left_set(lab, tmp_path
     out = tmp_path / "out"
     controller = start_campaign(campaign, out)
     try:
-        run_id = wait_until_serving(out, lab, 1, controller)
-        controller.send_signal(signal.SIGTERM)
+        run_id = wait_until_serving(out, lab, 1, controller, then=lambda: controller.send_signal(signal.SIGTERM))
         assert controller.wait(timeout=WAIT_LIMIT_S) != 0
     finally:
         if controller.poll() is None:
