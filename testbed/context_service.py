@@ -26,7 +26,7 @@ from typing import Any
 from foundation.errors import NodeError
 from nodes.contracts.compute_profile import ModeRates, step_seconds
 from nodes.contracts.kv_chunk_bytes import chunk_bytes_all_layers
-from nodes.contracts.service_files import ServiceFiles, service_files, socket_problem
+from nodes.contracts.service_files import ServiceFiles, service_files
 from nodes.contracts.target_model import TargetModel, from_hf_config
 from nodes.workers.methods import FLOAT16_CONTEXT_MEMORY
 from testbed.inventory import Inventory
@@ -189,10 +189,7 @@ def start_services(
 ) -> FanOutResult:
     """Start each daemon detached and wait until it answers (or ends, or the timeout passes)."""
 
-    def start(plan: ServicePlan) -> str:
-        problem = socket_problem(plan.files.socket)
-        if problem:
-            raise NodeError(plan.node, problem)
+    def start(plan: ServicePlan) -> str:  # (the daemon checks its socket's path and directory on its node)
         node = inventory.node(plan.node)
         with transport_for(inventory, node) as t:
             t.run(plan.directory_argv(), timeout_s=30.0).check()

@@ -14,6 +14,8 @@ import socket
 import sys
 from typing import Any, Dict, Iterator, List, Optional
 
+from nodes.contracts.service_files import unix_address
+
 from .protocol import encode
 
 
@@ -31,7 +33,8 @@ class ContextClient(object):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
-            sock.connect(self.socket_path)
+            with unix_address(self.socket_path) as address:
+                sock.connect(address)
             sock.sendall(encode(request))
             with sock.makefile("rb") as reader:
                 for line in reader:

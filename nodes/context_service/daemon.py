@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from nodes.contracts.durable import write_json_atomic
-from nodes.contracts.service_files import socket_problem
+from nodes.contracts.service_files import socket_problem, unix_address
 from nodes.inference.checkpoint import load_whole
 from nodes.inference.tokenizer import Tokenizer
 
@@ -170,7 +170,8 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         self.service, self.memory_method, self.client_timeout_s = service, memory_method, client_timeout_s
         previous = os.umask(0o077)  # the socket itself: its owner's alone (its directory is 0700 too)
         try:
-            super().__init__(path, _Handler)
+            with unix_address(path) as address:
+                super().__init__(address, _Handler)
         finally:
             os.umask(previous)
 
