@@ -28,7 +28,8 @@ HANDLER_SOURCE = Path(__file__).resolve().parents[1] / "nodes" / "link_delay_han
 LAUNCHER = "link-delay-handler"
 
 # Run by the candidate Python as root: it imports netfilterqueue, and nothing it would load is in a
-# directory that is not root's or that others may write.
+# directory that is not root's or that others may write (but for a sticky one such as /tmp, where they
+# cannot replace what root put there).
 _CHECK = r"""
 import os, sys
 try:
@@ -38,10 +39,13 @@ except ImportError as exc:
              "libnetfilter-queue-dev)" % (sys.executable, exc))
 bad = set()
 for path in [sys.executable, os.path.realpath(sys.executable), netfilterqueue.__file__] + sys.path:
-    p = os.path.abspath(path) if path else ""
+    p = first = os.path.abspath(path) if path else ""
     while p and os.path.exists(p):
         st = os.lstat(p)
-        if st.st_uid != 0 or (st.st_mode & 0o022 and not os.path.islink(p)):
+        # others may write a root-owned sticky directory (/tmp) but not replace root's entries in it;
+        # a sticky directory on sys.path itself would still let them add modules
+        shared = st.st_mode & 0o022 and not os.path.islink(p) and not (st.st_mode & 0o1000 and p != first)
+        if st.st_uid != 0 or shared:
             bad.add(p)
         if p == "/":
             break

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from nodes.emulated.cgroup import CpuCgroup
 from testbed.emulation.host import process_start_ticks
 from testbed.emulation.sshd_server import SshdServer, SshKeys, loopback_inventory_yaml
 
@@ -173,3 +174,18 @@ def veth_bytes(proc_net_dev: str) -> dict[str, int]:
         if name.strip() in ("data0", "mgmt0"):
             out[name.strip()] = int(fields[0]) + int(fields[8])
     return out
+
+
+@contextmanager
+def first_in_line(group_name: str) -> Iterator[None]:
+    """The node's cgroup weighted far above everything else on this machine for the block, so that a
+    busy loop in it gets what its quota allows whatever else runs (other test workers, a spin loop):
+    what the block measures is the quota, not the machine's load. The weight is put back after."""
+    group = CpuCgroup(group_name)
+    path = Path(group.quota_directory) / ("cpu.weight" if group.version == 2 else "cpu.shares")
+    before = path.read_text().strip()
+    path.write_text("10000" if group.version == 2 else "262144")  # the largest either version takes
+    try:
+        yield
+    finally:
+        path.write_text(before)

@@ -16,8 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from testbed.emulation import host
 from testbed.emulation.journal import Journal
 from testbed.emulation.resolved import load_lab
 from testbed.transport import open_transport
-from tests.conftest import REPO, emulated_inventory, run_cli, veth_bytes
+from tests.conftest import REPO, emulated_inventory, first_in_line, run_cli, veth_bytes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
 
@@ -84,21 +82,6 @@ def testbed(tmp_path_factory):
     down = run_cli("emulate", "down", "-i", str(path))
     assert down.returncode == 0, down.stdout + down.stderr
     assert ours_left("tt") == []
-
-
-@contextmanager
-def first_in_line(group_name: str) -> Iterator[None]:
-    """The node's cgroup weighted far above everything else on this machine for the block, so that a
-    busy loop in it gets what its quota allows whatever else runs (other test workers, a spin loop):
-    what the block measures is the quota, not the machine's load. The weight is put back after."""
-    group = CpuCgroup(group_name)
-    path = Path(group.quota_directory) / ("cpu.weight" if group.version == 2 else "cpu.shares")
-    before = path.read_text().strip()
-    path.write_text("10000" if group.version == 2 else "262144")  # the largest either version takes
-    try:
-        yield
-    finally:
-        path.write_text(before)
 
 
 def run_on(inventory_path: Path, node: str, script: str, timeout_s: float = 60.0):

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from foundation.errors import InputError, TestbedError
 from netem import plan as netem_plan
 from netem.plan import queue_limit_packets
 from netem.profile import DirectedLink, LinkProfile
@@ -107,8 +108,13 @@ def test_a_node_without_a_data_interface_cannot_be_shaped(tmp_path):
         "  - {name: b, kind: server, model: x, address: 10.9.0.2}\n"
         "link_profiles:\n  p: {rate: 8mbit}\nlinks:\n  - {from: a, to: b, profile: p}\n"
     )
-    with pytest.raises(Exception, match="no data interface to shape"):
-        compile_plan(load_inventory(path))
+    with pytest.raises(InputError, match=r"lab.yaml:7: links\[0\]: a -> b: node a has no data: section"):
+        load_inventory(path)  # refused where the link is written
+    # netem's own check, for a topology built otherwise (an emulated testbed that is not up yet)
+    nodes = (LinkNode("a", None, None, runs_tc=True), LinkNode("b", "eth1", "10.9.0.2", runs_tc=True))
+    topology = LinkTopology("a lab", nodes, (DirectedLink("a", "b", "p", LinkProfile(rate="8mbit")),))
+    with pytest.raises(TestbedError, match="no data interface to shape"):
+        netem_plan.compile_plan(topology)
 
 
 def test_netem_compiles_a_topology_without_an_inventory(plans):

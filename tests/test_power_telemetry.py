@@ -23,7 +23,7 @@ from testbed.emulation.resolved import load_lab
 from testbed.power import restore_power, set_power, show_power
 from testbed.telemetry import finish_recording, probe_telemetry, record_telemetry, start_recording
 from testbed.transport import open_transport
-from tests.conftest import emulated_inventory, emulated_lab, run_cli
+from tests.conftest import emulated_inventory, emulated_lab, first_in_line, run_cli
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
@@ -235,7 +235,8 @@ def test_modeled_power_rises_under_a_cpu_load(lab: Path, tmp_path: Path) -> None
     recording = start_recording(inv, ["orin"], interval_s=INTERVAL_S, max_seconds=10.0)
     time.sleep(1.5)  # idle
     busy = "import time\nend = time.time() + 3.0\nwhile time.time() < end: pass\n"
-    with open_transport(inv, inv.node("orin")) as t:
+    # the node's cgroup first in line: the load gets its quota whatever else this machine runs
+    with open_transport(inv, inv.node("orin")) as t, first_in_line(f"{PREFIX}-orin"):
         load_start = time.time()
         t.run([sys.executable, "-c", busy], timeout_s=30).check()
         load_end = time.time()
