@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import inspect
 import os
 import shutil
@@ -21,10 +22,11 @@ from testbed.emulation.host import process_start_ticks
 from testbed.emulation.sshd_server import SshdServer, SshKeys, loopback_inventory_yaml
 
 REPO = Path(__file__).resolve().parent.parent
-# Every emulated lab a test brings up is listed here (a file per lab: the test session's pid and
-# start time in the name, the inventory inside) until it is taken down. A session killed before its
-# teardown (SIGKILL, a machine restart of the sandbox) leaves its entries; the next session takes
-# those labs down from their own journals, so its fixtures find their names free.
+# Every emulated lab a test brings up is listed here until it is taken down: a file naming its inventory,
+# held under an exclusive flock by the process that brought the lab up. A process that dies without its
+# teardown (SIGKILL, a crashed test worker) loses its lock with it, so a later session can tell a lab
+# left behind from one in use by a session beside it (another test worker) without trusting pids, and
+# takes the left one down from its own journals.
 LAB_REGISTRY = Path(tempfile.gettempdir()) / "hil-testbed-test-labs"
 
 
@@ -125,9 +127,34 @@ def _take_down(path: Path) -> subprocess.CompletedProcess[str]:
     return run_cli("emulate", "down", "-i", str(path))
 
 
-def _session_alive(entry: Path) -> bool:
-    pid, ticks = entry.name.split("-")[:2]
-    return str(process_start_ticks(int(pid))) == ticks
+def _take_down_left_labs() -> None:
+    """Take down every lab in LAB_REGISTRY whose holder is gone (its flock free); labs in use are left."""
+    for entry in sorted(LAB_REGISTRY.iterdir()):
+        try:
+            fd = os.open(entry, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # taken down by another session just now
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its session is alive, or another session is taking it down
+            try:
+                if os.fstat(fd).st_ino != entry.stat().st_ino:
+                    continue
+            except FileNotFoundError:
+                continue  # taken down (and unlinked) by another session before the lock was ours
+            if entry.name.startswith("."):  # being named, or its holder died before bringing its lab up
+                if time.time() - os.fstat(fd).st_mtime > 60:
+                    entry.unlink(missing_ok=True)
+                continue
+            path = Path(os.read(fd, 65536).decode())
+            if path.exists():
+                down = _take_down(path)
+                assert down.returncode == 0, f"a lab left by a killed test session: {down.stdout}{down.stderr}"
+            entry.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -136,33 +163,34 @@ def labs_of_killed_sessions_taken_down() -> None:
     for old in CLAIMS.glob("*") if CLAIMS.is_dir() else ():
         if time.time() - old.stat().st_mtime > 86400:  # claims of test runs long over
             shutil.rmtree(old, ignore_errors=True)
-    if os.geteuid() != 0 or not LAB_REGISTRY.is_dir():
-        return
-    for entry in sorted(LAB_REGISTRY.iterdir()):
-        if _session_alive(entry):
-            continue  # a test session running beside this one
-        path = Path(entry.read_text())
-        if path.exists():
-            down = _take_down(path)
-            assert down.returncode == 0, f"a lab left by a killed test session: {down.stdout}{down.stderr}"
-        entry.unlink()
+    if os.geteuid() == 0 and LAB_REGISTRY.is_dir():
+        _take_down_left_labs()
 
 
 @contextmanager
 def emulated_lab(path: Path) -> Iterator[Path]:
     """``path``'s emulated testbed, up for the block, then taken down (links and power undone first).
-    Listed in LAB_REGISTRY while it may exist, so a later session can take it down if this one dies."""
-    LAB_REGISTRY.mkdir(exist_ok=True)
-    entry = LAB_REGISTRY / f"{os.getpid()}-{process_start_ticks(os.getpid())}-{uuid.uuid4().hex[:8]}"
-    entry.write_text(str(path))
-    up = run_cli("emulate", "up", "-i", str(path))
+    Listed in LAB_REGISTRY, under this process's lock, while it may exist, so that a later session can
+    take it down if this one dies."""
+    LAB_REGISTRY.mkdir(parents=True, exist_ok=True)
+    name = uuid.uuid4().hex
+    writing = LAB_REGISTRY / f".{name}"
+    fd = os.open(writing, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # not inherited by run_cli's children
     try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        yield path
+        fcntl.flock(fd, fcntl.LOCK_EX)  # before the entry has its name: no one sees it unlocked
+        os.write(fd, str(path).encode())
+        entry = LAB_REGISTRY / name
+        os.rename(writing, entry)
+        up = run_cli("emulate", "up", "-i", str(path))
+        try:
+            assert up.returncode == 0, up.stdout + up.stderr
+            yield path
+        finally:
+            down = _take_down(path)
+            assert down.returncode == 0, down.stdout + down.stderr
+            entry.unlink()
     finally:
-        down = _take_down(path)
-        assert down.returncode == 0, down.stdout + down.stderr
-        entry.unlink()
+        os.close(fd)
 
 
 def veth_bytes(proc_net_dev: str) -> dict[str, int]:
