@@ -13,8 +13,9 @@ STAMP := $(VENV)/.installed
 SYSTEM_PACKAGES := openssh-server iperf3 iproute2 iptables ethtool iputils-ping libnetfilter-queue-dev gcc sudo
 PYTEST_ARGS ?=
 # Test files run side by side in TEST_WORKERS processes (pytest-xdist), a file's tests in one worker:
-# its labs (name prefix, subnets) and warm fixtures are its own. TEST_WORKERS=0 runs them in this process.
-TEST_WORKERS ?= 3
+# its labs (name prefix, subnets) and warm fixtures are its own, the longest files first (tests/conftest.py:
+# LONGEST_FILES; xdist would order them by their number of tests). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 4
 DEMO_OUT ?= demo-output
 # Network namespaces need root; without it the demo runs the emulated nodes as local processes.
 EMULATE_MODE := $(if $(filter 0,$(shell id -u)),,--mode local)
@@ -46,7 +47,7 @@ lint: $(STAMP)
 	$(BIN)/vermin -q -t=3.8- --violations --no-tips --eval-annotations nodes
 
 test: $(STAMP) system-packages lint
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(STAMP) system-packages
 	$(BIN)/python bench/fanout.py

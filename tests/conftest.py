@@ -217,3 +217,20 @@ def first_in_line(group_name: str) -> Iterator[None]:
         yield
     finally:
         path.write_text(before)
+
+
+# The test files that take longest (minutes each: campaigns on emulated labs), heaviest first. `make test`
+# hands whole files to its workers in collection order, so these go first and the run does not end
+# with one worker alone on a long file while the others idle. Only the order depends on this list.
+LONGEST_FILES = (
+    "test_campaign_run.py", "test_split_workers.py", "test_provision.py", "test_kill_trials.py",
+    "test_disco_campaign.py", "test_target_emulation.py", "test_restricted_sudo.py", "test_input_mutations.py",
+    "test_llms_campaign.py", "test_bounded_waits.py", "test_sudo_rules.py", "test_cocoserve_campaign.py",
+    "test_emulated_phones.py", "test_links.py", "test_context_service_daemon.py", "test_serving_campaign.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first (LONGEST_FILES), the rest in their usual order; a file's tests stay together."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept

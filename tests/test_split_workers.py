@@ -118,6 +118,9 @@ def data_and_mgmt_bytes(inv, node: str) -> dict[str, int]:
         return veth_bytes(t.run(["cat", "/proc/net/dev"]).check().stdout)
 
 
+RATE_B_S = {"mid": 4e6, "narrow": 1e6}  # the profiles the lab fixture adds
+
+
 def test_ttft_grows_with_the_upload_time_as_the_link_narrows(lab, tmp_path):
     """Three devices, P=2, prompts of a few hundred tokens: TTFT follows the hidden-state upload."""
     inv = load_lab(lab)
@@ -148,15 +151,21 @@ def test_ttft_grows_with_the_upload_time_as_the_link_narrows(lab, tmp_path):
             "network_median_s": statistics.median(r["prefill"]["network_s"] for r in requests),
             "upload_bytes_median": statistics.median(r["prefill"]["upload_bytes"] for r in requests),
             "prompt_tokens": sorted({r["prompt_tokens"] for r in requests}),
+            # each upload's network share against the time its bytes take at the link's rate
+            "network_over_upload_time_min": min(
+                r["prefill"]["network_s"] * RATE_B_S[profile] / r["prefill"]["upload_bytes"] for r in requests
+            ) if profile else None,
         }
     (tmp_path / "ttft_by_rate.json").write_text(json.dumps(table, indent=1))
     print(json.dumps(table, indent=1))
-    narrow_s = table["narrow"]["upload_bytes_median"] / 1e6  # seconds at 1 MB/s
-    # The network share (round trip minus server residence, one clock) grows with 1/rate; TTFT grows
-    # by at least the upload time. TTFT at 'mid' is not compared: its 0.1 s upload is within the
-    # run-to-run spread of compute on these CPU quotas.
-    assert table[None]["network_median_s"] < table["mid"]["network_median_s"] < table["narrow"]["network_median_s"]
-    assert table["narrow"]["network_median_s"] >= 0.6 * narrow_s
+    narrow_s = table["narrow"]["upload_bytes_median"] / RATE_B_S["narrow"]
+    # The network share (round trip minus server residence, one clock) is never shorter than the
+    # upload at the link's rate (less a burst's worth), however loaded the machine: load only adds. It
+    # is not compared between 'mid' and no shaping, nor TTFT at 'mid': mid's ~0.1 s upload is within
+    # what a loaded machine adds to a round trip (0.21 s measured once with no shaping).
+    for profile in ("mid", "narrow"):
+        assert table[profile]["network_over_upload_time_min"] >= 0.6, profile
+    assert table[None]["network_median_s"] < table["narrow"]["network_median_s"]
     assert table["narrow"]["ttft_median_s"] - table[None]["ttft_median_s"] >= 0.6 * narrow_s
 
 
