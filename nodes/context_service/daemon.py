@@ -288,11 +288,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                       "recompute_paced": settings.recompute_pace is not None}), flush=True)  # fmt: skip
     stop.wait(args.max_seconds)
     server.shutdown()
-    with service._turn:  # the call in flight ends first
+    with service._turn:  # the call in flight ends first; calls still waiting for their turn never run
         server.server_close()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(args.socket)
-    return 0
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(args.socket)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Every call is committed or rolled back and saved. Handler threads may still be waiting for
+        # the turn or on a stalled client; the interpreter's teardown with them alive can abort inside
+        # torch ("terminate called without an active exception", exit -6, seen once under load), so
+        # the process ends here, with them.
+        os._exit(0)
 
 
 if __name__ == "__main__":
