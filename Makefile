@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # Test files run side by side in TEST_WORKERS processes (pytest-xdist), a file's tests in one worker:
 # its labs (name prefix, subnets) and warm fixtures are its own, the longest files first (tests/conftest.py:
 # LONGEST_FILES; xdist would order them by their number of tests). TEST_WORKERS=0 runs them in this process.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 DEMO_OUT ?= demo-output
 # Network namespaces need root; without it the demo runs the emulated nodes as local processes.
 EMULATE_MODE := $(if $(filter 0,$(shell id -u)),,--mode local)
