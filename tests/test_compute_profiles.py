@@ -193,18 +193,24 @@ def test_back_to_back_steps_chain_so_a_sleeps_lateness_does_not_pile_up(tmp_path
 
 def test_a_step_whose_sleep_wakes_late_overran_too(tmp_path, monkeypatch):
     """A rank throttled or preempted while it waits out a step ends it late although its computation
-    kept up: the step lasted longer than modeled, so it is an overrun with its lateness logged."""
+    kept up: the step lasted longer than modeled, so it is an overrun with its lateness logged. On a
+    clock of the test's own (a loaded machine's real sleeps wake late by themselves)."""
     import types
 
     import nodes.workers.pacing as pacing
 
+    now, late_s = [1000.0], [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds + late_s[0]
+
+    monkeypatch.setattr(pacing, "time", types.SimpleNamespace(monotonic=lambda: now[0], sleep=sleep))
     pacer = Pacer(rates("agx-orin", "MAXN"), VICUNA_7B)
-    pacer.start(str(tmp_path / "steps.csv"), {"role": "test"}, time.monotonic())
-    pacer.pace("device_layers", time.monotonic(), 0.01, 2, [(1, 50)])  # on time
-    throttled = types.SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: time.sleep(s + 0.015))
-    monkeypatch.setattr(pacing, "time", throttled)
+    pacer.start(str(tmp_path / "steps.csv"), {"role": "test"}, now[0])
+    pacer.pace("device_layers", now[0], 0.01, 2, [(1, 50)])  # on time
+    late_s[0] = 0.015  # throttled from here on
     pacer.unchain()
-    pacer.pace("device_layers", time.monotonic(), 0.01, 2, [(1, 50)])  # wakes 15 ms late: 150% of the step
+    pacer.pace("device_layers", now[0], 0.01, 2, [(1, 50)])  # wakes 15 ms late: 150% of the step
     pacer.close()
     frame = pd.read_csv(tmp_path / "steps.csv", comment="#")
     assert frame["overrun"].tolist() == [0, 1] and pacer.overruns == 1
