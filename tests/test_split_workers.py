@@ -37,11 +37,15 @@ PROMPTS = [
 ]
 
 
+RATE_B_S = {"narrow": 1e6, "mid": 4e6}  # the link profiles the lab adds, in bytes per second
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory):
     directory = tmp_path_factory.mktemp("split")
     path = emulated_inventory(directory, PREFIX, 218)
-    path.write_text(path.read_text().replace("link_profiles:\n", "link_profiles:\n  narrow: {rate: 1MBps}\n  mid: {rate: 4MBps}\n"))
+    profiles = "".join(f"  {name}: {{rate: {rate / 1e6:g}MBps}}\n" for name, rate in RATE_B_S.items())
+    path.write_text(path.read_text().replace("link_profiles:\n", "link_profiles:\n" + profiles))
     with emulated_lab(path):
         yield path
 
@@ -117,9 +121,6 @@ def test_every_method_emits_the_tokens_of_single_process_generation(lab, referen
 def data_and_mgmt_bytes(inv, node: str) -> dict[str, int]:
     with open_transport(inv, inv.node(node)) as t:
         return veth_bytes(t.run(["cat", "/proc/net/dev"]).check().stdout)
-
-
-RATE_B_S = {"mid": 4e6, "narrow": 1e6}  # the profiles the lab fixture adds
 
 
 def test_ttft_grows_with_the_upload_time_as_the_link_narrows(lab, tmp_path):

@@ -9,6 +9,7 @@ from typing import Iterator, NamedTuple
 
 SERVICE_DIR = "llm-service"
 SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+PROC_FDS = "/proc/self/fd"  # a longer path is reached through its directory's descriptor here (Linux)
 
 
 class ServiceFiles(NamedTuple):
@@ -52,8 +53,6 @@ def socket_problem(path: str) -> str:
             path, len(path.encode()), SOCKET_PATH_MAX)
     return ""
 
-
-PROC_FDS = "/proc/self/fd"
 
 
 @contextlib.contextmanager
