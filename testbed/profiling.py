@@ -3,7 +3,7 @@
 The node times its steps (``python -m nodes.workers.profile_engine``: prompt steps, decode steps
 against batch and context, LM head steps, for several layer counts). The fit finds the roofline's
 effective bandwidth and throughput and its fixed costs (per step, per layer) that best explain the
-medians (least squares on log time, Nelder-Mead, for each knee sharpness in :data:`SHARPNESSES`).
+points' times (least squares on log time, Nelder-Mead, for each knee sharpness in :data:`SHARPNESSES`).
 The result is written as a profile file (with the hardware's peak from its existing profile when it
 has one, so the efficiencies are shares of that peak) beside its raw measurements.
 
@@ -46,7 +46,7 @@ class Measurement:
     context_tokens: int
     seconds: float
     overruns: int | None = None  # paced: repetitions that overran (they measured this machine)
-    clean_reps: int | None = None  # paced: repetitions that did not (the median is theirs)
+    clean_reps: int | None = None  # paced: repetitions that did not (the point is their fastest)
 
     @property
     def usable(self) -> bool:

@@ -317,6 +317,40 @@ def test_fitting_measurements_of_a_known_profile_gives_it_back():
     assert fit_profile(spoiled, VICUNA_7B, truth.mem_bw_gbps, truth.peak_tflops).excluded == 1
 
 
+def test_a_paced_point_is_its_fastest_clean_repetition_and_an_unpaced_one_its_median():
+    """Load only lengthens a paced step (it never ends before its due time), so a paced point keeps
+    its fastest clean repetition; a repetition that overran is run again, a bounded number of times."""
+    from nodes.workers.profile_engine import RETRIES_PER_REP, _measure
+
+    def timed(extra_s: list[float], overran: list[bool]):
+        runs = {"n": 0, "violations": 0}
+
+        def step(_: object) -> None:
+            i = runs["n"]
+            time.sleep(extra_s[i])
+            runs["violations"] += overran[i]
+            runs["n"] += 1
+
+        return step, (lambda: runs["violations"]), runs
+
+    late = [0.0, 0.030, 0.001, 0.020, 0.050]  # warm-up, then three clean runs with load on two of them
+    step, violated, _ = timed(late, [False] * 5)
+    paced, clean, overran = _measure(lambda: None, step, 3, lambda: None, violated, paced=True)
+    assert (clean, overran) == (3, 0) and paced < 0.015  # the unloaded run's time, not 0.020
+    step, violated, _ = timed(late, [False] * 5)
+    unpaced, _, _ = _measure(lambda: None, step, 3, lambda: None, violated, paced=False)
+    assert 0.015 < unpaced < 0.030  # the median: the 0.020 s run
+    # a repetition that overran is not kept and is run again
+    step, violated, runs = timed([0.0, 0.001, 0.040, 0.001, 0.002], [False, False, True, False, False])
+    seconds, clean, overran = _measure(lambda: None, step, 3, lambda: None, violated, paced=True)
+    assert (clean, overran, runs["n"]) == (3, 1, 5) and seconds < 0.020
+    # every run overran: bounded retries, and the point gives the late runs' fastest
+    forever = 1 + 2 * (1 + RETRIES_PER_REP)
+    step, violated, runs = timed([0.001] * forever, [True] * forever)
+    _, clean, overran = _measure(lambda: None, step, 2, lambda: None, violated, paced=True)
+    assert clean == 0 and runs["n"] == forever and overran == forever - 1
+
+
 def test_hats_full_lab_has_30_boards_each_with_a_profile_for_every_mode():
     from testbed.inventory import load_inventory
     from testbed.target_emulation import node_profile, resolve_node

@@ -179,7 +179,7 @@ def test_profile_gives_back_the_profile_a_node_is_paced_with_and_fits_the_real_e
     assert fitted.hardware == "agx-orin"
     measured = json.loads((tmp_path / "paced.measurements.json").read_text())
     assert len(measured["measurements"]) == result["points"] + result["excluded_points"]
-    # a repetition that overran (computation, or a late wake under load) is not in its point's median
+    # a repetition that overran (computation, or a late wake under load) is not in its point's time
     # and is run again, a bounded number of times; a point is left out only when no repetition was clean
     from nodes.workers.profile_engine import RETRIES_PER_REP
 

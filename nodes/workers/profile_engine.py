@@ -14,8 +14,11 @@ and ``--rates`` (a target model's shape and a compute profile's mode, as a run c
 every step is paced as a run paces it, so what is measured is the emulation (``testbed profile``'s
 self-check); repetitions that overran (the real computation took longer than its target, or the
 rank woke late from its wait) measure this machine, so they are run again (a bounded number of
-times), the median is of the clean ones, and the point says how many overran (``overruns``) and how
-many were clean (``clean_reps``).
+times), and the point says how many overran (``overruns``) and how many were clean (``clean_reps``).
+A paced point gives the fastest of its clean repetitions, not their median: a paced step never ends
+before its due time (less one sleep's advance, at most 0.25 ms), and a clean one may still end up to
+``late_tolerance_s`` after it (0.5 ms: a fifth of a 2.5 ms step), so the machine's load can only
+lengthen a repetition, and the fastest one measures the pacing.
 
 Prints one JSON object per line, then ``{"done": true, ...}``.
 """
@@ -46,13 +49,14 @@ RETRIES_PER_REP = 3  # a paced point runs again this many times per repetition t
 
 
 def _measure(prepare: Callable[[], Any], step: Callable[[Any], Any], reps: int, sync: Callable[[], None],
-             violated: Callable[[], int]) -> Tuple[float, int, int]:  # fmt: skip
-    """Median seconds of ``step(prepare())`` over ``reps`` clean runs after one to warm up (``prepare``
+             violated: Callable[[], int], paced: bool) -> Tuple[float, int, int]:  # fmt: skip
+    """Seconds of ``step(prepare())`` over ``reps`` clean runs after one to warm up (``prepare``
     untimed: fresh caches every run), and how many runs ``violated`` (a paced step that overran: it
     measured a hiccup of this machine, not the profile). A run that overran is run again, at most
     :data:`RETRIES_PER_REP` times for each repetition, so that a moment of load on the machine does not
-    take a point out of the fit; the median is of the clean runs, of the late ones only if none was.
-    Returns (median seconds, clean runs, runs that overran)."""
+    take a point out of the fit. The median of the clean runs, or their minimum when ``paced`` (load
+    only lengthens a paced step); of the late ones only if none was clean.
+    Returns (seconds, clean runs, runs that overran)."""
     clean, late = [], []  # type: List[float], List[float]
     runs = 0
     while len(clean) < reps and runs <= reps * (1 + RETRIES_PER_REP):
@@ -65,7 +69,8 @@ def _measure(prepare: Callable[[], Any], step: Callable[[Any], Any], reps: int, 
         if runs:  # the first run warms up
             (late if violated() > before else clean).append(time.monotonic() - started)
         runs += 1
-    return statistics.median(clean or late), len(clean), len(late)
+    kept = clean or late
+    return (min(kept) if paced else statistics.median(kept)), len(clean), len(late)
 
 
 class _Profiler:
@@ -101,8 +106,8 @@ class _Profiler:
                 pacer.unchain()
                 return inputs
 
-        seconds, clean, overruns = _measure(prepare, step, self.args.reps, self.sync,
-                                            lambda: pacer.overruns if pacer is not None else 0)  # fmt: skip
+        violated = (lambda: pacer.overruns) if pacer is not None else (lambda: 0)
+        seconds, clean, overruns = _measure(prepare, step, self.args.reps, self.sync, violated, pacer is not None)
         self.emit({"op": op, "layers": layers, "tokens": tokens, "sequences": sequences, "context_tokens": context,
                    "seconds": seconds, "overruns": overruns if pacer is not None else None,
                    "clean_reps": clean if pacer is not None else None})  # fmt: skip
@@ -173,7 +178,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch", default="1,8,32", help="sequences of the decode steps")
     parser.add_argument("--context", default="0,512,2048", help="context tokens of the decode steps")
     parser.add_argument("--head", default="1,8,64", help="rows of the LM head steps")
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median; paced: fastest)")
     parser.add_argument("--target", help="target model shape (JSON): pace every step")
     parser.add_argument("--rates", help="with --target: the compute profile mode (JSON) to pace with")
     parser.add_argument("--dilation", type=float, default=1.0, help="with --target: the dilation")

@@ -54,7 +54,8 @@ def profile(
                                             "this factor, so that this machine keeps up.")] = 1.0,
     grid: Annotated[str, typer.Option("--grid", help="quick (a minute) or full (new tokens to 2048, batch to "
                                       "64, context to 4096, 1-4 layers).")] = "quick",
-    reps: Annotated[int, typer.Option("--reps", help="Timed repetitions per point (the median is kept).")] = 3,
+    reps: Annotated[int, typer.Option("--reps", help="Timed repetitions per point (the median is kept; with "
+                                      "--target the fastest clean one: load only lengthens a paced step).")] = 3,
     device: Annotated[str, typer.Option("--device", help="Where the node runs the engine: cpu or cuda.")] = "cpu",
     dtype: Annotated[str, typer.Option("--dtype", help="float32, float16, bfloat16 or auto.")] = "auto",
     out_path: Annotated[Path | None, typer.Option("--out", help="Profile file to write (default: "
