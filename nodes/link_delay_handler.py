@@ -402,6 +402,14 @@ def start(directory):
             tail = f.read()[-1500:]
     except OSError:
         tail = ""
+    if time.monotonic() <= deadline:  # it ended (or was ended) before binding: say what the pidfile said
+        try:
+            with open(files["pid"]) as f:
+                tail += "\n(ended before it was ready; its pidfile: %s)" % f.read().strip()
+        except OSError:
+            pass
+    else:
+        tail += "\n(not ready after %.0f s)" % READY_S
     stop(directory, quiet=True)
     sys.stderr.write("the delay handler did not bind its queues: %s\n" % (tail.strip() or "no output"))
     return FAILED
@@ -417,6 +425,11 @@ def _daemon(files):
     os.closerange(3, 1024)
     os.chdir("/")
     os.umask(0o022)
+    # until serve() installs its handler, a reload order (SIGHUP) must not end the handler silently
+    # (SIGHUP's default action); the log's first line says the daemon began
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    sys.stderr.write("handler %d starting\n" % os.getpid())
+    sys.stderr.flush()
     _write(files["pid"], "%d %s\n" % (os.getpid(), _start_ticks(os.getpid())))
     try:
         serve(files["config"], files["stats"])

@@ -247,11 +247,14 @@ def nfqueue_path_checks(inventory: Path, f: Path) -> None:
     rows = {(r.source, r.destination): r for r in tries[-1]}
     assert all(r.within_tolerance for r in rows.values()), tries
     there_and_back = rows[("orin", "server")]
-    assert there_and_back.measured_rtt_ms == pytest.approx(20, abs=1.0), there_and_back
+    # 10 ms each way: never shorter (above); load only lengthens it, within verify's tolerance (1 ms +
+    # 10%, asserted above: 21.9 ms was measured beside a spin loop and three test workers); how close a
+    # quiet machine comes is bench/link_delay.py's
+    assert there_and_back.measured_rtt_ms >= 19.0, there_and_back
     assert there_and_back.measured_rate_bit_s == pytest.approx(40e6, rel=0.10)
     lossy = rows[("server", "xavier")]
     assert lossy.loss_pct == pytest.approx(10, abs=3.5) and lossy.loss_packets >= 900, lossy
-    assert lossy.measured_rtt_ms == pytest.approx(5, abs=1.0), lossy  # the way back has no delay
+    assert 4.0 <= lossy.measured_rtt_ms < 9.0, lossy  # 5 ms one way (10 if the way back were delayed too)
     # the same links again: every node already holds its rules and a handler with the same queues
     pids = sorted(handler_pids())
     again = apply_plans(inv, compile_plan(inv, links_from_file(inv, f)))
