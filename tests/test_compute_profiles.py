@@ -157,10 +157,14 @@ def test_a_paced_step_takes_its_target_time_and_an_overrun_is_counted(tmp_path):
     rows = [line.split(",") for line in (tmp_path / "steps.csv").read_text().splitlines() if not line.startswith("#")]
     assert rows[0][:3] == ["ts_s", "op", "layers"]
     steps = pd.read_csv(tmp_path / "steps.csv", comment="#")
-    assert steps["overrun"].tolist() == [int(late) for late in steps["late_s"].iloc[:5] > 0.0005] + [1]
-    assert pacer.overruns == late_wakes + 1 and steps["real_s"].iloc[-1] > 0.001
+    # a step overran when it woke late or when what ran before its pacing (here only the call itself: a
+    # preemption under load) took longer than its target; the last one computed for 20 ms
+    computed_over = (steps["real_s"] > steps["target_s"]).astype(int)
+    woke_late = (steps["late_s"] > 0.0005).astype(int)
+    assert steps["overrun"].tolist() == (woke_late | computed_over).iloc[:5].tolist() + [1]
+    assert computed_over.iloc[-1] == 1 and pacer.overruns == late_wakes + 1 and steps["real_s"].iloc[-1] > 0.001
     shares = violation_shares(steps.assign(node="orin"))
-    assert shares[["steps", "overruns", "computed_over"]].iloc[0].tolist() == [6, late_wakes + 1, 1]
+    assert shares[["steps", "overruns", "computed_over"]].iloc[0].tolist() == [6, late_wakes + 1, computed_over.sum()]
 
 
 def test_back_to_back_steps_chain_so_a_sleeps_lateness_does_not_pile_up(tmp_path, monkeypatch):
