@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -81,6 +82,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renaming past_key_values
     model = PACKAGED["smollm2-135m"]
     gguf = cache_dir() / Path(model.member).name
     started = time.monotonic()
