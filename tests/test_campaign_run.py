@@ -174,6 +174,8 @@ def test_warm_runs_compute_what_cold_runs_do_and_leave_the_nodes_set_only_betwee
     assert (first["workers"]["start"], second["workers"]["start"]) == ("cold", "warm")
     assert first["workers"]["pool"] == second["workers"]["pool"] and second["workers"]["runs_before"] == 1
     assert all(rank["reused"] and not rank["loaded"] for rank in second["workers"]["ranks"])
+    # each rank's memory, measured at its run's end: resident, and its proportional share of what it maps
+    assert all(0 < rank["memory"]["pss_kb"] <= rank["memory"]["rss_kb"] for rank in second["workers"]["ranks"])
     # link.profile shapes every link of the inventory, so every node holds shaping for the next run
     assert first["restore"]["kept_for_next_run"] == {"power": ["orin"], "links": ["orin", "orin-nx", "server", "xavier"]}
     assert first["power"]["set"] == {"orin": "MODE_50W"} and second["power"]["unchanged"] == {"orin": "MODE_50W"}

@@ -217,3 +217,49 @@ def test_config_errors_name_the_file_and_field(tmp_path):
         LlamaConfig.load(str(tmp_path))
     with pytest.raises(ConfigError, match="no such file"):
         LlamaConfig.load(str(tmp_path / "missing"))
+
+
+MAPPED_LOADER = """
+import sys
+from nodes.inference.checkpoint import load_whole
+from nodes.workers.run_one import memory_kb
+model = load_whole(sys.argv[1])
+touched = sum(float(p.float().sum()) for p in model.parameters())  # as inference reads them: every page
+with open("/proc/self/smaps") as handle:
+    lines = handle.read().splitlines()
+rss = pss = 0
+inside = False
+for line in lines:
+    head = line.split()
+    if "-" in head[0] and len(head) >= 5:  # a mapping's first line: inside when it maps the weights file
+        inside = line.endswith("model.safetensors")
+    elif inside and head[0] in ("Rss:", "Pss:"):
+        rss, pss = (rss + int(head[1]), pss) if head[0] == "Rss:" else (rss, pss + int(head[1]))
+print(rss, pss, memory_kb()["pss_kb"], flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_ranks_on_one_host_share_the_weights_pages_of_a_checkpoint(tmp_path):
+    """The weights are mapped from model.safetensors, not copied: two processes loading the same
+    checkpoint each count half of its resident pages in their proportional set size."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    checkpoint = str(REPO / "examples" / "models" / "tiny")
+    processes = [subprocess.Popen([sys.executable, "-c", MAPPED_LOADER, checkpoint], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, cwd=REPO) for _ in range(2)]  # fmt: skip
+    try:
+        first = [int(v) for v in processes[0].stdout.readline().split()]
+        # the first loaded alone: its weights' pages are its own; with the second loaded, they are shared
+        second = [int(v) for v in processes[1].stdout.readline().split()]
+        weights_kb = sum(p.stat().st_size for p in (REPO / "examples/models/tiny").glob("*.safetensors")) / 1024
+        rss, pss, total_pss = second
+        assert rss >= 0.9 * weights_kb  # every weight is read, through the mapping
+        assert pss <= 0.6 * rss and total_pss > pss  # half of the pages counted to each process
+        assert first[0] >= 0.9 * weights_kb
+    finally:
+        for process in processes:
+            process.communicate("\n", timeout=30)

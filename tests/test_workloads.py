@@ -481,3 +481,48 @@ def test_a_schedule_draws_each_requests_output_length_and_speed() -> None:
         WorkloadSpec(output_lengths="none").problems()
     assert any(field == "qoe_draw" for field, _ in WorkloadSpec(qoe="custom", expected_ttft_s=1.0,
                                                                  expected_tds_tok_s=4.0, qoe_draw=True).problems())
+
+
+# -- task prompts for a pretrained model ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    from testbed.models.packaged import PACKAGED, up_to_date
+
+    model = PACKAGED["smollm2-135m"]
+    if not up_to_date(model):
+        pytest.fail(f"SmolLM2-135M is not imported; fetch it: {model.fetch_command}")
+    return model.directory
+
+
+def test_a_pretrained_model_gets_tasks_over_prose_of_exactly_the_drawn_lengths_in_its_chat_template(smollm2):
+    from workloads.task_prompts import CATEGORIES, prose_corpus
+
+    prompts = draw_prompts("specbench", count=240, seed=5, model_dir=smollm2, max_new_tokens=64)
+    drawn = draw_prompt_lengths("specbench", count=240, seed=5, max_prompt_tokens=8192 - 64)
+    tokenizer = load_tokenizer(smollm2)
+    start, assistant = tokenizer.encode("<|im_start|>system\n"), tokenizer.encode("<|im_start|>assistant\n")
+    categories = [p.source.split(":")[1] for p in prompts]
+    for p, length in zip(prompts, drawn, strict=True):
+        assert len(p.prompt_ids) == p.prompt_tokens
+        assert list(p.prompt_ids[: len(start)]) == start and list(p.prompt_ids[-len(assistant) :]) == assistant
+        if p.source.endswith(":short-question"):  # a draw shorter than the task's fixed part
+            assert length <= p.prompt_tokens <= 64
+        else:
+            assert p.prompt_tokens == length
+    # SpecBench's Gamma puts a sixth of its draws below SmolLM2's chat template with its system prompt
+    assert sum(s.endswith(":short-question") for s in (p.source for p in prompts)) < 0.25 * len(prompts)
+    # the six categories in about equal shares; short draws take the shortest instruction ("explain")
+    drawn_categories = [c for c in categories if c in CATEGORIES]
+    assert all(drawn_categories.count(c) >= 0.6 * len(drawn_categories) / 6 for c in CATEGORIES), categories
+    # the text is the reference's prose, named by its digest; the same seed gives the same prompts
+    assert all(p.source.split(":")[3] == f"prose-{prose_corpus().sha256[:12]}" for p in prompts)
+    assert "statement" in " ".join(p.text for p in prompts) and "def " not in prompts[0].text[:20]
+    again = draw_prompts("specbench", count=240, seed=5, model_dir=smollm2, max_new_tokens=64)
+    assert [p.prompt_ids for p in again] == [p.prompt_ids for p in prompts]
+    articles = draw_prompts("cnndm", count=30, seed=5, model_dir=smollm2, max_new_tokens=64)
+    assert all(p.source.startswith("cnndm:article:") and "Summarize the following article." in p.text
+               for p in articles)  # fmt: skip
+    # the tiny model, trained here on code, still reads held-out code
+    assert ".py:" in draw_prompts("specbench", count=1, seed=5, model_dir=TINY, max_new_tokens=8)[0].source

@@ -4,8 +4,11 @@ A prompt set is one of
 
 - ``tiny-python``: real text for the tiny model, snippets of the standard-library files its
   training held out (:mod:`workloads.corpus`), 32 to 256 tokens (uniform);
-- ``specbench``, ``cnndm``, ``alpaca``, ``sharegpt``: synthetic sets whose prompt *lengths* follow
-  published statistics (table below), filled with the same held-out text;
+- ``specbench``, ``cnndm``, ``alpaca``, ``sharegpt``: sets whose prompt *lengths* follow published
+  statistics (table below), filled with the same held-out text for a model trained here (its
+  ``training.json``), and for a pretrained one (SmolLM2, Vicuna) with tasks over English prose in the
+  model's chat template (:mod:`workloads.task_prompts`: SpecBench's six categories, CNN/DM-like
+  summaries);
 - ``file:<path>``: a user's prompts, JSON lines or CSV (see :func:`load_prompt_file`).
 
 Every prompt is tokenized here with the model's tokenizer (BOS as the tokenizer adds it) and cut to
@@ -42,6 +45,7 @@ counts of the model at hand.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -55,6 +59,7 @@ import numpy as np
 
 from foundation.errors import InputError, InputProblem, TestbedError
 from workloads.corpus import Corpus, held_out_corpus, held_out_every
+from workloads.task_prompts import ChatRenderer, chat_template, draw_category, task_prompt
 from workloads.tokenizer import PromptTokenizer, load_tokenizer
 
 MAX_PROMPTS = 100_000
@@ -184,6 +189,8 @@ def draw_prompts(
         overrides = max_new_tokens_per_request
         return _file_prompts(prompt_set, model, rng, count, outputs, prompt_tokens, overrides, base_dir)
     lengths = _lengths(prompt_set, rng, count, model.min_prompt_tokens, math.inf)
+    if prompt_set in LENGTH_MODELS and not model.trained_here:  # a pretrained model reads tasks over prose
+        return _task_prompts(prompt_set, model, rng, lengths, prompt_tokens, outputs)
     corpus = held_out_corpus(model.held_out_every)
     out = []
     for i in range(count):
@@ -252,6 +259,8 @@ class _Model:
     tokenizer: PromptTokenizer
     context_tokens: int
     held_out_every: int
+    trained_here: bool  # by scripts/train_tiny.py (its training.json): it reads the held-out code
+    chat_template: str | None
 
     @property
     def add_bos(self) -> bool:
@@ -270,7 +279,30 @@ def _model(directory: str) -> _Model:
         context = int(config["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise TestbedError(f"{config_path}: cannot read max_position_embeddings ({error})") from None
-    return _Model(directory, load_tokenizer(directory), context, held_out_every(directory))
+    settings = {}
+    with contextlib.suppress(OSError, ValueError):
+        settings = json.loads((Path(directory) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    trained_here = (Path(directory) / "training.json").is_file()
+    return _Model(directory, load_tokenizer(directory), context, held_out_every(directory), trained_here,
+                  chat_template(settings if isinstance(settings, dict) else {}))  # fmt: skip
+
+
+def _task_prompts(prompt_set: str, model: _Model, rng: np.random.Generator, lengths: list[int],
+                  prompt_tokens: Sequence[int | None] | None, outputs: list[int]) -> list[Prompt]:  # fmt: skip
+    """Tasks over prose (:mod:`workloads.task_prompts`) of the drawn lengths, in the model's chat template."""
+    renderer = ChatRenderer(model.chat_template)
+    bos = [model.tokenizer.bos_id] if model.add_bos and model.tokenizer.bos_id is not None else []
+    out = []
+    for i, drawn in enumerate(lengths):
+        wanted = drawn if prompt_tokens is None or prompt_tokens[i] is None else prompt_tokens[i]
+        length = min(max(int(wanted), model.min_prompt_tokens), model.context_tokens - outputs[i])
+        made = task_prompt(draw_category(prompt_set, rng), length, rng, lambda t: model.tokenizer.encode(t, bos=False),
+                           model.tokenizer.decode, renderer, bos)  # fmt: skip
+        if len(made.ids) > model.context_tokens - outputs[i]:
+            raise TestbedError(f"prompts: a {len(made.ids)}-token question leaves no room for {outputs[i]} new tokens "
+                               f"in the model's context of {model.context_tokens}")  # fmt: skip
+        out.append(Prompt(made.ids, made.text, len(made.ids), outputs[i], f"{prompt_set}:{made.source}"))
+    return out
 
 
 def _check_count(count: int) -> None:

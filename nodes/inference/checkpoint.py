@@ -4,11 +4,17 @@ A checkpoint directory holds ``config.json`` and the weights as ``model.safetens
 listed in ``model.safetensors.index.json``; ``pytorch_model*.bin`` is read when no safetensors file
 exists (older Vicuna/Llama uploads). Only the tensors a model part needs are read, so a device never
 materialises the server's layers.
+
+A safetensors file is memory-mapped, not read: each tensor is a view of the file's pages (copy on
+write, which inference never does), so the ranks on one host that load the same layers share one copy
+of them in the page cache, and a rank's proportional set size counts its share only.
 """
 
 import glob
 import json
+import mmap
 import os
+import struct
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -61,6 +67,50 @@ def weight_files(directory: str) -> Dict[str, str]:
     return out
 
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own bound on its JSON header
+
+
+def mapped_tensors(path: str, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+    """The named tensors of a safetensors file as views of its pages, mapped copy-on-write (a tensor
+    written in place gets private pages; one only read shares the page cache with every process
+    that maps the same file). The format: an 8-byte little-endian header length, a JSON header of
+    ``{name: {dtype, shape, data_offsets}}``, then the data."""
+    with open(path, "rb") as handle:
+        (header_bytes,) = struct.unpack("<Q", handle.read(8))
+        if header_bytes > MAX_HEADER_BYTES:
+            raise ConfigError("%s: a safetensors header of %d bytes" % (path, header_bytes))
+        header = json.loads(handle.read(header_bytes))
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    start = 8 + header_bytes
+    out: Dict[str, torch.Tensor] = {}
+    for name in names:
+        entry = header[name]
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            message = "%s: tensor %s has dtype %s, which the engine does not load" % (path, name, entry["dtype"])
+            raise ConfigError(message)
+        begin, end = entry["data_offsets"]
+        shape = [int(d) for d in entry["shape"]]
+        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        out[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + begin).reshape(shape)
+    return out
+
+
 def read_tensors(directory: str, names: Iterable[str]) -> Dict[str, torch.Tensor]:
     """Read the named tensors (and only those) from a checkpoint directory, on the CPU."""
     located = weight_files(directory)
@@ -74,11 +124,7 @@ def read_tensors(directory: str, names: Iterable[str]) -> Dict[str, torch.Tensor
     out: Dict[str, torch.Tensor] = {}
     for path, file_names in by_file.items():
         if path.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            with safe_open(path, framework="pt") as handle:
-                for name in file_names:
-                    out[name] = handle.get_tensor(name)
+            out.update(mapped_tensors(path, file_names))
         else:
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             for name in file_names:

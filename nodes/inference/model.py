@@ -22,6 +22,20 @@ from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary
 
 
+def _sdpa_takes_gqa() -> bool:
+    """Whether this torch's scaled_dot_product_attention takes ``enable_gqa`` (2.5 and later; a
+    Jetson's JetPack torch may be older)."""
+    try:
+        q, kv = torch.zeros(2, 1, 4), torch.zeros(1, 1, 4)
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+SDPA_GQA = _sdpa_takes_gqa()
+
+
 class Segment(NamedTuple):
     """One sequence's share of a packed batch: ``tokens`` new positions after ``cache.length``."""
 
@@ -72,16 +86,21 @@ class Attention(nn.Module):
                 query_positions: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
         """q [..., heads, n, d] against k/v [..., kv_heads, total, d]; query i sits at start + i, or at
         ``query_positions[i]`` (queries scattered among the keys: LLMS's interleaved recompute)."""
-        k, v = self._shared_kv(k, v)
+        extra = {}
+        if self.heads != self.kv_heads:
+            if SDPA_GQA:  # the kernel reads each key/value head for its group: no repeated copy
+                extra["enable_gqa"] = True
+            else:
+                k, v = self._shared_kv(k, v)
         n, total = q.shape[-2], k.shape[-2]
         if query_positions is None:
             if n == 1:
-                return F.scaled_dot_product_attention(q, k, v)
+                return F.scaled_dot_product_attention(q, k, v, **extra)
             if start == 0 and total == n:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
             query_positions = torch.arange(start, start + n, device=q.device)
         key_pos = torch.arange(total, device=q.device)[None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_pos <= query_positions[:, None])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_pos <= query_positions[:, None], **extra)
 
     def attend_with_weights(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             start: int) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -5,7 +5,7 @@ the clock origin there, serve or replay, and meet them again at the end."""
 import os
 import threading
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from nodes.contracts.tool_errors import NODE_FAILED
 
@@ -19,6 +19,27 @@ def _overrun(config: RunConfig, rank: int) -> None:
     message = "rank %d: run %s still going %.0f s after its start: ended" % (rank, config.run_id, config.deadline_s)
     mpi_link.say_why(rank, message, os.path.dirname(config.out_dir))
     os._exit(NODE_FAILED)
+
+
+MEMORY_FIELDS = {"Rss": "rss_kb", "Pss": "pss_kb", "Pss_Anon": "pss_anon_kb", "Pss_File": "pss_file_kb",
+                 "Shared_Clean": "shared_clean_kb"}  # fmt: skip
+
+
+def memory_kb() -> Optional[Dict[str, int]]:
+    """This process's memory (measured, from ``/proc/self/smaps_rollup``, Linux 4.14+): resident, and
+    proportional (pages shared with other processes, a checkpoint's mapped weights among them, count
+    their share only); None where the kernel has no such file."""
+    try:
+        with open("/proc/self/smaps_rollup", encoding="ascii") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    out = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        if key in MEMORY_FIELDS and rest.strip().endswith("kB"):
+            out[MEMORY_FIELDS[key]] = int(rest.split()[0])
+    return out or None
 
 
 def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, Any]:
@@ -74,9 +95,9 @@ def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, An
         worker.serve()
     else:
         worker.run()
+    memory = memory_kb()  # before the end barrier: every rank of the run still holds its parts
     mpi_link.barrier(comm)
     if watchdog is not None:
         watchdog.cancel()
-    return dict(
-        {"rank": rank, "role": spec.role, "node": spec.node, "setup_s": round(setup_s, 6)}, **parts.take_report()
-    )
+    report = {"rank": rank, "role": spec.role, "node": spec.node, "setup_s": round(setup_s, 6), "memory": memory}
+    return dict(report, **parts.take_report())

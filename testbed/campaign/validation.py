@@ -22,6 +22,7 @@ from nodes.workers.methods import MethodCheck, method_named
 from testbed.campaign.spec import CampaignSpec, RunSettings, workload_spec
 from testbed.inventory import DirectedLink, Inventory, links_from_file
 from testbed.inventory.schema import power_mode_problem
+from testbed.models.packaged import missing_hint
 
 
 def relative_path(campaign: Path, written: str) -> Path:
@@ -224,7 +225,7 @@ class SettingsChecker:
         directory = relative_path(self.source.path, s.model)
         config = directory / "config.json"
         if not config.is_file():
-            yield "model", f"{s.model}: no config.json there", "give a Hugging Face checkpoint directory"
+            yield "model", f"{s.model}: no config.json there", missing_hint(directory)
             return
         try:
             layers = int(json.loads(config.read_text())["num_hidden_layers"])

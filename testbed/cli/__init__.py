@@ -19,6 +19,7 @@ from testbed.cli import (  # noqa: F401
     emulate,
     inventory,
     link,
+    model,
     power,
     profile,
     provision,

