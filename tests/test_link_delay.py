@@ -315,3 +315,29 @@ def test_a_user_may_stop_only_a_handler_it_started(tmp_path):
         assert (owner.returncode, owner.stdout.strip()) == (0, "stale") and not rundir.exists()
     finally:
         shutil.rmtree(rundir, ignore_errors=True)
+
+
+@pytest.mark.root
+def test_a_handler_that_ends_before_it_is_ready_is_started_once_more_and_its_log_is_kept(tmp_path):
+    """The first handler holds queue 8990; a second one for another directory cannot bind it and
+    ends: its start tries once more, says so, fails naming the handler's own log, and keeps what
+    each attempt left in RUN_ROOT/<hash>.failed-starts."""
+    if os.geteuid() != 0:
+        pytest.fail("binding an NFQUEUE needs root (CI runs the suite as root)")
+    config = json.dumps({"queues": [{"queue_num": 8990, "queue_length": 100, "delay_s": 0.01}]})
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    command = [sys.executable, str(Path(handler.__file__))]
+    evidence = Path(handler.run_dir(second) + ".failed-starts")
+    try:
+        started = subprocess.run([*command, "start", first], input=config, capture_output=True, text=True, timeout=60)
+        assert started.returncode == 0 and started.stdout.startswith("ready "), started.stderr
+        clash = subprocess.run([*command, "start", second], input=config, capture_output=True, text=True, timeout=60)
+        assert clash.returncode == handler.FAILED
+        assert "ended before it was ready" in clash.stderr and "starting it again" in clash.stderr
+        assert "did not bind its queues" in clash.stderr and "handler ended" in clash.stderr, clash.stderr
+        assert len(evidence.read_text().splitlines()) == 2  # both attempts' logs
+        assert not Path(handler.run_dir(second)).exists()  # nothing else left of the failed one
+    finally:
+        for directory in (first, second):
+            subprocess.run([*command, "stop", directory], capture_output=True, timeout=60)
+        evidence.unlink(missing_ok=True)
