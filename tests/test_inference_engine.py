@@ -225,6 +225,8 @@ from nodes.inference.checkpoint import load_whole
 from nodes.workers.run_one import memory_kb
 model = load_whole(sys.argv[1])
 touched = sum(float(p.float().sum()) for p in model.parameters())  # as inference reads them: every page
+print("loaded", flush=True)
+sys.stdin.readline()  # measured once every process has loaded (and touched) the weights
 with open("/proc/self/smaps") as handle:
     lines = handle.read().splitlines()
 rss = pss = 0
@@ -252,14 +254,16 @@ def test_ranks_on_one_host_share_the_weights_pages_of_a_checkpoint(tmp_path):
     processes = [subprocess.Popen([sys.executable, "-c", MAPPED_LOADER, checkpoint], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, cwd=REPO) for _ in range(2)]  # fmt: skip
     try:
-        first = [int(v) for v in processes[0].stdout.readline().split()]
-        # the first loaded alone: its weights' pages are its own; with the second loaded, they are shared
-        second = [int(v) for v in processes[1].stdout.readline().split()]
+        assert [p.stdout.readline().strip() for p in processes] == ["loaded", "loaded"]
+        measured = []
+        for process in processes:  # both hold every page of the weights now
+            process.stdin.write("\n")
+            process.stdin.flush()
+            measured.append([int(v) for v in process.stdout.readline().split()])
         weights_kb = sum(p.stat().st_size for p in (REPO / "examples/models/tiny").glob("*.safetensors")) / 1024
-        rss, pss, total_pss = second
-        assert rss >= 0.9 * weights_kb  # every weight is read, through the mapping
-        assert pss <= 0.6 * rss and total_pss > pss  # half of the pages counted to each process
-        assert first[0] >= 0.9 * weights_kb
+        for rss, pss, total_pss in measured:
+            assert rss >= 0.9 * weights_kb  # every weight is read, through the mapping
+            assert pss <= 0.6 * rss and total_pss > pss  # half of the pages counted to each process
     finally:
         for process in processes:
             process.communicate("\n", timeout=30)
