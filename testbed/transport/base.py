@@ -186,7 +186,11 @@ kill -TERM "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null
 i=0
 while alive && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done
 if alive; then state=killed; else state=stopped; fi
-kill -KILL "-$pid" 2>/dev/null
+# what is left of its process group, unless the pid (and so the group id) is another process's now:
+# a group id is free again once its leader and members are gone, and a recycled one may be a new
+# session's (an SSH command's, a detached handler's)
+now=$({_starttime("$pid")})
+if [ -z "$now" ] || [ "$now" = "$start" ]; then kill -KILL "-$pid" 2>/dev/null; fi
 i=0
 while alive && [ $i -lt 20 ]; do sleep 0.1; i=$((i+1)); done
 if alive; then
