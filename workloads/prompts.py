@@ -45,7 +45,6 @@ counts of the model at hand.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
@@ -59,7 +58,7 @@ import numpy as np
 
 from foundation.errors import InputError, InputProblem, TestbedError
 from workloads.corpus import Corpus, held_out_corpus, held_out_every
-from workloads.task_prompts import ChatRenderer, chat_template, draw_category, task_prompt
+from workloads.task_prompts import ChatRenderer, draw_category, task_prompt
 from workloads.tokenizer import PromptTokenizer, load_tokenizer
 
 MAX_PROMPTS = 100_000
@@ -260,7 +259,6 @@ class _Model:
     context_tokens: int
     held_out_every: int
     trained_here: bool  # by scripts/train_tiny.py (its training.json): it reads the held-out code
-    chat_template: str | None
 
     @property
     def add_bos(self) -> bool:
@@ -279,18 +277,14 @@ def _model(directory: str) -> _Model:
         context = int(config["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise TestbedError(f"{config_path}: cannot read max_position_embeddings ({error})") from None
-    settings = {}
-    with contextlib.suppress(OSError, ValueError):
-        settings = json.loads((Path(directory) / "tokenizer_config.json").read_text(encoding="utf-8"))
     trained_here = (Path(directory) / "training.json").is_file()
-    return _Model(directory, load_tokenizer(directory), context, held_out_every(directory), trained_here,
-                  chat_template(settings if isinstance(settings, dict) else {}))  # fmt: skip
+    return _Model(directory, load_tokenizer(directory), context, held_out_every(directory), trained_here)
 
 
 def _task_prompts(prompt_set: str, model: _Model, rng: np.random.Generator, lengths: list[int],
                   prompt_tokens: Sequence[int | None] | None, outputs: list[int]) -> list[Prompt]:  # fmt: skip
     """Tasks over prose (:mod:`workloads.task_prompts`) of the drawn lengths, in the model's chat template."""
-    renderer = ChatRenderer(model.chat_template)
+    renderer = ChatRenderer(model.tokenizer.chat_template)
     bos = [model.tokenizer.bos_id] if model.add_bos and model.tokenizer.bos_id is not None else []
     out = []
     for i, drawn in enumerate(lengths):

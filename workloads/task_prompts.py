@@ -27,7 +27,6 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import numpy as np
 
@@ -201,8 +200,3 @@ def _fixed_parts(task: _Task, length: int, encode: Callable[[str], list[int]], r
 
 def draw_category(prompt_set: str, rng: np.random.Generator) -> str:
     return "article" if prompt_set == "cnndm" else CATEGORIES[int(rng.integers(len(CATEGORIES)))]
-
-
-def chat_template(settings: dict[str, Any]) -> str | None:
-    template = settings.get("chat_template")
-    return template if isinstance(template, str) and template.strip() else None

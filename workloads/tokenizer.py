@@ -27,6 +27,7 @@ class PromptTokenizer:
     tokenizer: Tokenizer
     bos_id: int | None
     add_bos: bool
+    chat_template: str | None = None  # tokenizer_config.json's, for a chat model
 
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; the BOS id first when the checkpoint asks for one (or ``bos`` says so)."""
@@ -53,7 +54,9 @@ def load_tokenizer(directory: str | Path) -> PromptTokenizer:
     settings = _read_json(Path(directory) / "tokenizer_config.json")
     bos_id = _bos_id(tokenizer, settings, _read_json(Path(directory) / "config.json"))
     add_bos = bool(settings.get("add_bos_token", bos_id is not None)) and bos_id is not None
-    return PromptTokenizer(directory, tokenizer, bos_id, add_bos)
+    template = settings.get("chat_template")
+    chat_template = template if isinstance(template, str) and template.strip() else None
+    return PromptTokenizer(directory, tokenizer, bos_id, add_bos, chat_template)
 
 
 def _bos_id(tokenizer: Tokenizer, settings: dict, config: dict) -> int | None:

@@ -17,7 +17,6 @@ taken; anything else is refused with the key that says why. The controller runs 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import TestbedError
+from testbed.weights import file_sha256
 
 CONVERTER_VERSION = 1  # bump when the files written for the same GGUF change
 
@@ -70,14 +70,6 @@ class Imported:
     tensors: int
     parameters: int
     gguf_sha256: str
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _reader(path: Path) -> Any:
