@@ -83,19 +83,32 @@ def run_dir_script(directory_word: str) -> str:
     return f"printf '%s/%s' {RUN_ROOT} \"$(printf %s {directory_word} | sha256sum | cut -c1-16)\""
 
 
+def launcher_python_script(launcher: str) -> str:
+    """sh that prints the Python an installed launcher runs (empty for a launcher not ours)."""
+    return f"sed -n 's/^exec \\([^ ]*\\) -I .*/\\1/p' {launcher} 2>/dev/null"
+
+
 def installed_test() -> str:
-    """A shell test that succeeds where this checkout's handler is installed."""
-    return f"[ -x {shlex.quote(launcher_path())} ]"
+    """A shell test that succeeds where this checkout's handler is installed and the Python its launcher
+    runs is still there (a launcher another checkout installed outlives that checkout's venv)."""
+    launcher = shlex.quote(launcher_path())
+    return f'[ -x {launcher} ] && [ -x "$({launcher_python_script(launcher)})" ]'
 
 
 def install_script(source: str, python: str, lib: str = ROOT_LIB) -> str:
     """sh, run as root, that installs the handler stored at ``source`` (verified by its digest) under
     ``lib`` to run with ``python`` (a path, or a name looked up on root's PATH); prints ``installed``.
-    Idempotent."""
+    Idempotent; an installed copy whose launcher's Python is gone or can no longer import
+    ``netfilterqueue`` (another checkout's venv, since removed) is installed again with ``python``."""
     digest = handler_digest()
     target = f"{lib}/{digest}"
     launcher = f'#!/bin/sh\\nexec %s -I {target}/link_delay_handler.py "$@"\\n'
-    installed = f'[ -x "$D/{LAUNCHER}" ] && [ "$(sha256sum "$D/link_delay_handler.py" | cut -c1-16)" = {digest} ]'
+    launcher_python = launcher_python_script(f'"$D/{LAUNCHER}"')
+    installed = (
+        f'[ -x "$D/{LAUNCHER}" ] && [ "$(sha256sum "$D/link_delay_handler.py" | cut -c1-16)" = {digest} ] '
+        f'&& P=$({launcher_python}) && [ -x "$P" ] '
+        "&& \"$P\" -I -c 'import netfilterqueue' 2>/dev/null"
+    )
     return f"""set -eu
 [ "$(id -u)" = 0 ] || {{ echo "run this as root" >&2; exit 3; }}
 D={shlex.quote(target)}
@@ -104,6 +117,7 @@ S={shlex.quote(source)}
 [ "$(sha256sum "$S" | cut -c1-16)" = {digest} ] || {{ echo "$S is not the delay handler {digest}" >&2; exit 3; }}
 PY={shlex.quote(python)}
 case "$PY" in /*) ;; *) PY=$(command -v "$PY") || {{ echo "no {python} on root's PATH" >&2; exit 3; }} ;; esac
+case "$PY" in *[!A-Za-z0-9/._+-]*) echo "$PY: a Python path the launcher can name must be plain" >&2; exit 3 ;; esac
 "$PY" -I -c {shlex.quote(_CHECK)}
 install -d -o root -g root -m 0755 {shlex.quote(lib)} {ROOT_STATE}
 exec 9>{shlex.quote(lib)}/.install.lock

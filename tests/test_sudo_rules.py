@@ -354,6 +354,23 @@ def test_the_installer_puts_the_handler_root_owned_and_refuses_a_python_others_m
                              text=True, timeout=60, check=False)  # fmt: skip
     assert checked.returncode == 2 and "refused" in checked.stderr  # the installed handler answers, isolated
     assert install(sys.executable).stdout.strip() == "installed"  # again: nothing to do
+    launcher = (target / LAUNCHER).read_text()
+    # a copy another checkout installed outlives that checkout's venv: found broken, installed again
+    venv.chmod(0o755)
+    (target / LAUNCHER).write_text(launcher.replace(sys.executable, str(venv / "bin" / "python3")))
+    assert install(sys.executable).stdout.strip() == "installed"
+    assert (target / LAUNCHER).read_text() == launcher.replace(sys.executable, str(venv / "bin" / "python3"))
+    shutil.rmtree(venv)
+    again = install(sys.executable)
+    assert (again.returncode, again.stdout.strip()) == (0, "installed"), again.stderr
+    assert (target / LAUNCHER).read_text() == launcher
+    answers = subprocess.run([str(target / LAUNCHER), "iptables", "-w", "-t", "filter", "-S"], capture_output=True,
+                             text=True, timeout=60, check=False)  # fmt: skip
+    assert answers.returncode == 2 and "refused" in answers.stderr
+    odd_script = install_script(str(HANDLER_SOURCE), str(tmp_path / "a dir" / "python3"), lib=str(tmp_path / "lib3"))
+    odd = subprocess.run(["sh", "-c", odd_script], capture_output=True, text=True, timeout=120, check=False)
+    # a path the launcher's line could not carry
+    assert odd.returncode == 3 and "must be plain" in odd.stderr, odd.stderr
     # labs come up side by side: installers at once leave one complete copy
     lib = tmp_path / "lib2"
     script = install_script(str(HANDLER_SOURCE), sys.executable, lib=str(lib))
