@@ -147,6 +147,25 @@ def test_stale_pidfile_never_signals_a_stranger(transport, tmp_path):
     assert pid_alive(os.getpid()) and not pidfile.exists()
 
 
+def test_the_timeout_kill_leaves_a_process_that_took_the_timed_out_shells_pid_alone(ssh_keys, tmp_path):
+    """A timed-out command's group is found from the pid its shell printed; should that shell be gone
+    and its pid reused by another session's leader, the kill must not touch that group."""
+    server = SshdServer(ssh_keys).start()
+    t = SshTransport("node-a", ssh_target(ssh_keys, server.port), use_sudo=False)
+    stranger = subprocess.Popen(["sleep", str(LONG_S)], start_new_session=True)
+    try:
+        started = Path(f"/proc/{stranger.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        t._kill_group(stranger.pid, str(int(started) + 1))  # the pid as another process's
+        assert pid_alive(stranger.pid)
+        t._kill_group(stranger.pid, started)  # the pid as the shell it is
+        assert wait_until(lambda: not pid_alive(stranger.pid))
+    finally:
+        stranger.kill()
+        stranger.wait()
+        t.close()
+        server.stop()
+
+
 def test_line_session_round_trips(transport):
     with transport.open_line_session(["sh", "-c", 'while read -r x; do echo "got $x"; done']) as session:
         for word in ("a", "b c"):

@@ -111,9 +111,20 @@ def _connect_socket(target: SshTarget) -> socket.socket:
 
 
 def _reporting_pid(line: str) -> str:
-    """Run ``line`` under a shell that first prints its pid: what a timeout or close ends, with its
-    process group (sshd makes each session's shell a group leader)."""
-    return "sh -c " + shlex.quote("echo $$; " + line)
+    """Run ``line`` under a shell that first prints its pid and start time (``/proc/<pid>/stat``
+    field 22, no fork): what a timeout or close ends, with its process group (sshd makes each
+    session's shell a group leader); the start time tells that pid apart from a later process that
+    reuses it."""
+    report = '{ read -r s < /proc/$$/stat; } 2>/dev/null; set -- ${s##*) }; echo "$$ ${20}"; '
+    return "sh -c " + shlex.quote(report + line)
+
+
+def _reported_pid(line: bytes | str) -> tuple[int, str] | None:
+    """(pid, start time) from the first line :func:`_reporting_pid` prints; None if it is not one."""
+    words = (line.decode(errors="replace") if isinstance(line, bytes) else line).split()
+    if not words or not words[0].isdigit() or len(words) > 2 or not all(w.isdigit() for w in words):
+        return None
+    return int(words[0]), words[1] if len(words) == 2 else ""
 
 
 class _Deadline:
@@ -359,8 +370,8 @@ class SshTransport(Transport):
             select.select([chan], [], [], max(0.0, min(deadline - now, 0.01 if pending else 0.2)))
         pid_line, _, rest = bytes(out).partition(b"\n")
         if timed_out:
-            if pid_line.strip().isdigit():
-                self._kill_group(int(pid_line))
+            if (reported := _reported_pid(pid_line)) is not None:
+                self._kill_group(*reported)
             chan.close()
         exit_code = None if timed_out else chan.recv_exit_status()  # ready: the loop ended on it
         chan.close()
@@ -378,14 +389,17 @@ class SshTransport(Transport):
             timed_out=timed_out,
         )
 
-    def _kill_group(self, pid: int) -> None:
+    def _kill_group(self, pid: int, started: str) -> None:
         """TERM, then KILL, the process group of the timed-out command's shell, as the SSH user even
         for a privileged command: its ``sudo`` runs with the user's real uid, so the user may signal
         it, and sudo relays the TERM to the command it runs as root. No shell runs under sudo, which the
-        printed sudoers rules would refuse (testbed/sudo_rules.py)."""
+        printed sudoers rules would refuse (testbed/sudo_rules.py). Nothing is signalled when ``pid``
+        is no longer the shell that started at ``started`` (it ended, and its pid may be another's)."""
         steps = int(KILL_GRACE_S / 0.1)
+        stat = f"sed 's/.*) //' /proc/{pid}/stat 2>/dev/null"
+        same = f'[ "$({stat} | cut -d" " -f20)" = {started} ] || exit 0; ' if started else ""
         script = (
-            f"g=$(sed 's/.*) //' /proc/{pid}/stat 2>/dev/null | cut -d' ' -f3); [ -n \"$g\" ] || exit 0; "
+            f"{same}g=$({stat} | cut -d' ' -f3); [ -n \"$g\" ] || exit 0; "
             f'kill -TERM "-$g" 2>/dev/null; i=0; '
             f'while kill -0 "-$g" 2>/dev/null && [ $i -lt {steps} ]; do sleep 0.1; i=$((i+1)); done; '
             f'kill -KILL "-$g" 2>/dev/null; exit 0'
@@ -492,7 +506,10 @@ class SshTransport(Transport):
         self._start(conn, chan, _reporting_pid("exec " + shlex.join(argv)))
         session = _SshLineSession(chan, self._kill_group)
         try:
-            session.pid = int(session.read_line(self.target.connect_timeout_s))
+            reported = _reported_pid(session.read_line(self.target.connect_timeout_s))
+            if reported is None:
+                raise NodeError(self.node, f"`{shlex.join(argv)[:120]}` did not start as a command of ours")
+            session.pid, session.started = reported
         except BaseException:
             chan.close()
             raise
@@ -500,11 +517,12 @@ class SshTransport(Transport):
 
 
 class _SshLineSession(LineSession):
-    def __init__(self, chan: paramiko.Channel, kill_group: Callable[[int], None]) -> None:
+    def __init__(self, chan: paramiko.Channel, kill_group: Callable[[int, str], None]) -> None:
         super().__init__()
         self._chan = chan
         self._kill_group = kill_group
         self.pid: int | None = None
+        self.started = ""
 
     def send_line(self, text: str) -> None:
         self._chan.settimeout(LINE_SEND_S)
@@ -525,7 +543,7 @@ class _SshLineSession(LineSession):
             self._chan.shutdown_write()
             self._chan.status_event.wait(LINE_SESSION_EXIT_S)
             if not self._chan.exit_status_ready() and self.pid is not None:
-                self._kill_group(self.pid)
+                self._kill_group(self.pid, self.started)
         except (*BROKEN, OSError):
             pass
         finally:
