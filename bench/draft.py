@@ -4,18 +4,24 @@ For SpecBench-length prompts drawn as the Table 5 campaign draws them (``specben
 prompt is generated with speculative decoding (``nodes.inference.speculative``, the LLM's middle
 layers verifying in-process) at several drafting thresholds eta (Eq. 5), and checked to equal
 greedy generation. Reported per eta: acceptance length (vLLM's: 1 + accepted / rounds), draft
-tokens per round, accepted share of drafted tokens, and rounds per output token. Timed on one thread:
-one draft step (m layers + adapter + head + softmax) and one plain decode step of the device's share
-(m layers + head), whose ratio is what speculative decoding has to earn back.
+tokens per round, accepted share of drafted tokens, and rounds per output token. Timed on
+``--threads`` threads (one by default): one draft step (m layers + adapter + head + softmax) and
+one plain decode step of the device's share (m layers + head), whose ratio is what speculative
+decoding has to earn back.
 
 ``--adapter DIR`` measures another adapter (one trained longer, say) on the same prompts, beside the
 checkpoint's own: ``by_eta`` is the checkpoint's, ``other_adapter`` the other's with its held-out
 top-1 agreement.
 
+``--model`` measures another checkpoint with ``--draft`` (its adapter, default MODEL/draft); for a
+pretrained model the prompts are tasks over the reference topics its adapter was not trained on
+(``topics="held-out"``, :func:`workloads.task_prompts.held_out_topic`).
+
     python bench/draft.py
     python bench/draft.py --adapter /tmp/draft-long --prompts 16
+    python bench/draft.py --model examples/models/smollm2-135m --draft examples/drafts/smollm2-135m-m2
 
-Writes bench/results/draft.json.
+Writes bench/results/draft.json (the tiny model) or bench/results/draft_<model>.json.
 """
 
 from __future__ import annotations
@@ -71,15 +77,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", help="another adapter directory to measure beside the checkpoint's own")
     parser.add_argument("--prompts", type=int, default=PROMPTS, help="SpecBench-length prompts (seed 5)")
+    parser.add_argument("--model", default=str(MODEL), help="checkpoint directory (default: the tiny model)")
+    parser.add_argument("--draft", help="the checkpoint's draft adapter (default: MODEL/draft)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for generation and the step times")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    config = LlamaConfig.load(str(MODEL))
-    whole = load_whole(str(MODEL), dtype="float32")
-    device = load_part(str(MODEL), range(M), embedding=True, head=True, dtype="float32")
-    middle = load_part(str(MODEL), range(M, config.num_hidden_layers), dtype="float32")
-    adapter = load_adapter(adapter_dir(str(MODEL)), config, M, torch.float32)
-    prompts = [p.prompt_ids for p in draw_prompts("specbench", count=args.prompts, seed=5, model_dir=MODEL,
-                                                  max_new_tokens=MAX_NEW_TOKENS)]  # fmt: skip
+    torch.set_num_threads(args.threads)
+    model = str(Path(args.model))
+    config = LlamaConfig.load(model)
+    whole = load_whole(model, dtype="float32")
+    device = load_part(model, range(M), embedding=True, head=True, dtype="float32")
+    middle = load_part(model, range(M, config.num_hidden_layers), dtype="float32")
+    adapter = load_adapter(args.draft or adapter_dir(model), config, M, torch.float32)
+    prompts = [p.prompt_ids for p in draw_prompts("specbench", count=args.prompts, seed=5, model_dir=model,
+                                                  max_new_tokens=MAX_NEW_TOKENS, topics="held-out")]  # fmt: skip
     references = [greedy_generate(whole, ids, MAX_NEW_TOKENS, config.eos_token_id) for ids in prompts]
     by_eta = against_eta(device, middle, adapter, prompts, references, config.eos_token_id)
     other = None
@@ -87,18 +97,22 @@ def main() -> None:
         trained = json.loads((Path(args.adapter) / "adapter_config.json").read_text()).get("training", {})
         print(f"other adapter {args.adapter}:", flush=True)
         other = {"directory": args.adapter, "steps_run": trained.get("steps_run"),
-                 "held_out_top1_agreement": trained.get("held_out_top1_agreement"),
+                 "held_out": trained.get("held_out") or trained.get("held_out_top1_agreement"),
                  "by_eta": against_eta(device, middle, load_adapter(args.adapter, config, M, torch.float32), prompts,
                                        references, config.eos_token_id)}  # fmt: skip
     times = step_times_s(device, adapter)
     steps = {name: summary(values) for name, values in times.items()}
     ratio = steps["draft_step_s"]["median"] / steps["plain_step_s"]["median"]
-    print(f"one thread: draft step {steps['draft_step_s']['median'] * 1e3:.2f} ms, plain device step "
+    print(f"{args.threads} thread(s): draft step {steps['draft_step_s']['median'] * 1e3:.2f} ms, plain device step "
           f"{steps['plain_step_s']['median'] * 1e3:.2f} ms (ratio {ratio:.2f})")  # fmt: skip
-    path = write("draft", {"command": " ".join(["python", "bench/draft.py", *sys.argv[1:]]), "model": str(MODEL),
-                           "device_layers": M, "prompts": args.prompts, "prompt_set": "specbench",
-                           "max_new_tokens": MAX_NEW_TOKENS, "by_eta": by_eta, "other_adapter": other,
-                           "steps": steps, "draft_over_plain_step": round(ratio, 3)})  # fmt: skip
+    results = "draft" if Path(model).resolve() == MODEL else f"draft_{Path(model).resolve().name}"
+    trained = json.loads((Path(args.draft or adapter_dir(model)) / "adapter_config.json").read_text())["training"]
+    path = write(results, {"command": " ".join(["python", "bench/draft.py", *sys.argv[1:]]), "model": model,
+                        "adapter": args.draft or adapter_dir(model), "adapter_held_out": trained.get("held_out"),
+                        "device_layers": M, "prompts": args.prompts, "prompt_set": "specbench",
+                        "topics": "held-out", "threads": args.threads,
+                        "max_new_tokens": MAX_NEW_TOKENS, "by_eta": by_eta, "other_adapter": other,
+                        "steps": steps, "draft_over_plain_step": round(ratio, 3)})  # fmt: skip
     print(f"wrote {path}")
 
 

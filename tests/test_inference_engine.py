@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from nodes.inference.checkpoint import load_part, load_whole, save_checkpoint, weight_files  # noqa: E402
 from nodes.inference.config import ConfigError, LlamaConfig  # noqa: E402
-from nodes.inference.generate import greedy_generate  # noqa: E402
+from nodes.inference.generate import greedy_generate, greedy_generate_batch  # noqa: E402
 from nodes.inference.model import ModelPart, Segment  # noqa: E402
 from nodes.inference.partition import PartitionError, UShapePartition  # noqa: E402
 
@@ -84,6 +84,18 @@ def test_greedy_generation_matches_transformers_generate(tmp_path):
         torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
     )[0, len(prompt) :].tolist()
     assert greedy_generate(ours, prompt, 12) == expected
+
+
+def test_batched_greedy_generation_gives_each_prompt_its_own_tokens_and_stops_each_at_eos(tmp_path):
+    hf_model(tmp_path)
+    model = load_whole(str(tmp_path))
+    prompts = [[5, 17, 42, 99, 3], [8], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    alone = [greedy_generate(model, p, 12) for p in prompts]
+    assert greedy_generate_batch(model, prompts, 12) == alone and len({tuple(a) for a in alone}) == 3
+    eos = alone[1][3]  # a token of the second prompt's ends it early (and any other that reaches it)
+    stopped = greedy_generate_batch(model, prompts, 12, eos)
+    assert stopped == [greedy_generate(model, p, 12, eos) for p in prompts]
+    assert stopped[1] == alone[1][: alone[1].index(eos) + 1] and len(stopped[1]) < 12
 
 
 def test_packed_batch_of_different_lengths_equals_each_sequence_alone(tmp_path):

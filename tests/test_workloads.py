@@ -526,3 +526,24 @@ def test_a_pretrained_model_gets_tasks_over_prose_of_exactly_the_drawn_lengths_i
                for p in articles)  # fmt: skip
     # the tiny model, trained here on code, still reads held-out code
     assert ".py:" in draw_prompts("specbench", count=1, seed=5, model_dir=TINY, max_new_tokens=8)[0].source
+
+
+def test_task_prompts_of_one_topic_split_never_read_the_other_splits_topics(smollm2):
+    """A draft adapter trains on the "training" topics and is measured on the "held-out" ones."""
+    from workloads.task_prompts import held_out_topic, prose_corpus
+
+    splits = {name: {topic for topic, _ in prose_corpus(name).topics} for name in ("training", "held-out")}
+    everything = {topic for topic, _ in prose_corpus().topics}
+    assert splits["training"] | splits["held-out"] == everything and not splits["training"] & splits["held-out"]
+    assert 0.15 < len(splits["held-out"]) / len(everything) < 0.35
+    for name in ("training", "held-out"):
+        mine = {topic for topic, _ in prose_corpus(name).topics}
+        other = [para for topic, text in prose_corpus().topics if topic not in mine for para in text.split("\n\n")
+                 if len(para) > 120 and para not in "\n\n".join(t for _, t in prose_corpus(name).topics)]  # fmt: skip
+        for p in draw_prompts("specbench", count=40, seed=3, model_dir=smollm2, max_new_tokens=32, topics=name):
+            topic = p.source.split(":")[2]
+            assert topic == "gsm8k-like" or held_out_topic(topic) == (name == "held-out"), p.source
+            assert p.source.split(":")[3] == f"prose-{prose_corpus(name).sha256[:12]}"
+            assert not any(para in p.text for para in other), p.source
+    with pytest.raises(TestbedError, match="no topic split"):
+        draw_prompts("specbench", count=2, seed=3, model_dir=smollm2, max_new_tokens=32, topics="test")

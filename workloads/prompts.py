@@ -164,8 +164,13 @@ def draw_prompts(
     base_dir: Path | None = None,
     prompt_tokens: Sequence[int | None] | None = None,
     max_new_tokens_per_request: Sequence[int | None] | None = None,
+    topics: str = "all",
 ) -> list[Prompt]:
     """``count`` prompts, the same for the same arguments.
+
+    ``topics`` picks the reference topics a pretrained model's task prompts are made from ("all",
+    "training" or "held-out": :func:`workloads.task_prompts.held_out_topic`), so that a draft adapter
+    trained on one split is measured on the other.
 
     ``prompt_tokens`` (e.g. from a trace) sets a request's length (BOS included; for ``file:`` sets
     it caps the length). A request's output length is, first found: ``max_new_tokens_per_request``,
@@ -189,7 +194,7 @@ def draw_prompts(
         return _file_prompts(prompt_set, model, rng, count, outputs, prompt_tokens, overrides, base_dir)
     lengths = _lengths(prompt_set, rng, count, model.min_prompt_tokens, math.inf)
     if prompt_set in LENGTH_MODELS and not model.trained_here:  # a pretrained model reads tasks over prose
-        return _task_prompts(prompt_set, model, rng, lengths, prompt_tokens, outputs)
+        return _task_prompts(prompt_set, model, rng, lengths, prompt_tokens, outputs, topics)
     corpus = held_out_corpus(model.held_out_every)
     out = []
     for i in range(count):
@@ -282,7 +287,8 @@ def _model(directory: str) -> _Model:
 
 
 def _task_prompts(prompt_set: str, model: _Model, rng: np.random.Generator, lengths: list[int],
-                  prompt_tokens: Sequence[int | None] | None, outputs: list[int]) -> list[Prompt]:  # fmt: skip
+                  prompt_tokens: Sequence[int | None] | None, outputs: list[int],
+                  topics: str) -> list[Prompt]:  # fmt: skip
     """Tasks over prose (:mod:`workloads.task_prompts`) of the drawn lengths, in the model's chat template."""
     renderer = ChatRenderer(model.tokenizer.chat_template)
     bos = [model.tokenizer.bos_id] if model.add_bos and model.tokenizer.bos_id is not None else []
@@ -291,7 +297,7 @@ def _task_prompts(prompt_set: str, model: _Model, rng: np.random.Generator, leng
         wanted = drawn if prompt_tokens is None or prompt_tokens[i] is None else prompt_tokens[i]
         length = min(max(int(wanted), model.min_prompt_tokens), model.context_tokens - outputs[i])
         made = task_prompt(draw_category(prompt_set, rng), length, rng, lambda t: model.tokenizer.encode(t, bos=False),
-                           model.tokenizer.decode, renderer, bos)  # fmt: skip
+                           model.tokenizer.decode, renderer, bos, topics)  # fmt: skip
         if len(made.ids) > model.context_tokens - outputs[i]:
             raise TestbedError(f"prompts: a {len(made.ids)}-token question leaves no room for {outputs[i]} new tokens "
                                f"in the model's context of {model.context_tokens}")  # fmt: skip

@@ -37,6 +37,8 @@ PASSAGE_MARK = "\x00passage\x00"  # where a task's passage goes, in the rendered
 MIN_PASSAGE_TOKENS = 8
 PASSAGE_CHARS = 20_000  # a passage's text before it is cut to the prompt's length (about 4,500 tokens)
 LANGUAGES = ("French", "German", "Spanish", "Italian")
+TOPIC_SPLITS = ("all", "training", "held-out")  # which reference topics prompts are made from
+HELD_OUT_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -47,13 +49,25 @@ class ProseCorpus:
     sha256: str
 
 
-@lru_cache(maxsize=1)
-def prose_corpus() -> ProseCorpus:
+def held_out_topic(name: str) -> bool:
+    """Whether a topic is in the held-out split (one in :data:`HELD_OUT_EVERY`, by its name's hash): a
+    draft adapter trains on the other topics and its acceptance is measured on these."""
+    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
+
+
+@lru_cache(maxsize=len(TOPIC_SPLITS))
+def prose_corpus(split: str = "all") -> ProseCorpus:
+    """The topics of ``split`` (:data:`TOPIC_SPLITS`); passages run on only within them."""
+    if split not in TOPIC_SPLITS:
+        raise TestbedError(f"no topic split {split!r} (one of {', '.join(TOPIC_SPLITS)})")
     try:
         from pydoc_data.topics import topics
     except ImportError as error:  # pragma: no cover - part of every CPython
         raise TestbedError(f"this Python has no pydoc_data.topics ({error}): no prose for task prompts") from None
-    pairs = tuple(sorted((name, text.strip() + "\n") for name, text in topics.items() if text.strip()))
+    wanted = {name for name in topics if split == "all" or held_out_topic(name) == (split == "held-out")}
+    pairs = tuple(
+        sorted((name, text.strip() + "\n") for name, text in topics.items() if text.strip() and name in wanted)
+    )
     digest = hashlib.sha256("\0".join(f"{n}\0{t}" for n, t in pairs).encode()).hexdigest()
     return ProseCorpus(pairs, digest)
 
@@ -169,10 +183,11 @@ def _task(category: str, rng: np.random.Generator, corpus: ProseCorpus) -> _Task
 
 
 def task_prompt(category: str, length: int, rng: np.random.Generator, encode: Callable[[str], list[int]],
-                decode: Callable[[list[int]], str], renderer: ChatRenderer, bos: list[int]) -> TaskPrompt:  # fmt: skip
+                decode: Callable[[list[int]], str], renderer: ChatRenderer, bos: list[int],
+                split: str = "all") -> TaskPrompt:  # fmt: skip
     """A prompt of ``category`` with exactly ``length`` tokens (``bos`` included), or a bare question
-    when even the shortest instruction's fixed part is longer."""
-    corpus = prose_corpus()
+    when even the shortest instruction's fixed part is longer; its text from the topics of ``split``."""
+    corpus = prose_corpus(split)
     task = _task(category, rng, corpus)
     head, tail, room = _fixed_parts(task, length, encode, renderer, bos)
     if room < MIN_PASSAGE_TOKENS:  # the category's instruction does not fit: the shortest one does
