@@ -20,6 +20,7 @@ PACKAGES = (
     "mpich",
     "safetensors",
     "tokenizers",
+    "jinja2",
     "jetson-stats",
     "nvidia-ml-py",
 )

@@ -227,3 +227,31 @@ def test_the_endpoint_command_serves_until_terminated(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "nodes.endpoints", "--model", TINY, "--pace", "trace",
                           "--service", "nope"], cwd=REPO, capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "unknown service trace" in bad.stderr
+
+
+def test_a_device_endpoint_serving_smollm2_answers_the_openai_client_in_its_chat_template(tmp_path):
+    """DiSCo's device endpoint on the pretrained model: the chat route renders SmolLM2's own template
+    (ChatML with its default system prompt), so the answer is readable text, equal to greedy
+    generation of that rendered prompt; the tiny model keeps its plain role lines."""
+    from nodes.contracts.chat_template import ChatTemplate
+    from testbed.models.packaged import PACKAGED, up_to_date
+
+    model = PACKAGED["smollm2-135m"]
+    assert up_to_date(model), f"SmolLM2-135M is not imported; fetch it: {model.fetch_command}"
+    generator = PacedGenerator(str(model.directory))
+    server, endpoint, url = serve(generator, SteadyPace(0.01, 0.001), tmp_path / "api.jsonl")
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(model="smollm2", messages=question, max_tokens=24)
+        rendered = ChatTemplate(generator.tokenizer.chat_template).render(question)
+        assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
+        ids = generator.encode(rendered)
+        reference = greedy_generate(generator.model, ids, 24, generator.tokenizer.eos_id)
+        assert chat.choices[0].message.content == generator.decode(reference)
+        assert chat.usage.prompt_tokens == len(ids) and "Paris" in chat.choices[0].message.content
+        with pytest.raises(openai.BadRequestError):  # a role the API does not serve
+            client.chat.completions.create(model="smollm2", messages=[{"role": "tool", "content": "x"}], max_tokens=2)
+    finally:
+        server.shutdown()
+        endpoint.close()

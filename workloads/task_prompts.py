@@ -31,6 +31,7 @@ from functools import lru_cache
 import numpy as np
 
 from foundation.errors import TestbedError
+from nodes.contracts.chat_template import ChatTemplate, ChatTemplateError
 
 CATEGORIES = ("multi-turn", "translation", "summarization", "question-answering", "math", "rag")
 PASSAGE_MARK = "\x00passage\x00"  # where a task's passage goes, in the rendered text
@@ -88,25 +89,23 @@ class _Task:
 
 
 class ChatRenderer:
-    """The model's chat template (``tokenizer_config.json``), or plain ``User:``/``Assistant:`` lines."""
+    """The model's chat template (:mod:`nodes.contracts.chat_template`), or plain ``User:``/``Assistant:``
+    lines for a model without one."""
 
     def __init__(self, template: str | None) -> None:
-        self._template = None
-        if template:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            try:
-                self._template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-                    template)  # fmt: skip
-            except TemplateError as error:
-                raise TestbedError(f"the model's chat_template does not parse ({error})") from None
+        try:
+            self._template = ChatTemplate(template) if template else None
+        except ChatTemplateError as error:
+            raise TestbedError(str(error)) from None
 
     def render(self, messages: list[dict[str, str]]) -> str:
         if self._template is None:
             lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
             return "\n\n".join([*lines, "Assistant:"])
-        return self._template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        try:
+            return self._template.render(messages)
+        except ChatTemplateError as error:
+            raise TestbedError(str(error)) from None
 
 
 def _passage(rng: np.random.Generator, corpus: ProseCorpus) -> tuple[str, str]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from foundation.errors import TestbedError
+from nodes.contracts.chat_template import read_chat_template
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,7 @@ def load_tokenizer(directory: str | Path) -> PromptTokenizer:
     settings = _read_json(Path(directory) / "tokenizer_config.json")
     bos_id = _bos_id(tokenizer, settings, _read_json(Path(directory) / "config.json"))
     add_bos = bool(settings.get("add_bos_token", bos_id is not None)) and bos_id is not None
-    template = settings.get("chat_template")
-    chat_template = template if isinstance(template, str) and template.strip() else None
-    return PromptTokenizer(directory, tokenizer, bos_id, add_bos, chat_template)
+    return PromptTokenizer(directory, tokenizer, bos_id, add_bos, read_chat_template(directory))
 
 
 def _bos_id(tokenizer: Tokenizer, settings: dict, config: dict) -> int | None:

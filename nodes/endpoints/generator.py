@@ -13,11 +13,13 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 
+from nodes.contracts.chat_template import ChatTemplate, ChatTemplateError
 from nodes.inference.checkpoint import load_whole
 from nodes.inference.model import Segment
 from nodes.inference.tokenizer import Tokenizer
 
 from .pace import Pace
+from .request_checks import ApiError
 
 
 class Emitted(NamedTuple):
@@ -32,6 +34,17 @@ class TokenText(object):
     token source beside its ``stream``."""
 
     tokenizer: Tokenizer
+    _chat_template: Optional[ChatTemplate] = None
+
+    @property
+    def chat_template(self) -> Optional[ChatTemplate]:
+        """The model's chat template, parsed once; None for a model without one (the tiny model)."""
+        if self._chat_template is None and self.tokenizer.chat_template:
+            try:
+                self._chat_template = ChatTemplate(self.tokenizer.chat_template)
+            except ChatTemplateError as error:
+                raise ApiError(500, "%s: %s" % (self.tokenizer.directory, error)) from None
+        return self._chat_template
 
     def encode(self, text: str) -> List[int]:
         return self.tokenizer.encode(text)

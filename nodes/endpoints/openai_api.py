@@ -188,7 +188,7 @@ class Handler(BaseHTTPRequestHandler):
         endpoint = self.endpoint
         generator = endpoint.generator
         request = completion_request(body, chat, generator.tokenizer.vocab_size, generator.context_tokens,
-                                     generator.encode)  # fmt: skip
+                                     generator.encode, generator.chat_template if chat else None)  # fmt: skip
         prompt_ids, seed = request.prompt_ids, request.seed
         max_tokens = max_tokens_for(generator, len(prompt_ids), request.max_tokens)
         if max_tokens < 1:

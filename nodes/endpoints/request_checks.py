@@ -8,6 +8,8 @@ refused."""
 import math
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
+from nodes.contracts.chat_template import ChatTemplate, ChatTemplateError
+
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 CHAT_TEMPLATE_SUFFIX = "assistant:"
 MAX_SEED = (1 << 63) - 1
@@ -69,13 +71,15 @@ def _shown(value: Any) -> str:
 
 
 def completion_request(body: Dict[str, Any], chat: bool, vocab_size: int, context_tokens: int,
-                       encode: Callable[[str], List[int]]) -> CompletionRequest:  # fmt: skip
-    """The request's fields checked; its prompt as token ids (``encode``: the endpoint's tokenizer)."""
+                       encode: Callable[[str], List[int]],
+                       template: Optional[ChatTemplate] = None) -> CompletionRequest:  # fmt: skip
+    """The request's fields checked; its prompt as token ids (``encode``: the endpoint's tokenizer;
+    ``template``: the model's chat template, if it has one)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model must be a string", "model")
     if chat:
-        prompt_ids = _encoded(encode, chat_prompt(body.get("messages")), "messages")
+        prompt_ids = _encoded(encode, chat_prompt(body.get("messages"), template), "messages")
     else:
         prompt_ids = _prompt_ids(body.get("prompt"), vocab_size, encode)
     n = body.get("n")
@@ -121,19 +125,25 @@ def _encoded(encode: Callable[[str], List[int]], text: str, param: str) -> List[
         raise ApiError(400, "%s is not valid Unicode text" % param, param) from None
 
 
-def chat_prompt(messages: Any) -> str:
-    """The chat messages as one prompt (a plain "role: content" template; the tiny model has none)."""
+def chat_prompt(messages: Any, template: Optional[ChatTemplate] = None) -> str:
+    """The chat messages as one prompt: in the model's chat template, or in plain "role: content"
+    lines for a model without one (the tiny model)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of objects", "messages")
-    lines = []
+    checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ApiError(400, "messages[%d] must be an object with a role and a content" % i, "messages")
         role = message.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise ApiError(400, "messages[%d].role must be one of %s" % (i, ", ".join(CHAT_ROLES)), "messages")
-        lines.append("%s: %s" % (role, _content(message.get("content"), i)))
-    return "\n".join(lines + [CHAT_TEMPLATE_SUFFIX])
+        checked.append({"role": role, "content": _content(message.get("content"), i)})
+    if template is not None:
+        try:
+            return template.render(checked)
+        except ChatTemplateError as error:
+            raise ApiError(400, str(error), "messages") from None
+    return "\n".join(["%s: %s" % (m["role"], m["content"]) for m in checked] + [CHAT_TEMPLATE_SUFFIX])
 
 
 def _content(content: Any, index: int) -> str:

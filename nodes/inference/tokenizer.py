@@ -8,6 +8,8 @@ import json
 import os
 from typing import List, Optional
 
+from nodes.contracts.chat_template import read_chat_template
+
 from .config import ConfigError
 
 
@@ -22,6 +24,8 @@ class Tokenizer:
         self.bos_id = self._special(directory, "bos")
         self.eos_id = self._special(directory, "eos")
         self.add_bos = self._add_bos(directory)
+        self.directory = directory
+        self.chat_template = read_chat_template(directory)  # None: the model has none (the tiny one)
 
     def _special(self, directory: str, kind: str) -> Optional[int]:
         settings = _read_json(os.path.join(directory, "tokenizer_config.json"))
