@@ -3,6 +3,11 @@ emulated), the ranks' memory and the CPU they leave free, and tear-down time.
 
     python bench/hat_lab.py                    # 1 request per device, dilation 4
     python bench/hat_lab.py --requests 2 --dilation 6
+    python bench/hat_lab.py --inventory examples/inventories/hat-lab-4.yaml \
+        --model examples/models/smollm2-135m --draft examples/drafts/smollm2-135m-m2 --dilation 8
+
+``--inventory`` and ``--model`` run another lab and checkpoint (``--draft``: its draft adapter);
+the machine's available memory (MemAvailable) is sampled beside the ranks', its lowest reported.
 
 Per rank: its resident memory at the end of serving (the largest sample). CPU headroom: the share of
 this machine's CPU time left idle while the ranks served (from /proc/stat, sampled every second).
@@ -10,7 +15,7 @@ CPU by kind: the cores busy on average in device ranks, server ranks, other proc
 (telemetry samplers, shells) and the host's own (controller, sshd, mpirun). Fidelity: each node's
 share of paced steps that overran (the run's manifest).
 
-Writes bench/results/hat_lab.json. Needs root.
+Writes bench/results/hat_lab.json (hat_lab_<inventory>_<model>.json for another lab or model). Needs root.
 """
 
 from __future__ import annotations
@@ -32,6 +37,15 @@ from bench._common import machine_cpu_s, write
 from bench.campaign import REPO, testbed
 
 INVENTORY = REPO / "examples" / "inventories" / "hat-lab.yaml"
+TINY = REPO / "examples" / "models" / "tiny"
+
+
+def memory_available_gb() -> float:
+    """The machine's MemAvailable (/proc/meminfo), in GiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
 
 
 def process_kind(words: list[bytes], state_dir: str) -> str:
@@ -90,14 +104,18 @@ def main() -> None:
     parser.add_argument("--dilation", type=float, default=4.0)
     parser.add_argument("--method", default="hat")
     parser.add_argument("--slots", type=int, default=1, help="device ranks per board (device_slots)")
+    parser.add_argument("--inventory", default=str(INVENTORY), help="the lab (default: HAT's 30 boards)")
+    parser.add_argument("--model", default=str(TINY), help="the checkpoint computing the tokens")
+    parser.add_argument("--draft", help="the model's draft adapter (default: MODEL/draft)")
     args = parser.parse_args()
+    inventory, model = Path(args.inventory).resolve(), Path(args.model).resolve()
     if os.geteuid() != 0:
         raise SystemExit("needs root: the emulated testbed builds network namespaces")
     from testbed.emulation.lifecycle import down, up
     from testbed.emulation.plan import state_dir_of
     from testbed.inventory import load_inventory
 
-    lab = load_inventory(INVENTORY)
+    lab = load_inventory(inventory)
     work = Path(tempfile.mkdtemp(prefix="bench-hat-lab-"))
     started = time.monotonic()
     if not up(lab, say=lambda _: None).ok:
@@ -108,12 +126,14 @@ def main() -> None:
     from nodes.workers.methods import method_named
 
     # draft settings for a method that drafts (a campaign refuses settings no run uses)
-    draft = "  draft: {eta: 0.6, max_draft_tokens: 8, top_k: 3}\n" if method_named(args.method).drafts else ""
+    adapter = f"adapter: {Path(args.draft).resolve()}, " if args.draft else ""
+    drafts = method_named(args.method).drafts
+    draft = f"  draft: {{{adapter}eta: 0.6, max_draft_tokens: 8, top_k: 3}}\n" if drafts else ""
     campaign.write_text(f"""name: hat-lab-short
-inventory: {INVENTORY}
+inventory: {inventory}
 base:
   method: {args.method}
-  model: {REPO / "examples" / "models" / "tiny"}
+  model: {model}
   partition: {{device_layers: 2, stages: 4}}
   devices: [devices]
   workload: {{arrival: poisson, rate_per_s: 0.1333, requests_per_device: {args.requests}, prompts: specbench,
@@ -133,6 +153,7 @@ run_timeout_s: 1800
         while not done.wait(1.0):
             now, cpu, ticks = time.monotonic(), machine_cpu_s(), process_cpu_ticks(state)
             memory = worker_memory_mb(state)
+            available_gb = memory_available_gb()
             busy = (cpu - last[1]) / (now - last[0])
             by_kind: dict[str, float] = {}
             for pid, (kind, used) in ticks.items():  # a process that began since the last sample counts whole
@@ -142,7 +163,7 @@ run_timeout_s: 1800
             if memory:
                 samples.append({"ranks": len(memory), "rss_mb": sorted(r for r, _ in memory.values()),
                                 "pss_mb": sorted(p for _, p in memory.values()), "busy_cpus": busy,
-                                "busy_cpus_by_kind": by_kind})  # fmt: skip
+                                "busy_cpus_by_kind": by_kind, "available_gb": available_gb})  # fmt: skip
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -154,14 +175,18 @@ run_timeout_s: 1800
         done.set()
         thread.join()
         started = time.monotonic()
-        down(load_inventory(INVENTORY), say=lambda _: None)
+        down(load_inventory(inventory), say=lambda _: None)
         down_s = time.monotonic() - started
     manifests = [json.loads(p.read_text()) for p in (work / "out" / "runs").glob("*/manifest.json")]
-    serving = [s for s in samples if s["ranks"] >= 30]
+    most = max((s["ranks"] for s in samples), default=0)
+    serving = [s for s in samples if s["ranks"] == most]  # every rank up
     cores = os.cpu_count() or 1
     result = {
         "command": " ".join(["python", "bench/hat_lab.py", *sys.argv[1:]]),
+        "inventory": str(inventory), "model": str(model), "draft": args.draft,
         "nodes": len(lab.nodes), "bring_up_s": round(up_s, 2), "tear_down_s": round(down_s, 2),
+        "machine_memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "machine_memory_available_min_gb": round(min((s["available_gb"] for s in samples), default=0.0), 2),
         "run_exit_status": status, "run_wall_s": round(run_s, 1),
         "ranks_seen": max((s["ranks"] for s in samples), default=0),
         "rank_rss_mb": {"median": round(sorted(r for s in serving for r in s["rss_mb"])[len(
@@ -178,7 +203,8 @@ run_timeout_s: 1800
         "fidelity": [m.get("fidelity") for m in manifests],
         "runs": [{"status": m["status"], "reason": m["reason"], "requests": m["requests"]} for m in manifests],
     }  # fmt: skip
-    path = write("hat_lab", result)
+    default = inventory == INVENTORY.resolve() and model == TINY.resolve()
+    path = write("hat_lab" if default else f"hat_lab_{inventory.stem}_{model.name}", result)
     print(json.dumps({k: v for k, v in result.items() if k != "fidelity"}, indent=1))
     print(f"wrote {path}; campaign in {work}")
 
