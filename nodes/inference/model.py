@@ -119,15 +119,20 @@ class Attention(nn.Module):
         self, x: torch.Tensor, segments: Sequence[Segment], rotations: Sequence[Tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Packed x [tokens, hidden] -> [tokens, hidden]."""
-        q = self.q_proj(x).view(-1, self.heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.kv_heads, self.head_dim)
+        q = self.q_proj(x).view(-1, self.heads, self.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(-1, self.kv_heads, self.head_dim).transpose(0, 1)
         v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
+        # every segment's positions rotated at once ([heads, tokens, head_dim]): one pass, not one per
+        # sequence (at batch 8 the per-sequence rotations were most of a decode step's small operations)
+        cos = torch.cat([c for c, _ in rotations]) if len(rotations) > 1 else rotations[0][0]
+        sin = torch.cat([s for _, s in rotations]) if len(rotations) > 1 else rotations[0][1]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         outputs: List[torch.Tensor] = []
         offset = 0
-        for segment, (cos, sin) in zip(segments, rotations):
+        for segment in segments:
             n = segment.tokens
-            seg_q = apply_rotary(q[offset : offset + n].transpose(0, 1), cos, sin)
-            seg_k = apply_rotary(k[offset : offset + n].transpose(0, 1), cos, sin)
+            seg_q = q[:, offset : offset + n]
+            seg_k = k[:, offset : offset + n]
             seg_v = v[offset : offset + n].transpose(0, 1)
             all_k, all_v = segment.cache.append(self.layer, seg_k, seg_v)
             observe = getattr(segment.cache, "observe_attention", None)  # LLMS's density (Eq. 1), when asked
