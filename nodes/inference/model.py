@@ -86,6 +86,10 @@ class Attention(nn.Module):
                 query_positions: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
         """q [..., heads, n, d] against k/v [..., kv_heads, total, d]; query i sits at start + i, or at
         ``query_positions[i]`` (queries scattered among the keys: LLMS's interleaved recompute)."""
+        if q.dim() == 3:  # one sequence: as a batch of one, since PyTorch's fused CPU kernel takes only
+            # 4-D inputs (3-D ones fell back to the unfused math path, which also copies each
+            # key/value head for its query group: 63% of a batch-8 SmolLM2 decode step at 512 tokens)
+            return self.attend(q[None], k[None], v[None], start, query_positions)[0]
         extra = {}
         if self.heads != self.kv_heads:
             if SDPA_GQA:  # the kernel reads each key/value head for its group: no repeated copy
