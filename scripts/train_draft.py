@@ -28,7 +28,6 @@ draft).
 """
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -36,6 +35,7 @@ import random
 import sys
 import sysconfig
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,6 +46,7 @@ from nodes.inference.draft import DraftAdapter, adapter_dir, distillation_loss, 
 from nodes.inference.generate import greedy_generate_batch
 from nodes.inference.tokenizer import Tokenizer
 from scripts.train_tiny import learning_rate, read_corpus, windows
+from testbed.weights import file_sha256
 from workloads.prompts import draw_prompts
 from workloads.task_prompts import prose_corpus
 
@@ -259,11 +260,7 @@ def weights_digest(model_dir):
     if os.path.exists(source):
         with open(source, encoding="utf-8") as handle:
             return json.load(handle)["gguf_sha256"]
-    digest = hashlib.sha256()
-    with open(os.path.join(model_dir, "model.safetensors"), "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(Path(model_dir) / "model.safetensors")
 
 
 def main(argv=None):

@@ -39,6 +39,7 @@ from testbed.transport.base import (
     CommandResult,
     LineSession,
     Transport,
+    _starttime,
     copy_from,
 )
 
@@ -397,7 +398,7 @@ class SshTransport(Transport):
         is no longer the shell that started at ``started`` (it ended, and its pid may be another's)."""
         steps = int(KILL_GRACE_S / 0.1)
         stat = f"sed 's/.*) //' /proc/{pid}/stat 2>/dev/null"
-        same = f'[ "$({stat} | cut -d" " -f20)" = {started} ] || exit 0; ' if started else ""
+        same = f'[ "$({_starttime(str(pid))})" = {started} ] || exit 0; ' if started else ""
         script = (
             f"{same}g=$({stat} | cut -d' ' -f3); [ -n \"$g\" ] || exit 0; "
             f'kill -TERM "-$g" 2>/dev/null; i=0; '
