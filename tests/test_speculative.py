@@ -33,10 +33,11 @@ from nodes.inference.draft import (
     distillation_loss,
     load_adapter,
     save_adapter,
+    state_loss,
 )
 from nodes.inference.generate import greedy_generate
 from nodes.inference.kv_cache import BranchCache, KVCache
-from nodes.inference.model import ModelPart, Segment
+from nodes.inference.model import ModelPart, RMSNorm, Segment
 from nodes.inference.rope import apply_rotary
 from nodes.inference.speculative import (
     LocalVerifier,
@@ -366,6 +367,19 @@ def test_distillation_loss_of_a_perfect_student_is_the_teachers_entropy():
     assert float(smooth_l1) == 0.0
     assert torch.allclose(cross_entropy, entropy, atol=1e-5)
     assert torch.allclose(loss, 0.1 * entropy, atol=1e-6)
+
+
+def test_state_loss_after_the_final_norm_ignores_a_states_scale():
+    """The normed SmoothL1 (a pretrained model's default) compares states as the head reads them: a
+    student off by a scale the norm removes costs nothing there, and a lot in the raw term."""
+    norm = RMSNorm(8, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 8))
+    teacher = torch.randn(5, 8, generator=torch.Generator().manual_seed(13)) * 50
+    assert float(state_loss(teacher, teacher * 3, norm)) < 1e-6
+    assert float(state_loss(teacher, teacher * 3)) > 10
+    other = torch.randn(5, 8, generator=torch.Generator().manual_seed(14))
+    assert float(state_loss(teacher, other, norm)) > 0.1  # a different direction still costs
 
 
 def test_distillation_cross_entropy_trains_the_student_not_the_teacher():

@@ -128,6 +128,14 @@ def load_adapter(
     return adapter.to(device=device, dtype=dtype).eval()
 
 
+def state_loss(teacher_hidden: torch.Tensor, student_hidden: torch.Tensor, norm=None) -> torch.Tensor:
+    """Eq. 4's SmoothL1(f^L, f^S); with ``norm`` (the LLM's final norm) taken on norm(f^L), norm(f^S),
+    the states as the head reads them, so that a few large channels do not outweigh the rest."""
+    if norm is not None:
+        teacher_hidden, student_hidden = norm(teacher_hidden), norm(student_hidden)
+    return nn.functional.smooth_l1_loss(student_hidden.float(), teacher_hidden.float())
+
+
 def distillation_loss(
     teacher_hidden: torch.Tensor, student_hidden: torch.Tensor, head, ce_weight: float = 0.1
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,7 +144,7 @@ def distillation_loss(
     ``head`` maps hidden states to logits (the LLM's final norm and LM head). The cross-entropy takes
     the teacher's softmax as the target distribution. Returns (loss, smooth L1 term, CE term).
     """
-    smooth_l1 = nn.functional.smooth_l1_loss(student_hidden.float(), teacher_hidden.float())
+    smooth_l1 = state_loss(teacher_hidden, student_hidden)
     with torch.no_grad():
         target = torch.softmax(head(teacher_hidden).float(), dim=-1)
     log_student = torch.log_softmax(head(student_hidden).float(), dim=-1)
