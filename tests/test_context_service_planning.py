@@ -10,29 +10,29 @@ import pytest
 import torch
 
 from nodes.context_service.chunk_codec import dequantize, quantize, requantize
-from nodes.context_service.compression_levels import plan_levels, ratio_of, retained_information
+from nodes.context_service.compression_levels import plan_levels, ratio_of, weighted_density
 from nodes.context_service.lctru import LctruQueue
 from nodes.context_service.load_plan import LinearCost, plan_load
 from nodes.contracts.kv_chunk_bytes import chunk_nbytes
 
 
 def _best_by_brute_force(densities: list[float], ratio_global: float) -> float:
-    best = -1.0
+    best = float("inf")
     for bits in itertools.product((8, 4, 2), repeat=len(densities)):
         if sum(ratio_of(b) for b in bits) <= ratio_global * len(densities) + 1e-9:
-            best = max(best, retained_information(densities, bits))
+            best = min(best, weighted_density(densities, bits))
     return best
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_the_levels_keep_as_much_information_as_any_assignment_within_the_ratio(seed: int) -> None:
+def test_the_levels_weigh_density_as_little_as_any_assignment_within_the_ratio(seed: int) -> None:
     rng = random.Random(seed)
     n = rng.randint(1, 7)
     densities = [rng.random() ** 3 for _ in range(n)]
     ratio = rng.choice([0.25, 0.4, 0.5, 0.625, 0.8, 1.0])
     bits = plan_levels(densities, ratio)
     assert sum(ratio_of(b) for b in bits) <= ratio * n + 1e-9
-    assert retained_information(densities, bits) == pytest.approx(_best_by_brute_force(densities, ratio))
+    assert weighted_density(densities, bits) == pytest.approx(_best_by_brute_force(densities, ratio))
     for i, j in itertools.permutations(range(n), 2):  # Eq. 2: denser never fewer bits
         if densities[i] > densities[j]:
             assert bits[i] >= bits[j]
@@ -47,6 +47,16 @@ def test_the_levels_at_the_paper_ratio_and_the_bounds() -> None:
     assert plan_levels(densities, 0.5, current=[2] * 8) == [2] * 8  # levels only move down
     with pytest.raises(ValueError, match=r"between 0\.25"):
         plan_levels(densities, 0.1)
+
+
+def test_the_levels_start_from_4_bits_and_move_only_chunks_whose_density_pays_for_it() -> None:
+    """Eq. 3's 1/ratio weight is convex: even densities all take the middle level, and a chunk keeps 8
+    bits only when its density exceeds twice that of the two chunks that go to 2 bits for it."""
+    assert plan_levels([0.3] * 8, 0.5) == [4] * 8
+    sink = [0.5, 0.06, 0.05, 0.05, 0.05, 0.05, 0.05, 0.04]  # an attention sink: 8 bits, paid by the sparsest two
+    assert plan_levels(sink, 0.5) == [8, 4, 4, 4, 4, 4, 2, 2]
+    mild = [0.25, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.05]  # 0.25 < 2 x (0.1 + 0.05): not worth two 2-bit chunks
+    assert plan_levels(mild, 0.5) == [4] * 8
 
 
 def _brute_load(sizes: list[int], recompute: LinearCost, read: LinearCost) -> float:

@@ -2,12 +2,18 @@
 to 4 or 2, given each chunk's information density D_i (Eq. 1) and a global average ratio.
 
 Levels are ratios over the INT8 baseline: 8/8, 4/8 and 2/8. Chunks are ranked by density (Eq. 2: a
-threshold per level on the rank); the densest keep the most bits. The thresholds maximise the
-information a context keeps, sum over chunks of ratio_w x D_i, subject to the average ratio staying at
-or under ``ratio_global`` (Eq. 3 as we read it: the printed 1/ratio_w weight would send the densest
-chunks to 2 bits, against the text's rationale). With three levels and integer chunk counts the
-optimum is found by enumerating how many chunks keep 8 bits and how many go to 2 (O(n^2) with prefix
-sums). Levels only move down: a chunk already at a level below its plan stays there.
+threshold per level on the rank); the densest keep the most bits. The thresholds weigh each chunk's
+density by Eq. 3's printed 1/ratio_w and *minimise* that sum, subject to the average ratio staying at or
+under ``ratio_global``: Eq. 3 as we read it. Maximising it as printed would send the densest chunks to
+2 bits, against the text's rationale; maximising sum ratio_w x D_i instead (our earlier reading) is
+linear in the ratio, so its optimum sits at the extremes (densest 8 bits, nearly all the rest 2) and
+it lost more perplexity than uniform INT4 on SmolLM2 (bench/results/llms_compression_smollm2-135m.json
+history). 1/ratio_w is convex: a chunk goes from 4 to 8 bits only when its density exceeds twice that
+of the two chunks that pay for it by going to 2 bits (D_8 > 2 x (D_2 + D_2')), which is the text's "a
+conservative compression to all chunks first, then the tolerant ones aggressively". With three levels
+and integer chunk counts the optimum is found by enumerating how many chunks keep 8 bits and how many
+go to 2 (O(n^2) with prefix sums). Levels only move down: a chunk already at a level below its plan
+stays there.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -22,8 +28,8 @@ def ratio_of(bits: int) -> float:
 
 def plan_levels(densities: Sequence[float], ratio_global: float = 0.5,
                 current: Optional[Sequence[int]] = None) -> List[int]:  # fmt: skip
-    """Bits per chunk (same order as ``densities``) maximising sum(ratio x D) with mean ratio <=
-    ``ratio_global``. ``current`` (bits a chunk holds now) caps each chunk: levels never go up."""
+    """Bits per chunk (same order as ``densities``) minimising sum(D / ratio) (Eq. 3 as we read it) with
+    mean ratio <= ``ratio_global``. ``current`` (bits a chunk holds now) caps each chunk: levels never go up."""
     n = len(densities)
     if n == 0:
         return []
@@ -35,15 +41,15 @@ def plan_levels(densities: Sequence[float], ratio_global: float = 0.5,
     for d in ranked:
         prefix.append(prefix[-1] + d)
     budget = ratio_global * n + 1e-9  # sum of ratios allowed
-    best: Tuple[float, int, int] = (-1.0, 0, n)
+    best: Tuple[float, int, int] = (float("inf"), 0, n)
     for n8 in range(n + 1):
         for n2 in range(n - n8 + 1):
             n4 = n - n8 - n2
             if n8 + 0.5 * n4 + 0.25 * n2 > budget:
                 continue
-            kept = prefix[n8] + 0.5 * (prefix[n8 + n4] - prefix[n8]) + 0.25 * (prefix[n] - prefix[n8 + n4])
-            if kept > best[0] + 1e-12:
-                best = (kept, n8, n2)
+            lost = prefix[n8] + 2.0 * (prefix[n8 + n4] - prefix[n8]) + 4.0 * (prefix[n] - prefix[n8 + n4])
+            if lost < best[0] - 1e-12:
+                best = (lost, n8, n2)
             break  # for this n8 the fewest 2-bit chunks that fit is the best (more 2s only lose)
     _, n8, n2 = best
     bits = [0] * n
@@ -54,9 +60,9 @@ def plan_levels(densities: Sequence[float], ratio_global: float = 0.5,
     return bits
 
 
-def retained_information(densities: Sequence[float], bits: Sequence[int]) -> float:
-    """Eq. 3's objective as we read it: sum of ratio_w x D_i."""
-    return sum(ratio_of(b) * d for b, d in zip(bits, densities))
+def weighted_density(densities: Sequence[float], bits: Sequence[int]) -> float:
+    """Eq. 3's sum over chunks of D_i / ratio_w, the quantity :func:`plan_levels` minimises."""
+    return sum(d / ratio_of(b) for b, d in zip(bits, densities))
 
 
 def level_counts(bits: Sequence[int]) -> Dict[int, int]:
