@@ -19,11 +19,11 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "models" / "tiny"
 
 
-def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def _start(tmp_path: Path, *extra: str, model: Path = TINY, budget_mib: str = "0.3") -> tuple[subprocess.Popen, str]:
     sock = str(tmp_path / "llms.sock")
-    process = subprocess.Popen([sys.executable, "-m", "nodes.context_service", "--model", str(TINY), "--socket", sock,
-                                "--state-dir", str(tmp_path / "state"), "--budget-mib", "0.3", "--contexts-per-app", "2",
-                                "--context-tokens", "400", *extra],
+    process = subprocess.Popen([sys.executable, "-m", "nodes.context_service", "--model", str(model), "--socket", sock,
+                                "--state-dir", str(tmp_path / "state"), "--budget-mib", budget_mib,
+                                "--contexts-per-app", "2", "--context-tokens", "400", *extra],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     ready = json.loads(process.stdout.readline() or "{}")
     assert ready.get("serving") == sock, process.stderr.read()
@@ -144,3 +144,32 @@ def test_a_baseline_runs_in_the_same_daemon_and_max_seconds_ends_it(tmp_path: Pa
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_the_service_keeps_smollm2_contexts_through_compression_and_swapping(tmp_path: Path) -> None:
+    """LLMS's service on the pretrained model: three contexts in a budget that holds about one, so
+    switching swaps chunks out and in (compressed levels included); each context still answers from
+    its own history, in readable text."""
+    from testbed.models.packaged import PACKAGED, up_to_date
+
+    packaged = PACKAGED["smollm2-135m"]
+    assert up_to_date(packaged), f"SmolLM2-135M is not imported; fetch it: {packaged.fetch_command}"
+    process, sock = _start(tmp_path, model=packaged.directory, budget_mib="0.8")
+    try:
+        client = ContextClient(sock)
+        facts = {"paris": "The capital of France is Paris. The capital of Italy is Rome. The capital of France is",
+                 "water": "Water freezes at zero degrees Celsius and boils at one hundred. Water boils at",
+                 "cats": "Cats are small furry animals that purr and chase mice. A small furry animal that purrs is a"}
+        contexts = {name: client.new_context(name) for name in facts}
+        first = {name: client.call(ctx, facts[name] + " " + facts[name], 6) for name, ctx in contexts.items()}
+        again = {name: client.call(ctx, " So, once more:", 6) for name, ctx in contexts.items()}
+        stats = client.stats()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    assert "Traceback" not in process.stderr.read()
+    assert "Paris" in first["paris"]["text"]  # readable text from the model's own context
+    came_back = sum(r["switch"]["read_chunks"] + r["switch"]["recomputed_chunks"] for r in again.values())
+    assert stats["store"]["writes"] > 0 and came_back > 0 and stats["faults"] == 0  # contexts left memory, came back
+    for name in facts:  # each call continued its own context
+        assert again[name]["context_tokens"] > first[name]["context_tokens"]

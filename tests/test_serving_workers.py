@@ -38,7 +38,7 @@ def reference() -> dict[str, list[int]]:
 
 
 def serve(tmp_path: Path, serving: dict, devices: int = 2, tds: float = 30.0, target: dict | None = None,
-          profile: dict | None = None) -> dict:
+          profile: dict | None = None, model: Path = TINY, prompts: list[str] = PROMPTS) -> dict:
     """Run the engine and ``devices`` clients over the prompts (spread round robin, all arriving
     within 0.1 s); the clients' and the engine's records."""
     schedules = []
@@ -46,12 +46,12 @@ def serve(tmp_path: Path, serving: dict, devices: int = 2, tds: float = 30.0, ta
         path = tmp_path / f"device{d}.jsonl"
         rows = [{"request_id": i, "arrival_s": 0.02 * i, "prompt": p, "max_new_tokens": MAX_NEW_TOKENS,
                  "expected_ttft_s": 1.0, "expected_tds_tok_s": tds}
-                for i, p in enumerate(PROMPTS) if i % devices == d]  # fmt: skip
+                for i, p in enumerate(prompts) if i % devices == d]  # fmt: skip
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         schedules.append(path)
     out = tmp_path / "out"
     config = {
-        "run_id": "serving", "method": "serving", "model": str(TINY), "partition": {"device_layers": 0, "stages": 1},
+        "run_id": "serving", "method": "serving", "model": str(model), "partition": {"device_layers": 0, "stages": 1},
         "out_dir": str(out), "serving": serving, "target": target,
         "ranks": [{"role": "stage", "node": "server", **({"profile": profile} if profile else {})}]
         + [{"role": "device", "node": f"dev{d}", "schedule": str(s)} for d, s in enumerate(schedules)],
@@ -99,6 +99,29 @@ def test_preempted_requests_resume_token_for_token_after_a_swap_or_a_recompute(t
     assert sum(r["serving"]["preemptions"] for r in result["clients"]) == moved
     assert {(r["device_rank"], r["request_id"]) for r in result["engine"]} == {
         (1 + i % 2, i) for i in range(len(PROMPTS))}
+
+
+def test_the_engine_serves_smollm2_token_for_token_through_preemption(tmp_path):
+    """The serving engine (Andes' scheduler, a KV budget that forces preemption) on the pretrained
+    model: every request's tokens equal greedy generation of SmolLM2 alone."""
+    from nodes.inference.checkpoint import load_whole
+    from nodes.inference.generate import greedy_generate
+    from nodes.inference.tokenizer import Tokenizer
+    from testbed.models.packaged import PACKAGED, up_to_date
+
+    packaged = PACKAGED["smollm2-135m"]
+    assert up_to_date(packaged), f"SmolLM2-135M is not imported; fetch it: {packaged.fetch_command}"
+    prompts = ["The capital of France is", "Water boils at a temperature of", "A haiku about autumn:\n",
+               "def fibonacci(n):\n", "Three primary colours are", "The opposite of cold is"]  # fmt: skip
+    model, tokenizer = load_whole(str(packaged.directory), dtype="float32"), Tokenizer(str(packaged.directory))
+    reference = {p: greedy_generate(model, tokenizer.encode(p), MAX_NEW_TOKENS, tokenizer.eos_id) for p in prompts}
+    del model
+    result = serve(tmp_path, {"scheduler": "andes", "capacity_tokens": 60}, model=packaged.directory, prompts=prompts)
+    assert len(result["clients"]) == len(prompts)
+    for record in result["clients"]:
+        assert record["token_ids"] == reference[prompts[record["request_id"]]], record["request_id"]
+    assert sum(r["serving"]["preemptions"] for r in result["clients"]) > 0  # the budget made it preempt
+    assert "Paris" in tokenizer.decode(reference[prompts[0]])
 
 
 @pytest.mark.parametrize("scheduler", ["fcfs", "andes", "andes-dp"])
