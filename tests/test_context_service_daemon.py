@@ -148,7 +148,7 @@ def test_a_baseline_runs_in_the_same_daemon_and_max_seconds_ends_it(tmp_path: Pa
 
 def test_the_service_keeps_smollm2_contexts_through_compression_and_swapping(tmp_path: Path) -> None:
     """LLMS's service on the pretrained model: three contexts in a budget that holds about one, so
-    switching swaps chunks out and in (compressed levels included); each context still answers from
+    switching moves chunks out and back in (read or recomputed); each context still answers from
     its own history, in readable text."""
     from testbed.models.packaged import PACKAGED, up_to_date
 
