@@ -46,7 +46,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nodes.inference.checkpoint import load_whole
-from nodes.inference.draft import DraftAdapter, adapter_dir, distillation_loss, save_adapter, state_loss
+from nodes.inference.draft import (
+    DraftAdapter,
+    adapter_dir,
+    distillation_loss,
+    save_adapter,
+    soft_cross_entropy,
+    state_loss,
+)
 from nodes.inference.generate import greedy_generate_batch
 from nodes.inference.tokenizer import Tokenizer
 from scripts.train_tiny import learning_rate, read_corpus, windows
@@ -150,7 +157,7 @@ def masked_loss(model, adapter, batch, ce_weight, ce_positions, generator, state
     if 0 < ce_positions < len(rows):
         rows = torch.randperm(len(rows), generator=generator)[:ce_positions]
     smooth_l1 = state_loss(teacher, student, model.norm if state_space == "normed" else None)
-    _, _, cross_entropy = distillation_loss(teacher[rows], student[rows], head(model), ce_weight)
+    cross_entropy = soft_cross_entropy(teacher[rows], student[rows], head(model))
     return smooth_l1 + ce_weight * cross_entropy, smooth_l1, cross_entropy
 
 

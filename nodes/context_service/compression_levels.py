@@ -45,9 +45,10 @@ def plan_levels(densities: Sequence[float], ratio_global: float = 0.5,
     for n8 in range(n + 1):
         for n2 in range(n - n8 + 1):
             n4 = n - n8 - n2
-            if n8 + 0.5 * n4 + 0.25 * n2 > budget:
+            if n8 * ratio_of(8) + n4 * ratio_of(4) + n2 * ratio_of(2) > budget:
                 continue
-            lost = prefix[n8] + 2.0 * (prefix[n8 + n4] - prefix[n8]) + 4.0 * (prefix[n] - prefix[n8 + n4])
+            lost = (prefix[n8] / ratio_of(8) + (prefix[n8 + n4] - prefix[n8]) / ratio_of(4)
+                    + (prefix[n] - prefix[n8 + n4]) / ratio_of(2))  # fmt: skip
             if lost < best[0] - 1e-12:
                 best = (lost, n8, n2)
             break  # for this n8 the fewest 2-bit chunks that fit is the best (more 2s only lose)

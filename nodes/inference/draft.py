@@ -145,8 +145,13 @@ def distillation_loss(
     the teacher's softmax as the target distribution. Returns (loss, smooth L1 term, CE term).
     """
     smooth_l1 = state_loss(teacher_hidden, student_hidden)
+    cross_entropy = soft_cross_entropy(teacher_hidden, student_hidden, head)
+    return smooth_l1 + ce_weight * cross_entropy, smooth_l1, cross_entropy
+
+
+def soft_cross_entropy(teacher_hidden: torch.Tensor, student_hidden: torch.Tensor, head) -> torch.Tensor:
+    """Eq. 4's CE(H_L(f^L), H_L(f^S)): the teacher's softmax is the (fixed) target distribution."""
     with torch.no_grad():
         target = torch.softmax(head(teacher_hidden).float(), dim=-1)
     log_student = torch.log_softmax(head(student_hidden).float(), dim=-1)
-    cross_entropy = -(target * log_student).sum(-1).mean()
-    return smooth_l1 + ce_weight * cross_entropy, smooth_l1, cross_entropy
+    return -(target * log_student).sum(-1).mean()
