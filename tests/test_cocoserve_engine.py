@@ -35,20 +35,21 @@ def lines(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
 
 
-def serve(tmp_path: Path, method: str, serving: dict, scaling: dict, gap_s: float = 0.02) -> dict:
+def serve(tmp_path: Path, method: str, serving: dict, scaling: dict, gap_s: float = 0.02, model: Path = TINY,
+          prompts: list[str] = PROMPTS, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
     """The method's engine on GPU ranks and two clients over the prompts; the records."""
     schedules = []
     tmp_path.mkdir(parents=True, exist_ok=True)
     for d in range(DEVICES):
         path = tmp_path / f"device{d}.jsonl"
-        rows = [{"request_id": i, "arrival_s": gap_s * i, "prompt": p, "max_new_tokens": MAX_NEW_TOKENS,
+        rows = [{"request_id": i, "arrival_s": gap_s * i, "prompt": p, "max_new_tokens": max_new_tokens,
                  "expected_ttft_s": 1.0, "expected_tds_tok_s": 30.0}
-                for i, p in enumerate(PROMPTS) if i % DEVICES == d]  # fmt: skip
+                for i, p in enumerate(prompts) if i % DEVICES == d]  # fmt: skip
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         schedules.append(path)
     out = tmp_path / "out"
     config = {
-        "run_id": method, "method": method, "model": str(TINY), "partition": {"device_layers": 0, "stages": GPUS},
+        "run_id": method, "method": method, "model": str(model), "partition": {"device_layers": 0, "stages": GPUS},
         "out_dir": str(out), "serving": serving, "scaling": scaling,
         "ranks": [{"role": "stage", "node": "server"} for _ in range(GPUS)]
         + [{"role": "device", "node": f"dev{d}", "schedule": str(s)} for d, s in enumerate(schedules)],
@@ -87,6 +88,32 @@ def test_cocoserve_replicates_layers_mid_generation_and_keeps_every_token(tmp_pa
     assert any(r["arrival_s"] < first < r["done_s"] for r in result["engine"])  # landed mid-generation
     ticks = result["ticks"]  # every tick is recorded with each GPU's vacancy; the first ones scaled up
     assert all(set(t["vacancy"]) == {"gpu0", "gpu1", "gpu2"} for t in ticks) and ticks[0]["decision"] == "scale-up"
+
+
+def test_cocoserve_replicates_smollm2_layers_mid_generation_and_keeps_every_token(tmp_path):
+    """CoCoServe's scaling engine on the pretrained model: replicas of SmolLM2's layers land on idle GPU
+    ranks while requests are generated, and every request's tokens equal greedy generation alone."""
+    from nodes.inference.checkpoint import load_whole
+    from nodes.inference.generate import greedy_generate
+    from nodes.inference.tokenizer import Tokenizer
+    from testbed.models.packaged import PACKAGED, up_to_date
+
+    packaged = PACKAGED["smollm2-135m"]
+    assert up_to_date(packaged), f"SmolLM2-135M is not imported; fetch it: {packaged.fetch_command}"
+    prompts, tokens = ["The capital of France is", "def fibonacci(n):\n", "Water boils at", "A haiku:\n"], 12
+    model, tokenizer = load_whole(str(packaged.directory), dtype="float32"), Tokenizer(str(packaged.directory))
+    reference = {p: greedy_generate(model, tokenizer.encode(p), tokens, tokenizer.eos_id) for p in prompts}
+    del model
+    result = serve(tmp_path, "cocoserve", {"max_batch": 4}, {"period_s": 0.05, "cooldown_s": 0.05, "window_s": 0.5},
+                   gap_s=0.3, model=packaged.directory, prompts=prompts, max_new_tokens=tokens)  # fmt: skip
+    assert sorted(r["request_id"] for r in result["clients"]) == list(range(len(prompts)))
+    for record in result["clients"]:
+        assert record["token_ids"] == reference[prompts[record["request_id"]]], record["request_id"]
+    replicas = [op for op in result["ops"] if op["kind"] == "replicate"]
+    assert replicas and {op["destination"] for op in replicas} <= {"gpu1", "gpu2"}
+    first = min(float(op["time_s"]) for op in replicas)
+    assert any(r["arrival_s"] < first < r["done_s"] for r in result["engine"])  # landed mid-generation
+    assert "Paris" in tokenizer.decode(reference[prompts[0]])
 
 
 def test_static_batching_fails_requests_out_of_memory_where_continuous_batching_preempts(tmp_path, reference):
