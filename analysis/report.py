@@ -121,7 +121,7 @@ def _utilisation(telemetry: pd.DataFrame) -> pd.DataFrame:
 
 def method_lines(directory: Path) -> list[str]:
     """What each method of the campaign is and what to read for it, as its plugin described it in the
-    runs' manifests (nodes/workers/methods)."""
+    runs' manifests (nodes/contracts/methods)."""
     described: dict[str, dict] = {}
     for path in sorted((directory / "runs").glob("*/manifest.json")):
         method = json.loads(path.read_text()).get("method")

@@ -241,7 +241,7 @@ def nvml_duty(shape: str, device: str, shares: list[float], phase_s: float, peri
     :class:`DecodeSteps`) is busy ``share`` of every ``period_s``."""
     import torch
 
-    from nodes.server.nvml import NvmlSource
+    from nodes.telemetry.nvml import NvmlSource
 
     layer, config = one_layer(shape, device)
     batch, context = 32, 512

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analysis.cost_model import dispatch_regime
 from bench._common import write
-from nodes.dispatch.device_speed import device_speed_named
 from nodes.dispatch.replay import draw_seeded, replay
-from nodes.dispatch.services import service_named
+from nodes.endpoints.device_speed import device_speed_named
+from nodes.endpoints.services import service_named
 
 CONSUMPTION_TOK_S = 4.8
 

@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import write
 from nodes.dispatch.controller import plan_dispatch
-from nodes.dispatch.device_speed import DEVICE_SPEEDS, LinearTtft
 from nodes.dispatch.live import EndpointAddress, dispatch_request
 from nodes.dispatch.policy import LengthDistribution, ServerTtft
 from nodes.dispatch.replay import ReplayInput, draw_seeded, replay
-from nodes.dispatch.services import SERVICES
+from nodes.endpoints.device_speed import DEVICE_SPEEDS, LinearTtft
+from nodes.endpoints.services import SERVICES
 from nodes.inference.tokenizer import Tokenizer
 from workloads.prompts import LENGTH_MODELS
 

@@ -33,10 +33,10 @@ from analysis.dispatch import budget_curves, cost_curves, migration_table, tail_
 from analysis.report import markdown_table
 from bench._common import write
 from nodes.dispatch.controller import MigrationRule, plan_dispatch
-from nodes.dispatch.device_speed import DEVICE_SPEEDS, LinearTtft
 from nodes.dispatch.policy import LengthDistribution, ServerTtft, TokenCosts, constrained_endpoint
 from nodes.dispatch.replay import ReplayInput, replay
-from nodes.dispatch.services import SERVICES
+from nodes.endpoints.device_speed import DEVICE_SPEEDS, LinearTtft
+from nodes.endpoints.services import SERVICES
 from workloads.prompts import LENGTH_MODELS, OUTPUT_LENGTH_MODELS
 
 CONSUMPTION_TOK_S = 4.8  # r_c: reading speed (the brief's reading of Sec. 2.2)

@@ -123,7 +123,7 @@ def main() -> None:
     up_s = time.monotonic() - started
     state = str(state_dir_of(lab))
     campaign = work / "hat-lab-short.yaml"
-    from nodes.workers.methods import method_named
+    from nodes.contracts.methods import method_named
 
     # draft settings for a method that drafts (a campaign refuses settings no run uses)
     adapter = f"adapter: {Path(args.draft).resolve()}, " if args.draft else ""

@@ -44,7 +44,7 @@ PAPER_TABLE5_SPECBENCH = {  # HAT Table 5, SpecBench, Vicuna-7B: change against 
 def campaign_file(
     directory: Path, methods: list[str], dilations: list[float], repetitions: int, device_slots: int = 1
 ) -> Path:
-    from nodes.workers.methods import method_named
+    from nodes.contracts.methods import method_named
 
     path = directory / "target-emulation.yaml"
     # chunk and draft settings only where a method of the matrix reads them (unused ones are refused)

@@ -6,7 +6,7 @@ JSON file per campaign, so that two trees' plans can be compared command for com
     .venv/bin/python scripts/dry_run_commands.py /tmp/plans-after && diff -r /tmp/plans-before /tmp/plans-after
 
 Each campaign is planned on the inventory it names (the emulated ones are planned without being up).
-The name of the node code's archive carries a hash of ``nodes/`` and is written as ``hil-nodes-HASH``,
+The node code's hash (in its archive's name and each context's ``code_version``) is written as ``HASH``,
 so that a change of node code alone does not show as a change of every command.
 """
 
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-NODE_CODE_ARCHIVE = re.compile(r"hil-nodes-[0-9a-f]{16}")
+NODE_CODE_HASH = re.compile(r'(hil-nodes-|"code_version": ")[0-9a-f]{16}')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{campaign.name}: exit {done.returncode}: {done.stderr.strip()[-400:]}", file=sys.stderr)
             continue
         plan = json.loads(done.stdout)
-        text = NODE_CODE_ARCHIVE.sub("hil-nodes-HASH", json.dumps(plan, indent=1, sort_keys=True))
+        text = NODE_CODE_HASH.sub(r"\1HASH", json.dumps(plan, indent=1, sort_keys=True))
         (args.out / f"{campaign.stem}.json").write_text(text + "\n")
         commands = sum(len(v) for run in plan.get("runs", []) for v in (run.get("commands") or {}).values())
         print(f"{campaign.name}: {len(plan.get('runs', []))} runs, {commands} commands")

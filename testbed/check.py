@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from foundation.errors import NodeError
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.sudo_rules import install_hint, lacking_rules, sudo_probe_script
 from testbed.transport import Transport, open_transport, usb_host_transport
 from testbed.transport.facts import NodeFacts, gather_facts, gather_phone_facts, parse_key_values
@@ -19,7 +19,7 @@ from testbed.transport.fanout import DEFAULT_PARALLEL, FanOutResult, fan_out
 def check_node(inventory: Inventory, node: NodeSpec) -> NodeFacts:
     if node.emulated is not None and node.address is None:
         raise NodeError(node.name, "the emulated testbed is not running; start it with `testbed emulate up`")
-    if node.kind == "android":
+    if kind_of(node).via_usb_host:
         with usb_host_transport(inventory, node) as host:
             return gather_phone_facts(inventory, node, host)
     with open_transport(inventory, node) as transport:

@@ -26,9 +26,9 @@ from typing import Any
 from foundation.errors import NodeError
 from nodes.contracts.compute_profile import ModeRates, step_seconds
 from nodes.contracts.kv_chunk_bytes import chunk_bytes_all_layers
+from nodes.contracts.methods import FLOAT16_CONTEXT_MEMORY
 from nodes.contracts.service_files import ServiceFiles, service_files
 from nodes.contracts.target_model import TargetModel, from_hf_config
-from nodes.workers.methods import FLOAT16_CONTEXT_MEMORY
 from testbed.inventory import Inventory
 from testbed.node_context import NodeContext, transport_for
 from testbed.split_run import run_dir_on

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from foundation.errors import TestbedError
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_code import node_code
 from testbed.node_wheel import node_wheel
 from testbed.provision import load_record, provisioned_python
@@ -77,11 +77,12 @@ class NodeContext:
 
 def transport_for(inventory: Inventory, node: NodeSpec) -> Transport:
     """The transport that runs ``node``'s commands (a phone's are run on its USB host)."""
-    return usb_host_transport(inventory, node) if node.kind == "android" else open_transport(inventory, node)
+    return usb_host_transport(inventory, node) if kind_of(node).via_usb_host else open_transport(inventory, node)
 
 
 def host_of(node: NodeSpec) -> str:
-    if node.kind == "android":
+    """The node whose transport runs ``node``'s commands (a phone's USB host)."""
+    if kind_of(node).via_usb_host:
         assert node.adb is not None
         return node.adb.usb_host
     return node.name
@@ -96,7 +97,7 @@ def unresolved_context(inventory: Inventory, node: NodeSpec) -> NodeContext:
     record = load_record(inventory, node.name)
     defaults = inventory.spec.defaults
     installed = record.get("installed_wheel")
-    if node.kind != "android" and installed:
+    if kind_of(node).runs_ranks and installed:
         current = node_wheel().version
         if installed != current:
             raise StaleNodeCode(

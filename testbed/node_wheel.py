@@ -23,7 +23,6 @@ from testbed.node_code import NODES_PACKAGE, deterministic_zip, node_code, node_
 DISTRIBUTION = "hil-testbed-nodes"
 REPO = NODES_PACKAGE.parent
 WHEEL_FILE = b"Wheel-Version: 1.0\nGenerator: hil-testbed\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-KIND_EXTRAS = {"jetson": ("jetson",), "server": ("server",)}  # inventory kind -> wheel extras
 
 
 @dataclass(frozen=True)

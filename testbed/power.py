@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foundation.errors import NodeError, TestbedError
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_context import (
     NodeContext,
     ensure_node_code,
@@ -41,13 +41,9 @@ class PowerReading:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def driver_kind(node: NodeSpec) -> str:
-    return {"jetson": "jetson", "server": "server", "android": "android"}[node.kind]
-
-
 def _journal_path(inventory: Inventory, node: NodeSpec) -> str:
     base = inventory.spec.defaults.workdir.rstrip("/") + "/power"
-    if node.kind == "android":
+    if kind_of(node).via_usb_host:  # one USB host keeps a journal per phone
         assert node.adb is not None
         return f"{base}/journal-{node.adb.serial}.json"
     return f"{base}/journal.json"
@@ -55,11 +51,11 @@ def _journal_path(inventory: Inventory, node: NodeSpec) -> str:
 
 def driver_command(inventory: Inventory, node: NodeSpec, context: NodeContext, action: Sequence[str]) -> list[str]:
     """The exact command line (environment included) that runs the node's power driver for ``action``."""
-    argv = [context.base_python, "-m", "nodes.power", "--kind", driver_kind(node)]
+    argv = [context.base_python, "-m", "nodes.power", "--kind", kind_of(node).power_driver]
     argv += ["--journal", context.path(_journal_path(inventory, node))]
     if inventory.spec.defaults.sudo:
         argv.append("--sudo")
-    if node.kind == "android":
+    if kind_of(node).via_usb_host:
         assert node.adb is not None
         argv += ["--serial", node.adb.serial]
     return context.command([*argv, *action])
@@ -150,7 +146,8 @@ def set_power(
     lacking = {
         name: reading
         for name, reading in shown.values().items()
-        if reading.kind == "jetson" and not any(mode in (i, n) or mode.lower() == n.lower() for i, n in reading.modes)
+        if kind_of(by_name[name]).power_modes.listed_by_driver
+        and not any(mode in (i, n) or mode.lower() == n.lower() for i, n in reading.modes)
     }
     if lacking:
         listing = "; ".join(

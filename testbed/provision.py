@@ -33,9 +33,9 @@ from pathlib import Path
 from foundation.errors import NodeError, TestbedError
 from nodes.contracts.durable import write_atomic, write_json_atomic
 from testbed.delay_handler import HANDLER_SOURCE, handler_digest, install_script, installed_test
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_code import ensure_node_code
-from testbed.node_wheel import KIND_EXTRAS, NodeWheel, node_wheel
+from testbed.node_wheel import NodeWheel, node_wheel
 from testbed.sudo_rules import install_hint, lacking_rules, sudo_probe_script
 from testbed.transport import open_transport
 from testbed.transport.base import Transport
@@ -256,11 +256,11 @@ def judge_readiness(
                 f"time is not synchronised ({state}); enable it with `sudo timedatectl set-ntp true` or chrony "
                 "(telemetry is aligned per run, but logs read better on synchronised clocks)"
             )
-    if node.kind == "jetson" and not facts.emulated and first_value(values, "jtop_service") != "active":
-        warnings.append(
-            "the jtop service is not active (needed only for --jetson-source jtop): sudo systemctl enable --now jtop"
-        )
-    if node.kind == "server" and node.gpus and "nvidia-smi" not in tools:
+    kind = kind_of(node)
+    hint = kind.boards.service_hint if kind.boards else ""
+    if hint and not facts.emulated and first_value(values, "jtop_service") != "active":
+        warnings.append(hint)
+    if kind.discrete_gpus and node.gpus and "nvidia-smi" not in tools:
         missing.append(("nvidia-smi (NVIDIA driver)", "install the NVIDIA driver for the server's GPUs"))
     return missing, warnings
 
@@ -402,8 +402,8 @@ class _NodeProvisioner:
 
     def venv_and_wheel(self, facts: NodeFacts, readiness: Readiness) -> str | None:
         """Make the venv and install the wheel where needed; the installed wheel version, or None."""
-        jetson = self.node.kind == "jetson"
-        see_base = jetson or facts.emulated
+        system_torch_image = bool(kind_of(self.node).boards and kind_of(self.node).boards.system_torch)
+        see_base = system_torch_image or facts.emulated
         if not readiness.first("venv_version"):
             if not readiness.first("base_venv") and not (see_base and readiness.first("base_pip")):
                 self.problems.append(
@@ -428,7 +428,7 @@ class _NodeProvisioner:
             self.change("venv", f"made the venv {self.venv}" + (" (sees the system's packages)" if see_base else ""))
             readiness = replace(readiness, values=self.probe())  # what the new venv holds
         system_torch = readiness.first("venv_torch")
-        if jetson and not system_torch:
+        if system_torch_image and not system_torch:
             self.problems.append(
                 "no torch in the Jetson's system Python: install NVIDIA's torch wheel for this JetPack "
                 "(docs.nvidia.com/deeplearning/frameworks/install-pytorch-jetson-platform); provisioning "
@@ -436,14 +436,14 @@ class _NodeProvisioner:
             )
         if readiness.first("venv_wheel") == self.wheel.version:
             return self.wheel.version
-        return self.install_wheel(facts, readiness, system_torch if jetson else None)
+        return self.install_wheel(facts, readiness, system_torch if system_torch_image else None)
 
     def install_wheel(self, facts: NodeFacts, readiness: Readiness, keep_torch: str | None) -> str | None:
         wheels_dir = f"{self.workdir}/wheels"
         wheel_remote = f"{wheels_dir}/{self.wheel.filename}"
         ensure_file(self.t, self.wheel_file, wheel_remote, self.wheel.sha256, say=self.say)
-        jetson = self.node.kind == "jetson"
-        torch_pin = None if jetson else self.wheel.torch_requirement
+        boards = kind_of(self.node).boards
+        torch_pin = None if boards is not None and boards.system_torch else self.wheel.torch_requirement
         pins = [f"torch=={keep_torch}"] if keep_torch else ([torch_pin] if torch_pin else [])
         constraints = f"{wheels_dir}/constraints.txt"
         self.t.store(constraints, "".join(f"{pin}\n" for pin in pins).encode())
@@ -452,7 +452,7 @@ class _NodeProvisioner:
             if self.node.registry_access is not None
             else self.inventory.spec.defaults.registry_access
         )
-        extras = KIND_EXTRAS.get(self.node.kind, ())
+        extras = kind_of(self.node).wheel_extras
         argv = pip_install_argv(
             self.venv, wheel_remote, extras, torch_pin, constraints, wheels_dir if offline else None
         )
@@ -543,7 +543,7 @@ def provision(
 ) -> tuple[FanOutResult[NodeProvision], list[str]]:
     """Provision the selected nodes; returns every node's outcome and the problems across nodes
     (MPI ABIs or node versions that differ)."""
-    nodes = [n for n in inventory.select(names) if n.kind != "android"]
+    nodes = [n for n in inventory.select(names) if kind_of(n).runs_ranks]
     if not nodes:
         raise TestbedError(f"{inventory.path}: no Linux node selected (phones are reached through their USB host)")
     for node in nodes:

@@ -30,11 +30,11 @@ from typing import Any
 from foundation.errors import NodeError, TestbedError
 from nodes.contracts.compute_profile import rates_from_json
 from nodes.contracts.draft import default_adapter_dir
+from nodes.contracts.methods import method_named
+from nodes.contracts.methods import names as method_names
 from nodes.contracts.rank_dirs import ABORT_REASON_GLOB, parse_rank_dir
 from nodes.contracts.schedules import request_id
 from nodes.contracts.target_model import from_json as target_from_json
-from nodes.workers.methods import method_named
-from nodes.workers.methods import names as method_names
 from nodes.workers.run_config import (
     DispatchSettings,
     DraftSettings,
@@ -45,7 +45,7 @@ from nodes.workers.run_config import (
     dispatch_settings,
     scaling_settings,
 )
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
 from testbed.provision import compare_records, load_record
 from testbed.transport import open_transport
@@ -164,8 +164,8 @@ def check_spec(inventory: Inventory, spec: SplitRunSpec) -> tuple[NodeSpec, list
     if not devices:
         raise TestbedError("a split run needs at least one device")
     for node in [server, *devices]:
-        if node.kind == "android":
-            raise TestbedError(f"{node.name}: phones run no MPI ranks; choose a Jetson or server node")
+        if not kind_of(node).runs_ranks:
+            raise TestbedError(f"{node.name} (kind {node.kind}) runs no MPI ranks; choose a Jetson or server node")
         if node.data is None:
             raise TestbedError(f"{inventory.path}: node {node.name!r} has no 'data:' interface for MPI traffic")
         if node.address is None:

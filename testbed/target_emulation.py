@@ -22,7 +22,7 @@ from foundation.errors import NodeError, TestbedError
 from nodes.contracts.compute_profile import ModeRates
 from nodes.contracts.target_model import TargetModel, TargetModelError, builtin, from_hf_config
 from testbed.compute_profiles import ComputeProfile, known_profiles, load_profile, profile_path
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_context import NodeContext, ensure_node_code, resolve_context
 from testbed.transport import open_transport
 from testbed.transport.fanout import FanOutResult, fan_out
@@ -114,7 +114,7 @@ def node_mode(node: NodeSpec, modes: dict[str, str], profile: ComputeProfile) ->
 def paced_names(settings: Any, devices: Sequence[str]) -> list[str]:
     """The run's nodes whose steps are paced to a profile: the server and the devices, or the server
     alone for a streaming method (its clients compute nothing)."""
-    from nodes.workers.methods import method_named
+    from nodes.contracts.methods import method_named
 
     return [settings.server] if method_named(settings.method).streams else [settings.server, *devices]
 
@@ -165,7 +165,7 @@ def pacing_command(context: NodeContext, on: bool) -> list[str]:
 def paceable(inventory: Inventory, names: Sequence[str]) -> list[str]:
     """The emulated ones of ``names`` (a real board's CPU is not this machine's to pace; an emulated
     phone hosts no steps to pace)."""
-    return [n for n in names if inventory.node(n).emulated is not None and inventory.node(n).kind != "android"]
+    return [n for n in names if inventory.node(n).emulated is not None and kind_of(inventory.node(n)).runs_ranks]
 
 
 def pace_nodes(

@@ -32,7 +32,7 @@ import pandas as pd
 from foundation.clock_alignment import ClockAlignment
 from foundation.errors import NodeError, TestbedError
 from nodes.contracts.tool_answers import SensorStatus
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_code import node_code
 from testbed.node_context import (
     NodeContext,
@@ -67,23 +67,15 @@ class SamplerPlan:
         return [*words, "--node", self.node]
 
 
-JETSON_SOURCES = {"tegrastats": "jetson", "jtop": "jtop"}
-
-
 def sampler_plan(node: NodeSpec, jetson_source: str = "tegrastats") -> SamplerPlan:
-    """Jetsons: tegrastats (the stand-in on emulated ones), or the jtop service. Servers: NVML and
-    the host's CPUs and RAPL; an emulated server: its cgroup and power model. Phones: the battery,
-    from the USB host."""
-    if node.kind == "jetson":
-        if jetson_source not in JETSON_SOURCES:
-            raise TestbedError(f"unknown Jetson telemetry source {jetson_source!r}; use tegrastats or jtop")
-        return SamplerPlan(node.name, node.name, (JETSON_SOURCES[jetson_source],))
-    if node.kind == "android":
+    """The node kind's sources (:mod:`testbed.inventory.node_kinds`); a phone's are sampled on its USB
+    host, with its serial."""
+    kind = kind_of(node)
+    sources = kind.telemetry(node, jetson_source)
+    if kind.via_usb_host:
         assert node.adb is not None
-        return SamplerPlan(node.name, node.adb.usb_host, ("android",), node.adb.serial)
-    if node.emulated is not None:
-        return SamplerPlan(node.name, node.name, ("emulated",))
-    return SamplerPlan(node.name, node.name, ("nvml", "host") if node.gpus else ("host",))
+        return SamplerPlan(node.name, node.adb.usb_host, sources, node.adb.serial)
+    return SamplerPlan(node.name, node.name, sources)
 
 
 # -- probe ---------------------------------------------------------------------------------------

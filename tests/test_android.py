@@ -19,10 +19,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from nodes.android.battery import BatterySource
-from nodes.android.power import AndroidPower
 from nodes.contracts.telemetry_rows import TelemetryRow
 from nodes.contracts.tool_answers import SensorStatus
+from nodes.power.android import AndroidPower
+from nodes.telemetry.battery import BatterySource
 from testbed.inventory import Inventory, load_inventory
 from testbed.power import restore_power, set_power, show_power
 from testbed.telemetry import record_telemetry

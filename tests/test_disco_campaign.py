@@ -258,8 +258,8 @@ def test_the_controllers_lists_match_the_node_sides_catalogues() -> None:
     import typing
 
     from analysis.cost_model import DEVICE_SPEED_MODELS
-    from nodes.dispatch.device_speed import DEVICE_SPEEDS
-    from nodes.dispatch.services import SERVICES
+    from nodes.endpoints.device_speed import DEVICE_SPEEDS
+    from nodes.endpoints.services import SERVICES
     from testbed.campaign.spec import DispatchSettings as CampaignDispatch
 
     fields = CampaignDispatch.model_fields

@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from nodes.dispatch.controller import MigrationRule
-from nodes.dispatch.device_speed import DeviceSpeed, LinearTtft
 from nodes.dispatch.live import EndpointAddress, dispatch_request
 from nodes.dispatch.policy import ServerTtft, TokenCosts
+from nodes.endpoints.device_speed import DeviceSpeed, LinearTtft
 from nodes.endpoints.generator import PacedGenerator
 from nodes.endpoints.openai_api import Endpoint, make_server
 from nodes.endpoints.pace import DevicePace, Pace

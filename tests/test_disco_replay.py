@@ -10,7 +10,6 @@ import pytest
 from analysis.cost_model import SERVICE_APIS, DispatchPrices
 from analysis.dispatch import cost_curves, migration_table, tail_reduction_table
 from nodes.dispatch.controller import GENERATION_CAP_TOKENS, NEVER, DispatchPlan, MigrationRule, plan_dispatch
-from nodes.dispatch.device_speed import DEVICE_SPEEDS, DeviceSpeed, LinearTtft
 from nodes.dispatch.policy import (
     LengthDistribution,
     LengthThreshold,
@@ -20,7 +19,8 @@ from nodes.dispatch.policy import (
     constrained_endpoint,
 )
 from nodes.dispatch.replay import ReplayInput, display_times, replay
-from nodes.dispatch.services import SERVICES, Lognormal, ServiceModel
+from nodes.endpoints.device_speed import DEVICE_SPEEDS, DeviceSpeed, LinearTtft
+from nodes.endpoints.services import SERVICES, Lognormal, ServiceModel
 
 R_C = 4.8
 DEVICE = DeviceSpeed("hand", prefill_tok_s=10.0, decode_tok_s=20.0, model="bloom-1.1b")

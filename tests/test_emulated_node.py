@@ -13,7 +13,7 @@ import pytest
 from nodes.emulated import boards
 from nodes.emulated.cgroup import CpuCgroup, ProcessTreeCpu, cgroup_version
 from nodes.emulated.node import EmulatedNode, PowerMode, UtilisationMeter, modeled_power_w, online_cores
-from testbed.inventory import JETSON_MODELS
+from testbed.inventory.node_kinds import JETSON
 from tests.conftest import REPO
 
 
@@ -143,7 +143,7 @@ def test_utilisation_is_against_the_current_modes_quota(tmp_path):
 
 
 def test_every_jetson_model_of_the_inventory_has_a_board():
-    for model in JETSON_MODELS:
+    for model in JETSON.boards.models:
         board = boards.board_for(model)
         shares = sum(r.share for r in board.rails if not r.total)
         assert shares == pytest.approx(1.0) or any(r.total for r in board.rails)

@@ -168,7 +168,7 @@ REJECTIONS = [
         "nodes[1].sudo_password",
         "secrets must not be written",
     ),
-    (edit("    kind: jetson\n", "    kind: jetsn\n"), 5, "nodes[0].kind", "'jetson', 'android' or 'server'"),
+    (edit("    kind: jetson\n", "    kind: jetsn\n"), 5, "nodes[0].kind", "is not a node kind"),
     (edit("    model: agx-orin\n", "    model: agx-orn\n"), 6, "nodes[0].model", "unknown Jetson model"),
     (edit("    address: 192.168.1.11\n", ""), 4, "nodes[0]", "'address' is missing"),
     (edit("    adb: {serial: 28011FDH2000AB, usb_host: gpu}\n", ""), 18, "nodes[2]", "needs an 'adb:' section"),

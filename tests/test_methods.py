@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from foundation.errors import InputError
-from nodes.workers.methods import Method, MethodCheck, method_named, names, register, unregister
+from nodes.contracts.methods import Method, MethodCheck, method_named, names, register, unregister
 from nodes.workers.run_config import RunConfigError, parse
 from testbed.campaign.load import load_campaign
 
@@ -121,7 +121,7 @@ def test_the_registry_imports_no_torch():
     import subprocess
     import sys
 
-    probe = "import sys, nodes.workers.methods; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mpi4py', 'numpy'))))"
+    probe = "import sys, nodes.contracts.methods; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mpi4py', 'numpy'))))"
     out = subprocess.run([sys.executable, "-c", "import json; " + probe], capture_output=True, text=True, check=True,
                          cwd=REPO).stdout  # fmt: skip
     assert json.loads(out) == []

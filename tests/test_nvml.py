@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from nodes.power import PowerError, PowerModeInfo
-from nodes.server.nvml import NvmlSource, averaged_power, text
-from nodes.server.nvml_power import NvmlPower
+from nodes.power.common import PowerError, PowerModeInfo
+from nodes.power.server import NvmlPower
+from nodes.server.nvml import averaged_power, text
+from nodes.telemetry.nvml import NvmlSource
 
 STANDIN = Path(__file__).resolve().parent / "standins" / "pynvml.py"
 GIB = 1024**3

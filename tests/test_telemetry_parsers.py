@@ -12,7 +12,6 @@ import pandas as pd
 import pytest
 
 from nodes.android.battery import (
-    BatterySource,
     CurrentConvention,
     charging_from_dumpsys,
     detect_convention,
@@ -22,7 +21,8 @@ from nodes.android.battery import (
 from nodes.contracts.telemetry_rows import COLUMNS, RowWriter, TelemetryRow, read_header, read_rows
 from nodes.jetson.nvpmodel import parse_clocks_show, parse_modes, parse_query
 from nodes.jetson.tegrastats import board_total, parse_tegrastats, sample_rows
-from nodes.server.host import HostSource, RaplDomain, read_cpu_times, utilisation_pct
+from nodes.telemetry.battery import BatterySource
+from nodes.telemetry.host import HostSource, RaplDomain, read_cpu_times, utilisation_pct
 
 # --- tegrastats -------------------------------------------------------------------------------
 
@@ -1124,7 +1124,7 @@ class FakeJtop:
 
 
 def test_jtop_rows_use_instantaneous_power_never_jtops_avg() -> None:
-    from nodes.jetson.jtop_source import JtopSource, power_rows
+    from nodes.telemetry.jtop import JtopSource, power_rows
 
     rows = power_rows(JTOP_POWER[0], 10.0, 0.5)
     values = {(r.metric, r.sensor): r.value for r in rows}
@@ -1143,7 +1143,7 @@ def test_jtop_rows_use_instantaneous_power_never_jtops_avg() -> None:
 def test_a_missing_jtop_says_what_to_install(monkeypatch) -> None:
     import builtins
 
-    from nodes.jetson.jtop_source import JtopSource
+    from nodes.telemetry.jtop import JtopSource
 
     real_import = builtins.__import__
 

@@ -1,2 +1,3 @@
-"""Android phones, reached with adb from their USB host: battery telemetry (``dumpsys battery``
-and the battery's sysfs files) and CPU frequency policies as power modes."""
+"""Android phones, reached with adb from their USB host: adb itself and the battery's formats
+(``dumpsys battery``, the sysfs files, vendors' current conventions). The battery source is
+:mod:`nodes.telemetry.battery`, the power driver (CPU frequency policies) :mod:`nodes.power.android`."""

@@ -22,9 +22,9 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 import torch
 
 from nodes.contracts.kv_chunk_bytes import chunk_nbytes
+from nodes.contracts.methods.llms import CONTEXT_MEMORY_METHODS, FLOAT16_CONTEXT_MEMORY
 from nodes.inference.kv_cache import KVCache
 from nodes.inference.model import ModelPart
-from nodes.workers.methods.llms import CONTEXT_MEMORY_METHODS, FLOAT16_CONTEXT_MEMORY
 
 from .chunk_codec import dequantize, quantize, requantize
 from .chunk_store import ChunkStore, LayerKV

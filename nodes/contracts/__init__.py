@@ -11,5 +11,5 @@ sides import these modules:
 - ``pool_orders``: the files by which the controller orders runs from a warm worker pool.
 
 The run config itself (``nodes/workers/run_config.py``) is the other half of the contract: it lives
-with the workers because it reads the method registry (``nodes/workers/methods``).
+with the workers because it reads the method registry (``nodes/contracts/methods``).
 """

@@ -2,7 +2,7 @@
 
 - ``DevicePace``: a phone at its measured rates (DiSCo Sec. 5.1): TTFT = c + l / prefill rate, one
   token every 1 / decode rate.
-- ``TracePace``: a service's TTFT and inter-token distributions (``nodes.dispatch.services``), drawn
+- ``TracePace``: a service's TTFT and inter-token distributions (``nodes.endpoints.services``), drawn
   per request from one seeded stream, so a run's server behaviour is reproducible.
 - ``ComputePace``: no target: tokens as fast as the checkpoint computes them (measured, not modeled).
 """
@@ -12,8 +12,8 @@ from typing import Optional
 
 import numpy as np
 
-from nodes.dispatch.device_speed import DeviceSpeed
-from nodes.dispatch.services import ServiceModel
+from nodes.endpoints.device_speed import DeviceSpeed
+from nodes.endpoints.services import ServiceModel
 
 
 class Pace(object):
@@ -103,8 +103,8 @@ class TracePace(Pace):
 
 def pace_named(kind: str, name: Optional[str], seed: int = 0) -> Pace:
     """``device`` + a device speed, ``trace`` + a service, or ``compute``."""
-    from nodes.dispatch.device_speed import device_speed_named
-    from nodes.dispatch.services import service_named
+    from nodes.endpoints.device_speed import device_speed_named
+    from nodes.endpoints.services import service_named
 
     if kind == "device":
         return DevicePace(device_speed_named(name or ""), seed=seed)

@@ -1,4 +1,4 @@
-"""tegrastats lines into telemetry rows, and the source that runs tegrastats on a Jetson.
+"""tegrastats lines into telemetry rows (the source that runs tegrastats: :mod:`nodes.telemetry.tegrastats`).
 
 Formats (one line per interval):
 
@@ -32,11 +32,9 @@ The row's ``sensor`` says which: ``VDD_IN`` or ``sum(VDD_GPU_SOC+VDD_CPU_CV+...)
 """
 
 import re
-import time
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from nodes.contracts.telemetry_rows import MEASURED, MODELED, TelemetryRow
-from nodes.telemetry.source import ProcessStream
+from nodes.contracts.telemetry_rows import MEASURED, TelemetryRow
 
 # Printed by the testbed's stand-in tegrastats as its first line (see nodes.emulated.tegrastats).
 STANDIN_PREFIX = "# hil-testbed stand-in tegrastats"
@@ -170,35 +168,3 @@ def sample_rows(sample: TegrastatsSample, ts_s: float, period_s: float, kind: st
     if sample.swap_used_mb is not None:
         rows.append(row("swap_used_mb", sample.swap_used_mb, "MB", "swap"))
     return rows
-
-
-class TegrastatsSource(ProcessStream):
-    """Runs ``tegrastats --interval MS`` and turns each line into rows stamped on arrival (the
-    tool's own timestamp has a resolution of one second)."""
-
-    name = "jetson"
-
-    def __init__(
-        self, interval_s: float, command: str = "tegrastats", now: Optional[Callable[[], float]] = None
-    ) -> None:
-        super(TegrastatsSource, self).__init__()
-        self.interval_s = interval_s
-        self.now = now or time.time
-        self.tool = command
-        self.start([command, "--interval", str(max(1, round(interval_s * 1000)))])
-        self.kind = MEASURED
-        self.header = {"tool": command, "power_kind": MEASURED}
-
-    def batches(self, interval_s: float, stopping: Callable[[], bool]) -> Iterator[List[TelemetryRow]]:
-        for line in self.lines(stopping):
-            ts_s = self.now()
-            if line.startswith("#"):
-                if line.startswith(STANDIN_PREFIX):
-                    self.kind = MODELED
-                    self.header["power_kind"] = MODELED
-                continue
-            try:
-                sample = parse_tegrastats(line)
-            except ValueError:
-                continue
-            yield sample_rows(sample, ts_s, self.interval_s, self.kind)

@@ -7,7 +7,8 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from nodes.contracts.tool_errors import BAD_INPUT, NODE_FAILED, OK, error_answer
-from nodes.power import PowerError, PowerJournal, PowerState, PowerUsageError, make_driver
+from nodes.power import driver_kinds, make_driver
+from nodes.power.common import PowerError, PowerJournal, PowerState, PowerUsageError
 
 
 def _state_json(state: Optional[PowerState]) -> Optional[Dict[str, Any]]:
@@ -16,7 +17,7 @@ def _state_json(state: Optional[PowerState]) -> Optional[Dict[str, Any]]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="nodes.power", description="power modes and clocks of this node")
-    parser.add_argument("--kind", required=True, choices=["jetson", "server", "android", "none"])
+    parser.add_argument("--kind", required=True, choices=driver_kinds())
     parser.add_argument("--journal", required=True, help="journal file (the state before the first change)")
     parser.add_argument("--sudo", action="store_true", help="run privileged tools with sudo -n")
     parser.add_argument("--serial", help="phone serial (android)")

@@ -1,2 +1,2 @@
-"""The GPU server: NVML telemetry and power control per GPU, and the host's CPUs and RAPL domains
-(the only energy a server without GPUs has)."""
+"""The GPU server: NVML's bindings and names. Its sources are :mod:`nodes.telemetry.nvml` and
+:mod:`nodes.telemetry.host` (the host's CPUs and RAPL domains), its power driver :mod:`nodes.power.server`."""

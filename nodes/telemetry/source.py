@@ -7,13 +7,24 @@ and are timed here on a deadline schedule; stream sources (tegrastats) pace them
 
 import subprocess
 import time
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from nodes.contracts.telemetry_rows import TelemetryRow
 from nodes.contracts.tool_answers import ENERGY_METRICS, SensorStatus  # noqa: F401 (sources report these)
 
 
-# Metrics from which energy can be computed: a run that requires energy needs one of them.
+class UnknownSource(ValueError):
+    """A source name or combination the sampler cannot make (bad input)."""
+
+
+class SourceOptions(NamedTuple):
+    """What the sampler's command line gives a source module's ``source(options)``."""
+
+    interval_s: float
+    serial: Optional[str] = None  # a phone's adb serial
+    adb: str = "adb"
+
+
 class Source(object):
     """A telemetry source. ``problems`` collects sensors that exist but gave no number
     (e.g. NVML's NotSupported), so that the probe reports them instead of staying silent."""

@@ -1,61 +1,49 @@
-"""Telemetry sources by name, as the controller asks for them on the sampler's command line.
+"""Telemetry sources by name, as the controller asks for them on the sampler's command line: one module
+per source in this package, each with ``source(options)`` and ``PACES_ITSELF`` (a stream that reads at
+its own pace, which cannot be combined with others; polled sources are sampled together).
 
-- ``jetson``: tegrastats (JetPack 4-7 formats; the stand-in on an emulated Jetson)
-- ``jtop``: a Jetson's rails from the jtop service (jetson-stats), where a lab runs it
-- ``nvml``: every NVIDIA GPU through nvidia-ml-py
-- ``host``: the host's CPU utilisation, RAM, and RAPL energy where readable
-- ``emulated``: an emulated node's cgroup utilisation and modeled power
-- ``android``: a phone's battery over adb (``--serial``), from its USB host
+- ``jetson``: tegrastats (JetPack 4-7 formats; the stand-in on an emulated Jetson), :mod:`.tegrastats`
+- ``jtop``: a Jetson's rails from the jtop service (jetson-stats), where a lab runs it, :mod:`.jtop`
+- ``nvml``: every NVIDIA GPU through nvidia-ml-py, :mod:`.nvml`
+- ``host``: the host's CPU utilisation, RAM, and RAPL energy where readable, :mod:`.host`
+- ``emulated``: an emulated node's cgroup utilisation and modeled power, :mod:`.modeled_power`
+- ``android``: a phone's battery over adb (``--serial``), from its USB host, :mod:`.battery`
 """
 
-from typing import List, Optional, Sequence
+import importlib
+from typing import Any, List, Optional, Sequence
 
-from nodes.telemetry.source import CompositeSource, PolledSource, Source
+from nodes.telemetry.source import CompositeSource, PolledSource, Source, SourceOptions, UnknownSource
 
-NAMES = ("jetson", "jtop", "nvml", "host", "emulated", "android")
-STREAMS = ("jetson", "jtop", "android")  # sources that pace themselves
+SOURCES = {
+    "jetson": "nodes.telemetry.tegrastats",
+    "jtop": "nodes.telemetry.jtop",
+    "nvml": "nodes.telemetry.nvml",
+    "host": "nodes.telemetry.host",
+    "emulated": "nodes.telemetry.modeled_power",
+    "android": "nodes.telemetry.battery",
+}
+NAMES = tuple(SOURCES)
 
 
-class UnknownSource(ValueError):
-    pass
+def _module(name: str) -> Any:
+    return importlib.import_module(SOURCES[name])
 
 
 def build_source(names: Sequence[str], interval_s: float, serial: Optional[str] = None, adb: str = "adb") -> Source:
     """One source for ``names``: a stream source alone, or polled sources sampled together."""
-    unknown = [n for n in names if n not in NAMES]
+    unknown = [n for n in names if n not in SOURCES]
     if unknown or not names:
         raise UnknownSource(
             "unknown telemetry source %s; known: %s" % (", ".join(unknown) or "(none)", ", ".join(NAMES))
         )
-    for stream in STREAMS:
-        if stream in names and len(names) > 1:
-            raise UnknownSource("the %s source paces itself and cannot be combined with others" % stream)
-    if names[0] == "jetson":
-        from nodes.jetson.tegrastats import TegrastatsSource
-
-        return TegrastatsSource(interval_s)
-    if names[0] == "jtop":
-        from nodes.jetson.jtop_source import JtopSource
-
-        return JtopSource(interval_s)
-    if names[0] == "android":
-        if not serial:
-            raise UnknownSource("the android source needs --serial")
-        from nodes.android.battery import BatterySource
-
-        return BatterySource(serial, interval_s, adb=adb)
-    polled: List[PolledSource] = []
-    for name in names:
-        if name == "nvml":
-            from nodes.server.nvml import NvmlSource
-
-            polled.append(NvmlSource(interval_s))
-        elif name == "host":
-            from nodes.server.host import HostSource
-
-            polled.append(HostSource(interval_s))
-        elif name == "emulated":
-            from nodes.emulated.power_source import ModeledPowerSource
-
-            polled.append(ModeledPowerSource(interval_s))
-    return polled[0] if len(polled) == 1 else CompositeSource(polled)
+    modules = [_module(name) for name in names]
+    for name, module in zip(names, modules):
+        if module.PACES_ITSELF and len(names) > 1:
+            raise UnknownSource("the %s source paces itself and cannot be combined with others" % name)
+    options = SourceOptions(interval_s, serial, adb)
+    made = [module.source(options) for module in modules]
+    if len(made) == 1:
+        return made[0]
+    polled: List[PolledSource] = made
+    return CompositeSource(polled)

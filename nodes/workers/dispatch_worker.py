@@ -9,7 +9,7 @@ also the cancelled ones (what the server bills). Every endpoint of the run asks 
 them), which the dispatchers send.
 
 ``DispatchClient`` (a device rank) serves its own device endpoint on loopback, paced to the phone's
-measured rates (``dispatch.device_speed``), then profiles both endpoints with calibration requests of
+measured rates (``endpoints.device_speed``), then profiles both endpoints with calibration requests of
 its own (F from server-only requests, T_d = k l + c from device-only ones, p(l) from their lengths:
 never from the requests it evaluates), makes the policy's plan for the run's budget, and dispatches
 each scheduled request at its arrival time (``nodes.dispatch.live``). It writes ``requests.jsonl``
@@ -35,14 +35,14 @@ from mpi4py import MPI
 from nodes.contracts.durable import write_json_atomic
 from nodes.contracts.records import CsvLog, JsonLinesLog
 from nodes.dispatch.controller import REGIME_OF, MigrationRule, plan_dispatch
-from nodes.dispatch.device_speed import LinearTtft, device_speed_named
 from nodes.dispatch.live import EndpointAddress, dispatch_request
 from nodes.dispatch.policy import SERVER, LengthDistribution, ServerTtft, TokenCosts, constrained_endpoint
 from nodes.dispatch.replay import display_times
-from nodes.dispatch.services import service_named
+from nodes.endpoints.device_speed import LinearTtft, device_speed_named
 from nodes.endpoints.generator import PacedGenerator
 from nodes.endpoints.openai_api import Endpoint, EndpointLimits, api_key_from_file, make_server
 from nodes.endpoints.pace import DevicePace, EnginePace, TracePace
+from nodes.endpoints.services import service_named
 
 from .run_config import RunConfig, load_schedule
 

@@ -18,12 +18,11 @@ import os
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from nodes.contracts.compute_profile import ModeRates, rates_from_json
+from nodes.contracts.methods import Method, method_named, names
 from nodes.contracts.rank_dirs import RankDir
 from nodes.contracts.target_model import TargetModel, TargetModelError
 from nodes.contracts.target_model import from_json as target_from_json
 from nodes.serving.schedulers import SCHEDULERS, SchedulerSettings
-
-from .methods import Method, method_named, names
 
 
 class RunConfigError(ValueError):
@@ -115,9 +114,9 @@ class DispatchSettings(NamedTuple):
     policy: str = "disco-s"  # nodes.dispatch.controller.POLICIES
     budget: float = 0.5  # b: the constrained endpoint's share of input tokens
     alpha: float = 0.01  # DiSCo-D's tail ratio
-    service: str = "gpt"  # the trace endpoint's service (nodes.dispatch.services)
+    service: str = "gpt"  # the trace endpoint's service (nodes.endpoints.services)
     server_endpoint: str = "trace"  # trace: the service's times replayed; engine: the serving engine
-    device_speed: str = "pixel7pro-bloom-1.1b"  # nodes.dispatch.device_speed
+    device_speed: str = "pixel7pro-bloom-1.1b"  # nodes.endpoints.device_speed
     migration: bool = False
     source_keeps_streaming: bool = True
     consumption_tok_s: float = 4.8  # r_c: the client buffer's pace
@@ -158,7 +157,7 @@ class RunConfig(NamedTuple):
 
     @property
     def method_spec(self) -> Method:
-        """The registered method (:mod:`nodes.workers.methods`): the behaviours the workers compose."""
+        """The registered method (:mod:`nodes.contracts.methods`): the behaviours the workers compose."""
         return method_named(self.method)
 
     def uses(self, feature: str) -> bool:

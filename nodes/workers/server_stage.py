@@ -4,7 +4,7 @@ Stage 0 gathers what devices have sent (prefill hidden states or token ids, deco
 releases), forms one iteration from all of it, runs its layers on the packed batch and passes the
 result on; later stages run theirs on what they receive; the last stage returns deep hidden states
 (or, for a method whose device sends token ids, the next token id) to each device. Methods
-(``nodes/workers/methods``) differ only in how stage 0 forms an iteration, by their ``prefill``:
+(``nodes/contracts/methods``) differ only in how stage 0 forms an iteration, by their ``prefill``:
 
 - ``whole`` and ``device_chunks`` (``centralized``, ``ushape``, HAT's): every pending prompt (or
   chunk) is taken whole, beside all decode steps.

@@ -41,8 +41,8 @@ from foundation.errors import NodeError, TestbedError
 from foundation.jsonable import jsonable
 from foundation.seeds import derive_seed
 from nodes.contracts.durable import SyncedLines, write_json_atomic
+from nodes.contracts.methods import method_named
 from nodes.contracts.rank_dirs import device_glob
-from nodes.workers.methods import method_named
 from testbed.campaign import manifest as manifest_mod
 from testbed.campaign.carryover import Carryover
 from testbed.campaign.plan import RunPlan, plan_run

@@ -22,21 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from nodes.contracts.durable import write_json_atomic
-from nodes.workers.methods import method_named
+from nodes.contracts.methods import method_named
 from testbed import __version__
 from testbed.campaign.spec import Campaign, PlannedRun
-from testbed.inventory import Inventory
+from testbed.inventory import Inventory, kind_of
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("hil-testbed", "pandas", "pyarrow", "numpy", "pydantic", "paramiko", "fabric", "tokenizers", "rich")
 SECRET_FIELDS = ("password_env", "identity_file")
-STAND_INS = {
-    "jetson": "stand-in nvpmodel, jetson_clocks and tegrastats; power modes are CPU quotas",
-    "server": "no GPU; its power is modeled from the cgroup's CPU use",
-    "android": "stand-in adb and battery files",
-}
-
-
 def git_provenance(repo: Path = REPO) -> dict[str, Any]:
     """The checkout's commit and a sha256 of its uncommitted changes (diff and untracked names)."""
 
@@ -86,7 +79,7 @@ def modeled_statements(lab: Inventory, names: list[str], state: Any) -> list[str
     for name in names:
         node = lab.node(name)
         if node.emulated is not None:
-            what = STAND_INS.get(node.kind, "stand-in tools")
+            what = kind_of(node).stand_ins
             out.append(f"{name}: emulated {node.kind} ({node.model}): {what}; its power readings are modeled")
     for name, telemetry in (state.telemetry.get("probes") or {}).items():
         for sensor in telemetry.get("sensors", []):

@@ -33,7 +33,7 @@ from netem.plan import TcPlan
 from netem.profile import LinkProfile
 from netem.trace import BandwidthTrace
 from nodes.contracts.draft import default_adapter_dir
-from nodes.workers.methods import method_named
+from nodes.contracts.methods import method_named
 from testbed.campaign.plan_commands import PlannedCommand, normalised_line, plan_commands
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
 from testbed.context_service import LIFETIME_MARGIN_S, ServicePlan, run_scales, service_plans

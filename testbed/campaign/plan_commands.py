@@ -30,7 +30,7 @@ from testbed.links.apply import (
     probe_script,
     shapeable_nodes,
 )
-from testbed.node_context import HOME_SCRIPT, NodeContext, unresolved_context
+from testbed.node_context import HOME_SCRIPT, NodeContext, host_of, unresolved_context
 from testbed.power import driver_command, set_action
 from testbed.split_run import (
     PER_RUN_KEY,
@@ -109,7 +109,7 @@ class _Lines:
 
     def add(self, node: NodeSpec | str, phase: str, what: str, line: str, when: str = "once", short: str = "") -> None:
         spec = self.lab.node(node) if isinstance(node, str) else node
-        host = spec.adb.usb_host if spec.kind == "android" and spec.adb else spec.name
+        host = host_of(spec)
         self.out.append(PlannedCommand(spec.name, host, phase, what, line, when, short))
 
     def store(self, node: str, phase: str, what: str, path: str, when: str = "once") -> None:

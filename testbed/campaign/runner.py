@@ -43,7 +43,7 @@ from testbed.campaign.execution import Kept, Report, execute_run, release_nodes
 from testbed.campaign.ledger import Ledger
 from testbed.campaign.plan import configured_nodes
 from testbed.campaign.spec import Campaign, PlannedRun, run_nodes
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_context import host_of, transport_for
 from testbed.transport import open_transport
 from testbed.transport.fanout import fan_out
@@ -227,7 +227,7 @@ def restore_nodes(campaign: Campaign, names: list[str], say: Callable[[str], Non
     from testbed.power import restore_power
 
     lab = campaign.inventory
-    linux = [n for n in names if lab.node(n).kind != "android" and lab.node(n).data is not None]
+    linux = [n for n in names if kind_of(lab.node(n)).shapes_links and lab.node(n).data is not None]
     cleared = clear_nodes(lab, linux)
     restored = restore_power(lab, names)
     for o in (*cleared.failed, *restored.failed):

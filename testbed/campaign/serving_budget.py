@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import TestbedError
+from nodes.contracts.methods import method_named
 from nodes.contracts.target_model import TargetModel
-from nodes.workers.methods import method_named
 from nodes.workers.run_config import ServingSettings as RunServingSettings
 from testbed.inventory import Inventory
 

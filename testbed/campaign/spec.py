@@ -44,8 +44,8 @@ from pydantic import (
 )
 
 from foundation.user_fields import STRICT_MODEL_CONFIG, Number, PlainText
-from nodes.workers.methods import CONTEXT_MEMORY_METHODS, method_named
-from nodes.workers.methods import names as method_names
+from nodes.contracts.methods import CONTEXT_MEMORY_METHODS, method_named
+from nodes.contracts.methods import names as method_names
 from nodes.workers.run_config import DISPATCH_POLICIES, DRAFT_LIMITS
 from nodes.workers.run_config import DispatchSettings as RunDispatchSettings
 from nodes.workers.run_config import DraftSettings as RunDraftSettings
@@ -237,7 +237,7 @@ class ContextServiceSettings(_Strict):
 class RunSettings(_Strict):
     """One run's configuration: what a matrix key may override (``link.profile``, ``power.orin``)."""
 
-    method: str = "ushape"  # a registered method (nodes/workers/methods)
+    method: str = "ushape"  # a registered method (nodes/contracts/methods)
     model: PlainText = "examples/models/tiny"
     partition: PartitionSettings = PartitionSettings()
     server: Name = "server"
@@ -385,7 +385,7 @@ def worker_shape(settings: RunSettings) -> tuple[Any, ...]:
     """What one warm worker pool serves (server, devices, pipeline stages, device slots: its first
     :data:`POOL_SHAPE` entries), then what decides the model parts its ranks hold (method family,
     model, partition, dtype): runs alike in all of it reuse everything a pool has loaded."""
-    from nodes.workers.methods import method_named
+    from nodes.contracts.methods import method_named
 
     return (settings.server, settings.devices, settings.partition.stages, settings.device_slots,
             method_named(settings.method).token_ids_only, settings.model, settings.partition.device_layers,

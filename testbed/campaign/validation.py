@@ -18,10 +18,10 @@ from foundation import units
 from foundation.errors import InputError, InputProblem, TestbedError
 from foundation.user_files import FieldPath, YamlSource, field_name
 from netem.profile import MAX_DELAY_S, MAX_RATE_BIT_S, MIN_RATE_BIT_S
-from nodes.workers.methods import MethodCheck, method_named
+from nodes.contracts.methods import MethodCheck, method_named
 from testbed.campaign.spec import CampaignSpec, RunSettings, workload_spec
 from testbed.inventory import DirectedLink, Inventory, links_from_file
-from testbed.inventory.schema import power_mode_problem
+from testbed.inventory.node_kinds import kind_of
 from testbed.models.packaged import missing_hint
 
 
@@ -90,8 +90,9 @@ class SettingsChecker:
         server = next((n for n in lab.nodes if n.name == s.server), None)
         if server is None:
             yield "server", f"no node named {s.server!r} in {lab.path}", f"known: {known}"
-        elif server.kind == "android":
-            yield "server", f"{s.server} is a phone; the server stages need a Linux node", ""
+        elif not kind_of(server).runs_ranks:
+            yield "server", f"{s.server} (kind {server.kind}) runs no MPI ranks", \
+                "the server stages need a Linux node"
         elif "server" not in server.roles:
             yield "server", f"{s.server} does not have the server role in {lab.path}", \
                 f"add 'server' to its roles, or name a node that has it: {_with_role(lab, 'server')}"
@@ -103,8 +104,9 @@ class SettingsChecker:
             if not chosen:
                 yield "devices", "no device selected", "name at least one device node or group"
             for node in chosen:
-                if node.kind == "android":
-                    yield "devices", f"{node.name} is a phone: phones run no MPI ranks", "choose Jetson or server nodes"
+                if not kind_of(node).runs_ranks:
+                    yield "devices", f"{node.name} (kind {node.kind}) runs no MPI ranks", \
+                        "choose nodes reached over SSH (Jetsons, servers)"
                 elif node.name == s.server:
                     yield "devices", f"{node.name} is the run's server; a node is either the server or a device", ""
                 elif "device" not in node.roles:
@@ -123,7 +125,7 @@ class SettingsChecker:
                         listing = ", ".join(f"{i} {n}" for i, n in offered)
                         yield f"power.{name}", f"{node.name} has no power mode {mode!r}", f"it has: {listing}"
                         break
-                elif (problem := power_mode_problem(node.kind, mode)) is not None:
+                elif (problem := kind_of(node).power_modes.problem(node.kind, mode)) is not None:
                     yield f"power.{name}", f"{node.name}: {problem}", "the node's power tool takes nothing else"
                     break
         yield from self._link_problems(s)

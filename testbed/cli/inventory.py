@@ -21,7 +21,7 @@ from testbed.cli.app import (
     out,
 )
 from testbed.emulation.resolved import load_lab
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 
 
 @inventory_app.command("show")
@@ -86,7 +86,7 @@ def inventory_show(
 
 
 def _reached_at(inv: Inventory, node: NodeSpec) -> str:
-    if node.kind == "android" and node.adb:
+    if kind_of(node).via_usb_host and node.adb:
         return f"adb {node.adb.serial} on {node.adb.usb_host}"
     if node.transport == "local":
         return "this machine (local)"

@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from foundation.errors import NodeError, TestbedError
-from nodes.workers.methods import method_named
-from nodes.workers.methods import names as method_names
+from nodes.contracts.methods import method_named
+from nodes.contracts.methods import names as method_names
 from testbed.cli.app import (
     InventoryOption,
     JsonOption,
@@ -25,7 +25,7 @@ from testbed.emulation.resolved import load_lab
 TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "models" / "tiny"
 
 
-METHODS_HELP = "One of the registered methods (nodes/workers/methods): " + "; ".join(
+METHODS_HELP = "One of the registered methods (nodes/contracts/methods): " + "; ".join(
     f"{m.name} ({m.summary})" for m in map(method_named, method_names())
 ) + ". Drafting methods use the adapter in MODEL/draft."
 

@@ -42,7 +42,7 @@ from testbed.emulation.sshd_server import (
     login_user,
     reach_script,
 )
-from testbed.inventory import Inventory, load_inventory
+from testbed.inventory import Inventory, load_inventory, node_kind
 from testbed.sudo_rules import sudoers_text
 
 MODES = ("netns", "local")
@@ -246,7 +246,7 @@ def _build_netns(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say)
 
 def _standins(plan: EmulationPlan) -> dict[str, list[str]]:
     """The emulated Jetsons' stand-in tools, by tool: where the lab's sudo rules allow them."""
-    jetsons = [NodeFiles(plan.state_dir, n) for n in plan.nodes if n.kind == "jetson"]
+    jetsons = [NodeFiles(plan.state_dir, n) for n in plan.nodes if node_kind(n.kind).boards is not None]
     return {tool: [str(f.jetson_bin / tool) for f in jetsons] for tool in ("nvpmodel", "jetson_clocks")}
 
 
@@ -352,7 +352,7 @@ def _build_local(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say)
 def _attach_phones(plan: EmulationPlan, journal: Journal, access: dict[str, NodeAccess]) -> None:
     """Emulated phones: their USB hosts' stand-in adb learns how to reach each (ssh with the testbed's
     keys, so only once every sshd is up), and each phone's battery process starts, journaled."""
-    phones = [n for n in plan.nodes if n.kind == "android"]
+    phones = [n for n in plan.nodes if node_kind(n.kind).via_usb_host]
     if not phones:
         return
     ssh = str(plan.state_dir / "bin-node" / "ssh")

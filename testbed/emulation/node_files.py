@@ -19,15 +19,12 @@ from nodes.emulated.node import CONFIG_VARIABLE, STANDIN_ROOT_VARIABLE
 from testbed.emulation.plan import NODE_DATA_INTERFACE as DATA_INTERFACE
 from testbed.emulation.plan import EmulatedNodePlan
 from testbed.emulation.sshd_server import SshKeys, generate_key
+from testbed.inventory.node_kinds import node_kind
 
 REPO = Path(__file__).resolve().parents[2]
 ADB_DEVICES_FILE = "adb-devices.json"  # the stand-in adb's table of attached phones, in the state directory
 PHONE_SHELL = REPO / "nodes" / "emulated" / "phone_shell.sh"
-JETSON_TOOLS = {
-    "nvpmodel": "nodes.emulated.nvpmodel",
-    "jetson_clocks": "nodes.emulated.jetson_clocks",
-    "tegrastats": "nodes.emulated.tegrastats",
-}
+STANDIN_PACKAGE = "nodes.emulated"  # a board's stand-in for TOOL is the module nodes.emulated.TOOL
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -92,8 +89,9 @@ class NodeFiles:
         generate_key(self.host_key)
         initial = self.node.initial_power_mode
         self.power_mode.write_text(f"{initial.id}\n" if initial else "")
-        if self.node.kind == "jetson":
-            self.write_jetson_tools()
+        kind = node_kind(self.node.kind)
+        if kind.boards is not None:
+            self.write_board_tools(kind.boards.standin_tools)
             board = boards.board_for(self.node.model)
             release = self.standin_root / "etc" / "nv_tegra_release"
             model = self.standin_root / "proc" / "device-tree" / "model"
@@ -101,15 +99,15 @@ class NodeFiles:
             model.parent.mkdir(parents=True, exist_ok=True)
             release.write_text(board.nv_tegra_release + "\n")
             model.write_bytes(board.device_tree_model.encode() + b"\0")  # NUL-terminated, as in the device tree
-        if self.node.kind == "android":  # its sysfs: cpufreq in the initial mode, battery, thermal zones
+        if kind.via_usb_host:  # a phone's sysfs: cpufreq in the initial mode, battery, thermal zones
             phones.write_phone_files(str(self.standin_root), phones.phone_named(self.node.model),
                                      initial.name if initial else "schedutil")  # fmt: skip
         self.write_config(mode=mode, cgroup=cgroup, cpu_root_pid=None)
 
-    def write_jetson_tools(self) -> None:
-        """The stand-in Jetson tools on the node's PATH (run with this Python), each naming its node and
+    def write_board_tools(self, tools: tuple[str, ...]) -> None:
+        """The board's stand-in tools on the node's PATH (run with this Python), each naming its node and
         board files itself: run with sudo, a tool keeps none of the session's environment."""
-        for tool, module in JETSON_TOOLS.items():
+        for tool, module in ((tool, f"{STANDIN_PACKAGE}.{tool}") for tool in tools):
             _write_executable(
                 self.jetson_bin / tool,
                 "#!/bin/sh\n"
@@ -143,10 +141,11 @@ class NodeFiles:
             env.update(
                 UCX_TLS="tcp,self", UCX_NET_DEVICES=DATA_INTERFACE, FI_PROVIDER="tcp", FI_TCP_IFACE=DATA_INTERFACE
             )
-        if self.node.kind == "jetson":
+        kind = node_kind(self.node.kind)
+        if kind.boards is not None:
             path.insert(0, str(self.jetson_bin))
             env[STANDIN_ROOT_VARIABLE] = str(self.standin_root)
-        if self.node.kind == "android":
+        if kind.via_usb_host:
             phone = phones.phone_named(self.node.model)
             path.insert(0, str(self.android_bin))
             env[STANDIN_ROOT_VARIABLE] = str(self.standin_root)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from foundation.errors import TestbedError
-from testbed.inventory import EmulatedPowerMode, Inventory
+from testbed.inventory import EmulatedPowerMode, Inventory, kind_of
 
 NODE_MGMT_INTERFACE = "mgmt0"
 NODE_DATA_INTERFACE = "data0"
@@ -90,7 +90,7 @@ def plan_emulation(inventory: Inventory) -> EmulationPlan:
     mgmt_hosts = list(emulation.management_subnet.hosts())
     data_hosts = list(emulation.data_subnet.hosts())
     nodes = []
-    usb_hosts = {n.adb.usb_host for n in emulated if n.kind == "android" and n.adb is not None}
+    usb_hosts = {n.adb.usb_host for n in emulated if kind_of(n).via_usb_host and n.adb is not None}
     for index, node in enumerate(emulated):
         assert node.emulated is not None
         nodes.append(

@@ -12,14 +12,16 @@ groups and links (:mod:`.expansion`) into the resolved :class:`~.model.Inventory
 - ``expansion``: groups to nodes, links to directed links.
 - ``model``: the resolved :class:`Inventory` and :class:`SshTarget`.
 - ``resolution``: :func:`load_inventory`, :func:`inventory_from_source`, :func:`links_from_file`.
+- ``node_kinds``: the kinds of node, one row each (how a kind is reached, its power driver and modes,
+  its telemetry sources, its board family); the controller asks them instead of testing ``kind``.
 - ``ansible_export``: the same hosts as an Ansible inventory.
 """
 
 from netem.profile import DirectedLink, LinkProfile
 from testbed.inventory.model import Inventory, SshTarget
+from testbed.inventory.node_kinds import NodeKind, kind_of, node_kind
 from testbed.inventory.resolution import inventory_from_source, links_from_file, load_inventory
 from testbed.inventory.schema import (
-    JETSON_MODELS,
     AdbAttachment,
     DataPlane,
     Defaults,
@@ -38,7 +40,6 @@ from testbed.inventory.schema import (
 from testbed.inventory.validation import pydantic_problem
 
 __all__ = [
-    "JETSON_MODELS",
     "AdbAttachment",
     "DataPlane",
     "Defaults",
@@ -53,12 +54,15 @@ __all__ = [
     "LinkSpec",
     "LinksFileSpec",
     "Name",
+    "NodeKind",
     "NodeSpec",
     "SafePath",
     "SshSettings",
     "SshTarget",
     "inventory_from_source",
+    "kind_of",
     "links_from_file",
     "load_inventory",
+    "node_kind",
     "pydantic_problem",
 ]

@@ -8,6 +8,7 @@ from typing import Any
 from ruamel.yaml import YAML
 
 from testbed.inventory.model import Inventory
+from testbed.inventory.node_kinds import kind_names, kind_of
 
 
 def ansible_inventory(inventory: Inventory) -> tuple[dict[str, Any], list[str]]:
@@ -15,8 +16,9 @@ def ansible_inventory(inventory: Inventory) -> tuple[dict[str, Any], list[str]]:
     hosts: dict[str, dict[str, Any]] = {}
     skipped: list[str] = []
     for node in inventory.nodes:
-        if node.kind == "android":
-            skipped.append(f"{node.name}: a phone, reached with adb on {node.adb.usb_host if node.adb else '?'}")
+        if kind_of(node).via_usb_host:
+            host = node.adb.usb_host if node.adb else "?"
+            skipped.append(f"{node.name}: kind {node.kind}, reached with adb on {host}")
             continue
         if node.transport == "local":
             hosts[node.name] = {"ansible_connection": "local"}
@@ -40,8 +42,11 @@ def ansible_inventory(inventory: Inventory) -> tuple[dict[str, Any], list[str]]:
         if present:
             children.setdefault(group.replace("-", "_"), {"hosts": {}})["hosts"].update({m: None for m in present})
 
-    for kind in ("jetson", "server"):
-        add(kind, [n.name for n in inventory.nodes if n.kind == kind])
+    by_kind: dict[str, list[str]] = {}
+    for node in inventory.nodes:
+        by_kind.setdefault(node.kind, []).append(node.name)
+    for kind in kind_names():
+        add(kind, by_kind.get(kind, []))
     for role in ("device", "server"):
         add(f"role_{role}", [n.name for n in inventory.nodes if role in n.roles])
     for group, members in inventory.groups.items():

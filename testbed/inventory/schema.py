@@ -25,6 +25,7 @@ from pydantic import (
 
 from foundation.user_fields import STRICT_MODEL_CONFIG, DurationS, Number, invalid_value
 from netem.profile import LinkProfile
+from testbed.inventory.node_kinds import kind_names
 
 # --------------------------------------------------------------------------------------------
 # Scalars that end up in commands: a strict character set, so nothing a user writes can reach a
@@ -39,26 +40,6 @@ HOSTNAME_PATTERN = (
     r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
     r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
 )
-
-JETSON_MODELS = ("agx-orin", "agx-xavier", "orin-nx", "orin-nano", "xavier-nx")
-
-# A power mode as each kind's driver takes it (nodes/jetson, nodes/server, nodes/android): an nvpmodel
-# mode's id or name; a GPU power limit; a CPU governor with an optional frequency cap in kHz.
-POWER_MODES = {
-    "jetson": (re.compile(r"^(?:[0-9]{1,3}|[A-Za-z][A-Za-z0-9_.-]{0,31}|[0-9]+[A-Za-z_][A-Za-z0-9_.-]{0,30})$"),
-               "an nvpmodel mode's id or name, e.g. 0 or MAXN or MODE_15W"),
-    "server": (re.compile(r"^(?:default|[0-9]{1,5}(?:\.[0-9]{1,3})?[Ww])$"),
-               "default, or a GPU power limit in watts such as 250W"),
-    "android": (re.compile(r"^[a-z][a-z_]{0,31}(?:@[1-9][0-9]{2,7})?$"),
-                "GOVERNOR or GOVERNOR@KHZ, e.g. schedutil or powersave@1803000"),
-}  # fmt: skip
-
-
-def power_mode_problem(kind: str, mode: str) -> str | None:
-    """Why ``mode`` cannot be a power mode of a node of ``kind`` (None: it can)."""
-    pattern, what = POWER_MODES[kind]
-    return None if pattern.match(mode) else f"{mode!r} is not a power mode of a {kind}: write {what}"
-
 
 def _address(value: object) -> str:
     if isinstance(value, str):
@@ -187,9 +168,15 @@ class EmulatedSpec(_Strict):
     initial_mode: StrictInt | None = Field(None, ge=0, le=255)
 
 
+def _node_kind(value: object) -> str:
+    if isinstance(value, str) and value in kind_names():
+        return value
+    raise invalid_value("node_kind", f"{value!r} is not a node kind", "one of " + ", ".join(map(repr, kind_names())))
+
+
 class NodeSpec(_Strict):
     name: Name
-    kind: Literal["jetson", "android", "server"]
+    kind: Annotated[str, BeforeValidator(_node_kind)]  # a row of testbed.inventory.node_kinds
     model: Name
     transport: Literal["ssh", "local"] = "ssh"
     address: Address | None = None

@@ -15,7 +15,8 @@ from foundation.errors import InputProblem
 from foundation.user_files import YamlSource
 from netem.profile import LinkProfile
 from testbed.inventory.expansion import expand_groups, link_pairs
-from testbed.inventory.schema import JETSON_MODELS, EmulatedSpec, InventorySpec, NodeSpec, power_mode_problem
+from testbed.inventory.node_kinds import kind_of, node_kind
+from testbed.inventory.schema import EmulatedSpec, InventorySpec, NodeSpec
 
 RESERVED_NAMES = ("all", "controller")
 SECRET_KEYS = ("password", "passphrase", "sudo_password", "key_passphrase")
@@ -158,7 +159,7 @@ def cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
                     f"unknown node {node.adb.usb_host!r}",
                     "name an inventory node, or 'controller' for this machine",
                 )
-            elif host.kind == "android":
+            elif node_kind(host.kind).via_usb_host:
                 yield src.problem(
                     ("nodes", i, "adb", "usb_host"),
                     f"{host.name!r} is a phone",
@@ -263,9 +264,11 @@ def link_problems(
 def _node_kind_problems(
     node: NodeSpec, src: YamlSource, at: tuple[str | int, ...], *, resolved: bool
 ) -> Iterable[InputProblem]:
-    if node.kind == "jetson" and node.model not in JETSON_MODELS:
-        yield src.problem(at + ("model",), f"unknown Jetson model {node.model!r}", "one of " + ", ".join(JETSON_MODELS))
-    if node.kind == "android":
+    kind = kind_of(node)
+    if kind.boards is not None and node.model not in kind.boards.models:
+        yield src.problem(at + ("model",), f"unknown {kind.boards.name} model {node.model!r}",
+                          "one of " + ", ".join(kind.boards.models))  # fmt: skip
+    if kind.via_usb_host:
         if node.adb is None:
             yield src.problem(at, "a phone needs an 'adb:' section", "give its serial and usb_host")
         for field in ("ssh", "address"):
@@ -280,7 +283,8 @@ def _node_kind_problems(
         if node.emulated is not None:
             yield from _emulated_phone_problems(node, src, at)
     elif node.adb is not None:
-        yield src.problem(at + ("adb",), "only phones (kind: android) have an adb section", "remove it")
+        yield src.problem(at + ("adb",), f"kind {node.kind} is not reached with adb: only phones have an adb section",
+                          "remove it")  # fmt: skip
     if node.emulated is not None and not resolved:
         for field in ("address", "data"):
             if getattr(node, field) is not None:
@@ -296,13 +300,13 @@ def _node_kind_problems(
             yield src.problem(at + ("transport",), "an emulated node is reached over SSH", "remove transport")
         yield from _power_mode_problems(node.emulated, src, at + ("emulated",))
         for i, mode in enumerate(node.emulated.power_modes):
-            problem = power_mode_problem(node.kind, mode.name)
-            if node.kind == "jetson" and problem is None and mode.name.isdigit():
+            problem = kind.power_modes.problem(node.kind, mode.name)
+            if kind.power_modes.ids_are_numbers and problem is None and mode.name.isdigit():
                 problem = f"{mode.name!r} reads as a mode id: a name with only digits cannot be told from one"
-            if problem is not None and node.kind != "android":  # (a phone's: _emulated_phone_problems)
+            if problem is not None and not kind.via_usb_host:  # (a phone's: _emulated_phone_problems)
                 yield src.problem(at + ("emulated", "power_modes", i, "name"), problem,
                                   "name the mode as the node's power tool does")  # fmt: skip
-    elif node.kind != "android" and node.transport == "ssh" and node.address is None:
+    elif kind.reached_by_ssh and node.transport == "ssh" and node.address is None:
         yield src.problem(
             at,
             "required field 'address' is missing",

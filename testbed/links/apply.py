@@ -31,7 +31,7 @@ from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan
 from netem.tc_state import InterfaceState, differences, parse_read, read_script, split_sections
 from netem.trace import BandwidthTrace, NodeSchedule, delay_timelines, schedules
 from testbed.delay_handler import RUN_ROOT, installed_test, launcher_path, run_dir, run_dir_script
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.links import node_journal
 from testbed.links.node_journal import DeviceSnapshot, LinkJournal
 from testbed.links.plans import compile_plan, link_topology, traced_links
@@ -595,7 +595,7 @@ def apply_plans(
 
 def shapeable_nodes(inventory: Inventory) -> list[str]:
     """Nodes that can hold our qdiscs (phones cannot: they are shaped on the receiving side)."""
-    return [n.name for n in inventory.nodes if n.kind != "android"]
+    return [n.name for n in inventory.nodes if kind_of(n).shapes_links]
 
 
 def clear_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanOutResult[NodeCleared]:

@@ -13,7 +13,7 @@ from netem.plan import TcPlan
 from netem.profile import DirectedLink
 from netem.topology import LinkNode, LinkTopology
 from netem.trace import BandwidthTrace
-from testbed.inventory import Inventory
+from testbed.inventory import Inventory, kind_of
 
 
 def link_topology(inventory: Inventory) -> LinkTopology:
@@ -23,7 +23,7 @@ def link_topology(inventory: Inventory) -> LinkTopology:
             name=node.name,
             data_interface=None if node.data is None else node.data.interface,
             data_address=None if node.data is None else node.data.address,
-            runs_tc=node.kind != "android",  # a phone shapes nothing: its receivers shape its traffic
+            runs_tc=kind_of(node).shapes_links,  # a phone shapes nothing: its receivers shape its traffic
             roles=tuple(node.roles),
         )
         for node in inventory.nodes

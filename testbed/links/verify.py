@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from foundation.errors import NodeError
-from testbed.inventory import DirectedLink, Inventory
+from testbed.inventory import DirectedLink, Inventory, kind_of
 from testbed.links.node_journal import journal_dir
 from testbed.transport import Transport, open_transport
 from testbed.transport.base import quote_path
@@ -175,7 +175,7 @@ def measure_link(
         return LinkMeasurement(link.source, link.destination, link.profile_name, target_rate, target_rtt,
                                target_loss_pct=target_loss, **measured)  # fmt: skip
 
-    if "android" in (src_node.kind, dst_node.kind):
+    if not (kind_of(src_node).runs_ranks and kind_of(dst_node).runs_ranks):
         return row(note="not measured: iperf3 on phones is not supported yet")
     if src_node.data is None or dst_node.data is None:
         return row(note="not measured: a node has no data address")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from foundation.errors import TestbedError
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.transport.base import BackgroundProcess, CommandFailed, CommandResult, LineSession, Transport
 from testbed.transport.local import LocalTransport
 from testbed.transport.ssh import SshTransport
@@ -24,8 +24,8 @@ __all__ = [
 def open_transport(inventory: Inventory, node: NodeSpec) -> Transport:
     """The transport that reaches ``node`` (phones are reached through their USB host instead)."""
     use_sudo = inventory.spec.defaults.sudo
-    if node.kind == "android":
-        raise TestbedError(f"{node.name} is a phone: it is reached with adb on its USB host, not directly")
+    if kind_of(node).via_usb_host:
+        raise TestbedError(f"{node.name} (kind {node.kind}) is reached with adb on its USB host, not directly")
     if node.transport == "local":
         return LocalTransport(node.name, use_sudo=use_sudo)
     return SshTransport(node.name, inventory.ssh_target(node), use_sudo=use_sudo)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from foundation.errors import NodeError
-from testbed.inventory import Inventory, NodeSpec
+from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.transport.base import Transport
 from testbed.transport.clock import ClockOffset, echo_script, offset_over, read_echo_headers
 
@@ -21,14 +21,6 @@ DISK_WARN_GIB = 5.0
 
 # What /proc/device-tree/model contains on each Jetson model of the inventory (any one of them).
 # Downstream L4T on AGX Xavier says just "Jetson-AGX".
-JETSON_BOARD_NAMES = {
-    "agx-orin": ("AGX Orin",),
-    "agx-xavier": ("AGX Xavier", "Jetson-AGX"),
-    "orin-nx": ("Orin NX",),
-    "orin-nano": ("Orin Nano",),
-    "xavier-nx": ("Xavier NX",),
-}
-
 # One line per fact, ``key=value``; keys may repeat (one ``gpu`` per GPU). Builtins where possible:
 # the script runs on every node at every check, and a node's CPU is what it measures.
 _FACTS_SCRIPT = r"""
@@ -268,25 +260,26 @@ def judge(inventory: Inventory, node: NodeSpec, facts: NodeFacts) -> tuple[list[
     """What is wrong (problems) or worth a look (warnings) given what the inventory says."""
     problems: list[str] = []
     warnings: list[str] = []
-    if node.kind == "jetson":
-        wanted = JETSON_BOARD_NAMES.get(node.model, (node.model,))
+    kind = kind_of(node)
+    if kind.boards is not None:
+        wanted = kind.boards.device_tree_names.get(node.model, (node.model,))
         if facts.board_model is None:
-            problems.append("no /proc/device-tree/model: is this a Jetson?")
+            problems.append(f"no /proc/device-tree/model: is this a {kind.boards.name}?")
         elif not any(w.lower() in facts.board_model.lower() for w in wanted):
             problems.append(f"inventory says {node.model} but the board reports {facts.board_model!r}")
         if facts.l4t_release is None:
-            problems.append("no L4T release in /etc/nv_tegra_release")
-    if node.kind != "android" and inventory.spec.defaults.sudo and facts.sudo == "no":
+            problems.append(f"no release in {kind.boards.release_file}")
+    if kind.reached_by_ssh and inventory.spec.defaults.sudo and facts.sudo == "no":
         problems.append(
             f"sudo needs a password for {facts.user}; install the sudoers rules that `testbed provision` prints "
             "for this node (only the suite's own commands, README: pointing it at a real lab), or set "
             "defaults.sudo: false and log in as root"
         )
-    if node.kind == "server" and node.gpus and len(facts.gpus) != node.gpus:
+    if kind.discrete_gpus and node.gpus and len(facts.gpus) != node.gpus:
         problems.append(f"inventory says {node.gpus} GPUs, nvidia-smi lists {len(facts.gpus)}")
     if facts.raw.get("gpu_error"):
         problems.append("nvidia-smi failed: " + facts.raw["gpu_error"][0][:200])
-    if node.kind != "android" and not facts.python.startswith("Python 3"):
+    if kind.runs_ranks and not facts.python.startswith("Python 3"):
         problems.append(f"{inventory.spec.defaults.python} is not a Python 3 ({facts.python or 'not found'})")
     for phone in inventory.nodes:
         if phone.adb is not None and phone.adb.usb_host == node.name:

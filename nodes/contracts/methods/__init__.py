@@ -1,5 +1,5 @@
 """The methods the testbed runs, registered by name. A method is one module of this package that
-defines ``METHODS`` (its :class:`~nodes.workers.methods.base.Method` objects); registering it is one
+defines ``METHODS`` (its :class:`~nodes.contracts.methods.base.Method` objects); registering it is one
 entry in ``MODULES`` below. Standard library only (Python 3.8): the controller imports this registry
 to validate campaigns; the workers use it to pick their behaviours.
 """

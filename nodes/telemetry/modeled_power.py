@@ -6,7 +6,7 @@ from typing import List, Optional
 
 from nodes.contracts.telemetry_rows import MEASURED, MODELED, TelemetryRow
 from nodes.emulated.node import EmulatedNode, UtilisationMeter, modeled_power_w
-from nodes.telemetry.source import PolledSource
+from nodes.telemetry.source import PolledSource, SourceOptions
 
 
 class ModeledPowerSource(PolledSource):
@@ -35,3 +35,10 @@ class ModeledPowerSource(PolledSource):
             )
             rows.append(TelemetryRow(now_s, "power_mode_id", float(mode.id), "", "power_mode", MEASURED, period))
         return rows
+
+
+PACES_ITSELF = False
+
+
+def source(options: SourceOptions) -> ModeledPowerSource:
+    return ModeledPowerSource(options.interval_s)

@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, Iterator, List, Optional
 
 from nodes.contracts.telemetry_rows import MEASURED, TelemetryRow
-from nodes.telemetry.source import Source
+from nodes.telemetry.source import Source, SourceOptions
 
 
 def power_rows(power: Any, ts_s: float, period_s: float) -> List[TelemetryRow]:
@@ -52,3 +52,10 @@ class JtopSource(Source):
 
     def close(self) -> None:
         self.client.close()
+
+
+PACES_ITSELF = True
+
+
+def source(options: SourceOptions) -> JtopSource:
+    return JtopSource(options.interval_s)

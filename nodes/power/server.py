@@ -10,7 +10,7 @@ limit outside a GPU's constraints is refused before anything is set.
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from nodes.power import PowerDriver, PowerError, PowerModeInfo, PowerState, Runner
+from nodes.power.common import DriverOptions, PowerDriver, PowerError, PowerModeInfo, PowerState, Runner
 from nodes.server.nvml import load_pynvml, nvml_error, text
 
 _WATTS = re.compile(r"^(\d+(?:\.\d+)?)\s*W$", re.IGNORECASE)
@@ -148,3 +148,7 @@ class NvmlPower(PowerDriver):
                     % (i, int(limit) / 1000.0, back / 1000.0)
                 )
         return self.state()
+
+
+def driver(options: DriverOptions) -> NvmlPower:
+    return NvmlPower(options.runner)

@@ -13,8 +13,9 @@ import re
 from typing import Any, Dict, List, Optional
 
 from nodes.contracts.journal_values import JournalValueError, checked
+from nodes.contracts.root_paths import JETSON_CLOCKS_FILE
 from nodes.jetson.nvpmodel import parse_clocks_show, parse_modes, parse_query
-from nodes.power import PowerDriver, PowerError, PowerModeInfo, PowerState, Runner
+from nodes.power.common import DriverOptions, PowerDriver, PowerError, PowerModeInfo, PowerState, Runner
 
 CONF = "/etc/nvpmodel.conf"
 MODE_ID = re.compile(r"\d{1,4}")
@@ -139,3 +140,10 @@ class JetsonPower(PowerDriver):
                 % (state.clocks_locked, snapshot["clocks_locked"])
             )
         return state
+
+
+def driver(options: DriverOptions) -> JetsonPower:
+    """With sudo the clocks go to root's own file (jetson_clocks would write and restore a user's as
+    root); without, beside the journal."""
+    clocks = JETSON_CLOCKS_FILE if options.sudo else os.path.join(os.path.dirname(options.journal.path), "l4t_dfs.conf")
+    return JetsonPower(options.runner, clocks_file=clocks)

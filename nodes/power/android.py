@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Tuple
 from nodes.android.adb import AdbError, adb_shell
 from nodes.android.battery import POWER_SOURCES, charging_from_dumpsys, parse_dumpsys_battery
 from nodes.contracts.journal_values import JournalValueError, checked
-from nodes.power import PowerDriver, PowerError, PowerModeInfo, PowerState
+from nodes.power.common import DriverOptions, PowerDriver, PowerError, PowerModeInfo, PowerState, PowerUsageError
 
 CPUFREQ = "/sys/devices/system/cpu/cpufreq"
 THERMAL = "/sys/class/thermal"
@@ -156,3 +156,9 @@ class AndroidPower(PowerDriver):
         targets = [checked_target(n, p.get("governor"), p.get("max_khz"), "policies") for n, p in saved.items()]
         self._write(sorted(targets))
         return self.state()
+
+
+def driver(options: DriverOptions) -> AndroidPower:
+    if not options.serial:
+        raise PowerUsageError("the android driver needs --serial")
+    return AndroidPower(options.serial, adb=options.adb)

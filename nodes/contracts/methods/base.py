@@ -52,7 +52,7 @@ class MethodCheck(NamedTuple):
 
 class Method(object):
     """A method's behaviours, checks and report hints. Subclass it (or instantiate it) in one module
-    under ``nodes/workers/methods/`` and add that module to the registry."""
+    under ``nodes/contracts/methods/`` and add that module to the registry."""
 
     name = ""
     summary = ""

@@ -10,7 +10,7 @@ import os
 from typing import Dict, List, Optional, Tuple
 
 from nodes.contracts.telemetry_rows import MEASURED, TelemetryRow
-from nodes.telemetry.source import PolledSource
+from nodes.telemetry.source import PolledSource, SourceOptions
 
 POWERCAP = "/sys/class/powercap"
 
@@ -139,3 +139,10 @@ def parse_meminfo(text: str) -> Dict[str, int]:
         if parts and parts[0].isdigit():
             info[key.strip()] = int(parts[0])
     return info
+
+
+PACES_ITSELF = False
+
+
+def source(options: SourceOptions) -> HostSource:
+    return HostSource(options.interval_s)
