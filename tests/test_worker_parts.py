@@ -567,7 +567,7 @@ def test_check_spec_accepts_a_good_run(inventory):
         ({"schedule": ()}, "the schedule is empty"),
         ({"devices": ()}, "at least one device"),
         ({"devices": ("nodata",)}, "node 'nodata' has no 'data:' interface"),
-        ({"devices": ("phone",)}, "phone (kind android) runs no MPI ranks"),
+        ({"devices": ("phone",)}, r"phone \(kind android\) runs no MPI ranks"),
         ({"server": "typo"}, "no node named 'typo'"),
         ({"devices": ("orin", "nano-typo")}, "no node named 'nano-typo'"),
         ({"stages": 0}, "stages must be >= 1"),

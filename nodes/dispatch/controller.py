@@ -22,7 +22,8 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from .device_speed import LinearTtft
+from nodes.endpoints.device_speed import LinearTtft
+
 from .policy import (
     DEVICE,
     SERVER,

@@ -20,9 +20,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from nodes.endpoints.client import CompletionStream
+from nodes.endpoints.device_speed import LinearTtft
 
 from .controller import MigrationRule
-from .device_speed import LinearTtft
 from .policy import DEVICE, SERVER
 from .replay import display_times
 

@@ -20,10 +20,11 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
+from nodes.endpoints.device_speed import DeviceSpeed
+from nodes.endpoints.services import ServiceModel
+
 from .controller import GENERATION_CAP_TOKENS, NEVER, DispatchPlan, MigrationRule
-from .device_speed import DeviceSpeed
 from .policy import DEVICE, SERVER
-from .services import ServiceModel
 
 EPSILON_S = 1e-9
 # A phone's TTFT for one prompt varies by a few percent run to run (DiSCo Fig. 2: "stable"); our

@@ -7,13 +7,16 @@ how their power modes are written; which telemetry sources sample them; the boar
 to, if any (its models, what its device tree says, JetPack's torch, the stand-in tools an emulated one
 gets); and what their emulated stand-ins are, for the manifests.
 
-Adding a kind is one :func:`register` call here (or from a lab's own module) and, when it brings its own
-power driver or telemetry source, that module on the node side. Nothing else in the controller names a
-kind.
+Adding a kind is one :func:`register` call, here or in a lab's own module named by the environment
+variable ``TESTBED_NODE_KINDS`` (imported before the first kind is looked up), and, when it brings its
+own power driver or telemetry source, that module on the node side (``nodes/power/<driver>.py``,
+``nodes/telemetry/<source>.py``). Nothing else in the controller names a kind.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -82,6 +85,22 @@ class NodeKind:
 
 
 _KINDS: dict[str, NodeKind] = {}
+LAB_KINDS_VARIABLE = "TESTBED_NODE_KINDS"
+_lab_kinds_loaded = False
+
+
+def _load_lab_kinds() -> None:
+    """Import the modules ``TESTBED_NODE_KINDS`` names (comma-separated), once: they register a lab's kinds."""
+    global _lab_kinds_loaded
+    if _lab_kinds_loaded:
+        return
+    _lab_kinds_loaded = True
+    for name in filter(None, (part.strip() for part in os.environ.get(LAB_KINDS_VARIABLE, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a lab's module that fails is the user's problem to mend: say which
+            raise TestbedError(f"{LAB_KINDS_VARIABLE}: the node kinds module {name!r} cannot be imported "
+                               f"({type(exc).__name__}: {exc})") from None  # fmt: skip
 
 
 def register(kind: NodeKind) -> NodeKind:
@@ -98,10 +117,12 @@ def unregister(name: str) -> None:
 
 
 def kind_names() -> tuple[str, ...]:
+    _load_lab_kinds()
     return tuple(_KINDS)
 
 
 def node_kind(name: str) -> NodeKind:
+    _load_lab_kinds()
     try:
         return _KINDS[name]
     except KeyError:
