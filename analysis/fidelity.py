@@ -34,9 +34,3 @@ def violation_shares(steps: pd.DataFrame) -> pd.DataFrame:
     grouped["violation_share"] = grouped["overruns"] / grouped["steps"]
     grouped["flagged"] = grouped["violation_share"] > VIOLATION_LIMIT
     return grouped.reset_index()[[c for c in columns if c in keys or c not in ("run_id", "node")]]
-
-
-def run_violation_share(steps: pd.DataFrame) -> float:
-    """One run's worst node's share of overrun steps (0 when nothing was paced)."""
-    shares = violation_shares(steps)
-    return float(shares["violation_share"].max()) if not shares.empty else 0.0

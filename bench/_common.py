@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
@@ -58,6 +58,26 @@ def write(name: str, payload: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     return path
+
+
+def emulated_node(name: str, kind: str, model: str, role: str | None = None,
+                  modes: Sequence[tuple[int, str, float, float, float]] = ((0, "MAXN", 1.0, 7.0, 40.0),),
+                  initial_mode: int | None = None) -> str:  # fmt: skip
+    """One emulated node as an inventory's YAML flow mapping; ``modes``: (id, name, cpus, idle_w, busy_w)."""
+    power = ", ".join(f"{{id: {i}, name: {n}, cpus: {c:g}, idle_w: {idle:g}, busy_w: {busy:g}}}"
+                      for i, n, c, idle, busy in modes)  # fmt: skip
+    emulated = ("" if initial_mode is None else f"initial_mode: {initial_mode}, ") + f"power_modes: [{power}]"
+    roles = f", roles: [{role}]" if role else ""
+    return f"{{name: {name}, kind: {kind}, model: {model}{roles}, emulated: {{{emulated}}}}}"
+
+
+def emulated_inventory(state_dir: Path, prefix: str, octet: int, nodes: Sequence[str], rest: str = "") -> str:
+    """An inventory of emulated ``nodes`` (:func:`emulated_node`) managed on 10.OCTET.0.0/24 with their
+    data plane on 10.OCTET+1.0.0/24, under ``state_dir``; ``rest``: more top-level YAML (groups, links)."""
+    return ("defaults: {ssh: {user: root, connect_timeout: 10s}, python: python3, sudo: false}\n"
+            f"emulation: {{management_subnet: 10.{octet}.0.0/24, data_subnet: 10.{octet + 1}.0.0/24, "
+            f"name_prefix: {prefix}, state_dir: {state_dir}}}\n"
+            "nodes:\n" + "".join(f"  - {node}\n" for node in nodes) + rest)  # fmt: skip
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import summary, write
+from bench._common import emulated_inventory, emulated_node, summary, write
 from testbed.check import check_nodes
 from testbed.emulation.lifecycle import down, up
 from testbed.emulation.resolved import load_lab
@@ -25,18 +25,8 @@ from testbed.inventory import load_inventory
 
 def inventory_text(nodes: int, state_dir: Path) -> str:
     models = ("agx-orin", "agx-xavier", "orin-nx")
-    lines = [
-        "defaults: {ssh: {user: root}, sudo: false}",
-        f"emulation: {{management_subnet: 10.221.0.0/24, data_subnet: 10.222.0.0/24, name_prefix: tbb, "
-        f"state_dir: {state_dir}}}",
-        "nodes:",
-    ]
-    lines += [
-        f"  - {{name: n{i:02d}, kind: jetson, model: {models[i % 3]}, emulated: "
-        "{power_modes: [{id: 0, name: MAXN, cpus: 0.2, idle_w: 5, busy_w: 20}]}}"
-        for i in range(nodes)
-    ]
-    return "\n".join(lines) + "\n"
+    return emulated_inventory(state_dir, "tbb", 221, [
+        emulated_node(f"n{i:02d}", "jetson", models[i % 3], modes=((0, "MAXN", 0.2, 5, 20),)) for i in range(nodes)])
 
 
 def measure(nodes: int, repeats: int) -> dict[str, object]:

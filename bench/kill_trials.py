@@ -42,6 +42,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._common import emulated_inventory, emulated_node
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "models" / "tiny"
 POLL_S = 0.005
@@ -56,41 +58,12 @@ TWENTY = (["verify"] * 4 + ["sampler"] * 3 + ["noted-sampler"] * 2 + ["phase:res
 
 def inventory_text(state_dir: Path, prefix: str, octet: int) -> str:
     """A server and one Jetson, rate-shaped both ways (HTB only: verify compares goodput with the rate)."""
-    return f"""defaults:
-  ssh: {{user: root, connect_timeout: 10s}}
-  python: python3
-  sudo: false
-emulation:
-  management_subnet: 10.{octet}.0.0/24
-  data_subnet: 10.{octet + 1}.0.0/24
-  name_prefix: {prefix}
-  state_dir: {state_dir}
-nodes:
-  - name: server
-    kind: server
-    model: a6000-server
-    roles: [server]
-    emulated:
-      power_modes:
-        - {{id: 0, name: default, cpus: 1.0, idle_w: 90, busy_w: 300}}
-  - name: orin
-    kind: jetson
-    model: agx-orin
-    roles: [device]
-    emulated:
-      initial_mode: 0
-      power_modes:
-        - {{id: 0, name: {INITIAL_MODE}, cpus: 0.5, idle_w: 7.0, busy_w: 40.0}}
-        - {{id: 3, name: MODE_50W, cpus: 0.4, idle_w: 6.5, busy_w: 50.0}}
-groups:
-  devices: [orin]
-link_profiles:
-  up: {{rate: 2MBps}}
-  down: {{rate: 3MBps}}
-links:
-  - {{from: devices, to: server, profile: up}}
-  - {{from: server, to: devices, profile: down}}
-"""
+    nodes = [emulated_node("server", "server", "a6000-server", "server", ((0, "default", 1.0, 90, 300),)),
+             emulated_node("orin", "jetson", "agx-orin", "device", ((0, INITIAL_MODE, 0.5, 7, 40),
+                                                                    (3, "MODE_50W", 0.4, 6.5, 50)), initial_mode=0)]
+    links = ("groups: {devices: [orin]}\nlink_profiles: {up: {rate: 2MBps}, down: {rate: 3MBps}}\n"
+             "links:\n  - {from: devices, to: server, profile: up}\n  - {from: server, to: devices, profile: down}\n")
+    return emulated_inventory(state_dir, prefix, octet, nodes, links)  # fmt: skip
 
 
 def campaign_text(inventory: Path, name: str = "kills") -> str:

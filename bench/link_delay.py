@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emulated_lab, summary, write
+from bench._common import emulated_inventory, emulated_lab, emulated_node, summary, write
 from netem.profile import DirectedLink, LinkProfile
 from testbed.links.apply import apply_plans, clear_nodes, handler_files
 from testbed.links.plans import compile_plan
@@ -43,20 +43,10 @@ _TIME = re.compile(r"time=([\d.]+) ms")
 
 
 def inventory_text(state_dir: Path) -> str:
-    node = "{{name: {name}, kind: {kind}, model: {model}, roles: [{role}], emulated: {{power_modes: " \
-           "[{{id: 0, name: {mode}, cpus: 1.0, idle_w: 5, busy_w: 20}}]}}}}"  # fmt: skip
-    return (
-        "defaults: {ssh: {user: root}, sudo: false}\n"
-        f"emulation: {{management_subnet: 10.219.0.0/24, data_subnet: 10.220.0.0/24, name_prefix: {PREFIX}, "
-        f"state_dir: {state_dir}}}\n"
-        "nodes:\n"
-        + "".join(
-            "  - " + node.format(name=n, kind=k, model=m, role=r, mode=mode) + "\n"
-            for n, k, m, r, mode in (("a", "jetson", "agx-orin", "device", "MAXN"),
-                                     ("b", "server", "s", "server", "default"),
-                                     ("c", "jetson", "agx-orin", "device", "MAXN"))
-        )
-    )
+    return emulated_inventory(state_dir, PREFIX, 219, [
+        emulated_node("a", "jetson", "agx-orin", "device", ((0, "MAXN", 1.0, 5, 20),)),
+        emulated_node("b", "server", "s", "server", ((0, "default", 1.0, 5, 20),)),
+        emulated_node("c", "jetson", "agx-orin", "device", ((0, "MAXN", 1.0, 5, 20),))])
 
 
 def netns(node: str, *argv: str, timeout_s: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:

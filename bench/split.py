@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emulated_lab, write
+from bench._common import emulated_inventory, emulated_lab, emulated_node, write
 from netem.profile import DirectedLink, LinkProfile
 from testbed.links.apply import apply_plans, clear_nodes
 from testbed.links.plans import compile_plan
@@ -41,16 +41,9 @@ PHASES = (
 
 
 def inventory_text(state_dir: Path) -> str:
-    return (
-        "defaults: {ssh: {user: root}, sudo: false}\n"
-        f"emulation: {{management_subnet: 10.216.0.0/24, data_subnet: 10.217.0.0/24, name_prefix: tbm, "
-        f"state_dir: {state_dir}}}\n"
-        "nodes:\n"
-        "  - {name: server, kind: server, model: s, roles: [server], emulated: "
-        "{power_modes: [{id: 0, name: default, cpus: 1.0, idle_w: 90, busy_w: 300}]}}\n"
-        "  - {name: device, kind: jetson, model: agx-orin, roles: [device], emulated: "
-        "{power_modes: [{id: 0, name: MAXN, cpus: 0.5, idle_w: 7, busy_w: 40}]}}\n"
-    )
+    return emulated_inventory(state_dir, "tbm", 216, [
+        emulated_node("server", "server", "s", "server", ((0, "default", 1.0, 90, 300),)),
+        emulated_node("device", "jetson", "agx-orin", "device", ((0, "MAXN", 0.5, 7, 40),))])
 
 
 def prompt_ids(count: int) -> list[int]:

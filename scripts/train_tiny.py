@@ -34,22 +34,10 @@ from nodes.inference.checkpoint import save_checkpoint
 from nodes.inference.config import LlamaConfig
 from nodes.inference.generate import greedy_generate
 from nodes.inference.model import ModelPart, count_parameters
+from workloads.corpus import corpus_files, is_held_out
 
-SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 BOS, EOS = "<s>", "</s>"
 SAMPLE_PROMPTS = ["def __init__(self", "import os\nimport sys\n\n", "    for i in range(", "class Error(Exception):"]
-
-
-def corpus_files(root):
-    files = []
-    for directory, subdirs, names in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d not in SKIP_DIRS)
-        files.extend(os.path.join(directory, n) for n in sorted(names) if n.endswith(".py"))
-    return sorted(files)
-
-
-def is_held_out(relative_path, every):
-    return int(hashlib.sha1(relative_path.encode()).hexdigest(), 16) % every == 0
 
 
 def read_text(path):

@@ -59,10 +59,14 @@ def node_code() -> NodeCode:
     return NodeCode(data, hashlib.sha256(data).hexdigest()[:16])
 
 
-def ensure_node_code(transport: Transport, workdir: str) -> str:
-    """The node's absolute path of the current bundle, pushed first if the node lacks it."""
-    code = node_code()
-    path = transport.expand_path(code.path_on(workdir))
+def store_if_missing(transport: Transport, path: str) -> None:
+    """Store the bundle at ``path`` on the node unless it is there (its name carries its content's hash)."""
     if not transport.run(["test", "-s", path], timeout_s=30.0).ok:
-        transport.store(path, code.data)
+        transport.store(path, node_code().data)
+
+
+def node_code_path(transport: Transport, workdir: str) -> str:
+    """The node's absolute path of the current bundle under ``workdir``, stored first if the node lacks it."""
+    path = transport.expand_path(node_code().path_on(workdir))
+    store_if_missing(transport, path)
     return path

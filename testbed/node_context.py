@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from foundation.errors import TestbedError
 from testbed.inventory import Inventory, NodeSpec, kind_of
-from testbed.node_code import node_code
+from testbed.node_code import node_code, store_if_missing
 from testbed.node_wheel import node_wheel
 from testbed.provision import load_record, provisioned_python
 from testbed.transport import Transport, open_transport, usb_host_transport
@@ -156,8 +156,5 @@ def resolve_contexts(inventory: Inventory, names: Sequence[str]) -> FanOutResult
 
 def ensure_node_code(transport: Transport, context: NodeContext) -> None:
     """Store the bundle on the node when it uses the bundle and does not have it yet."""
-    if not context.uses_bundle:
-        return
-    path = context.code_path
-    if not transport.run(["test", "-s", path], timeout_s=30.0).ok:
-        transport.store(path, node_code().data)
+    if context.uses_bundle:
+        store_if_missing(transport, context.code_path)

@@ -34,7 +34,7 @@ from foundation.errors import NodeError, TestbedError
 from nodes.contracts.durable import write_atomic, write_json_atomic
 from testbed.delay_handler import HANDLER_SOURCE, handler_digest, install_script, installed_test
 from testbed.inventory import Inventory, NodeSpec, kind_of
-from testbed.node_code import ensure_node_code
+from testbed.node_code import node_code_path
 from testbed.node_wheel import NodeWheel, node_wheel
 from testbed.sudo_rules import install_hint, lacking_rules, sudo_probe_script
 from testbed.transport import open_transport
@@ -419,7 +419,7 @@ class _NodeProvisioner:
             env = None
             if see_base and base_is_venv:
                 command += f" && {shlex.join([self.python, '-m', 'nodes.venv_overlay', self.venv])}"
-                env = {"PYTHONPATH": ensure_node_code(self.t, self.inventory.spec.defaults.workdir)}
+                env = {"PYTHONPATH": node_code_path(self.t, self.inventory.spec.defaults.workdir)}
             script = f"mkdir -p {shlex.quote(self.workdir)} && {command}"
             result = self.t.run(["sh", "-c", script], env=env, timeout_s=600.0)
             if not result.ok:

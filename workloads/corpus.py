@@ -2,8 +2,8 @@
 
 ``scripts/train_tiny.py`` trains on this interpreter's standard library (test directories and
 site-packages skipped, files sorted) and holds a file out when ``sha1(relative path) % every == 0``
-(``every`` = ``held_out_every`` in the checkpoint's ``training.json``, 20 by default). The rule is
-repeated here because that script imports torch. The text is read from
+(``every`` = ``held_out_every`` in the checkpoint's ``training.json``, 20 by default), with this
+module's :func:`corpus_files` and :func:`is_held_out`: the rule has this one home. The text is read from
 ``sysconfig.get_paths()["stdlib"]`` when a schedule is built and never copied into the repository;
 :func:`corpus_sha256` is the script's corpus digest, to compare with ``training.json``.
 

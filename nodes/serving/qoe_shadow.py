@@ -96,12 +96,3 @@ def predicted_qoe(digested: ArrayLike, delivered: ArrayLike, digested_area: Arra
     expected = expected_area(expected_ttft_s, expected_tds, np.asarray(since_arrival_s, dtype="float64") + lookahead_s)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(expected > 0, np.minimum(1.0, actual / expected), 1.0)
-
-
-def serving_gain(digested: ArrayLike, delivered: ArrayLike, digested_area: ArrayLike, expected_ttft_s: ArrayLike,
-                 expected_tds: ArrayLike, since_arrival_s: ArrayLike, lookahead_s: float, rate_tok_s: float,
-                 delay_s: ArrayLike) -> np.ndarray:  # fmt: skip
-    """Eq. 2's gain of serving each request: Q_serve (tokens at ``rate_tok_s`` after its ``delay_s``)
-    minus Q_wait (no tokens), both a lookahead from now."""
-    common = (digested, delivered, digested_area, expected_ttft_s, expected_tds, since_arrival_s, lookahead_s)
-    return predicted_qoe(*common, rate_tok_s, delay_s) - predicted_qoe(*common, 0.0, 0.0)
