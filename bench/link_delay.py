@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emulated_inventory, emulated_lab, emulated_node, summary, write
 from netem.profile import DirectedLink, LinkProfile
-from testbed.links.apply import apply_plans, clear_nodes, handler_files
+from testbed.links.apply import apply_plans, clear_nodes
+from testbed.links.handler_lifecycle import handler_files
 from testbed.links.plans import compile_plan
 
 PREFIX = "tbd"

@@ -274,3 +274,28 @@ def _same_rule(got: str, want: str) -> bool:
             return False
         got, want = _PROBABILITY.sub("", got), _PROBABILITY.sub("", want)
     return got.split() == want.split()
+
+
+def iptables_commands_for(
+    chains: Sequence[NfqueueRules], listing: str, journaled: Sequence[tuple[str, str]] = ()
+) -> list[list[str]]:
+    """The iptables commands of a node's chains, given what its table holds now (``listing``, as
+    ``iptables -S`` prints it) and the (interface, hook side) chains its journal names: our chains
+    are flushed and refilled in place, chains of an earlier apply that are no longer planned go."""
+    planned = {(c.interface, c.hook_side) for c in chains}
+    commands: list[list[str]] = []
+    stale = [c for c in journaled if c not in planned]
+    if stale:
+        commands += undo_present_chains(stale, listing)
+    present = chains_in(listing)
+    for c in chains:
+        commands += c.apply_commands(chain_exists=c.chain in present,
+                                     jump_exists=has_jump(listing, c.interface, c.hook_side))  # fmt: skip
+    return commands
+
+
+def chains_by_node(chains: Sequence[NfqueueRules]) -> dict[str, tuple[NfqueueRules, ...]]:
+    by_node: dict[str, list[NfqueueRules]] = {}
+    for c in chains:
+        by_node.setdefault(c.node, []).append(c)
+    return {name: tuple(cs) for name, cs in by_node.items()}

@@ -16,6 +16,7 @@ way, with one class per source (u32 on the source address).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from foundation.errors import TestbedError
@@ -202,3 +203,18 @@ def compile_plan(topology: LinkTopology, links: tuple[DirectedLink, ...] | None 
                 )
             )
     return tuple(plans)
+
+
+def plan_devices(plans: Sequence[TcPlan]) -> list[str]:
+    """Every device the plans put a qdisc on or create."""
+    devices: list[str] = []
+    for p in plans:
+        devices += [p.interface] + ([p.ifb] if p.ifb else [])
+    return list(dict.fromkeys(devices))
+
+
+def plans_by_node(plans: Sequence[TcPlan]) -> dict[str, list[TcPlan]]:
+    by_node: dict[str, list[TcPlan]] = {}
+    for p in plans:
+        by_node.setdefault(p.node, []).append(p)
+    return by_node

@@ -231,3 +231,34 @@ def u32_destination(tc_filter: dict) -> str | None:
     if not value:
         return None
     return str(ipaddress.IPv4Address(int(value, 16)))
+
+
+def commands_for(plan: TcPlan, states: dict[str, InterfaceState]) -> list[list[str]]:
+    """The plan's commands, taking what is already there into account: our root is kept (HTB's
+    root cannot be replaced in place) and classes it no longer plans are removed."""
+    dev = plan.shaped_device
+    state = states.get(dev)
+    root = state.root_qdisc if state is not None and state.exists else None
+    iface = states.get(plan.interface)
+    ours = root is not None and root.get("handle") == f"{HTB_HANDLE}:"
+    if plan.ifb:
+        ours = ours and iface is not None and iface.qdisc(f"{INGRESS_HANDLE}:") is not None
+    commands: list[list[str]] = []
+    if plan.ifb and not ours and state is not None and state.exists:
+        commands.append(["ip", "link", "del", plan.ifb])  # ours but half made: start over
+    if ours:
+        planned = {f"{HTB_HANDLE}:{p.minor:x}" for p in plan.peers}
+        for c in state.classes if state is not None else ():
+            if c.classid not in planned:
+                minor = c.classid.split(":")[1]
+                commands += [
+                    ["tc", "filter", "del", "dev", dev, "parent", f"{HTB_HANDLE}:", "protocol", "ip", "prio", "1",
+                     "handle", f"800::{minor}", "u32"],
+                    ["tc", "class", "del", "dev", dev, "classid", c.classid],
+                ]  # fmt: skip
+                if plan.ifb:
+                    commands.append(
+                        ["tc", "filter", "del", "dev", plan.interface, "parent", f"{INGRESS_HANDLE}:", "protocol",
+                         "ip", "prio", "1", "handle", f"800::{minor}", "u32"]
+                    )  # fmt: skip
+    return commands + plan.apply_commands(ours_in_place=ours)

@@ -1,5 +1,7 @@
 """Delays packets in user space where the kernel has no sch_netem: the NFQUEUE delay path; and the one
-program the suite runs as root for that path.
+program the suite runs as root for that path. One file on purpose (over 500 lines): it is installed
+root-owned as a single, self-contained program that imports nothing of the suite, so that root never
+runs code a user can change.
 
 Usage (as root, through sudo; installed root-owned, see testbed/delay_handler.py)::
 

@@ -23,7 +23,8 @@ import pytest
 from foundation.errors import TestbedError
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import links_from_file
-from testbed.links.apply import apply_plans, clear_nodes, handler_files, show_nodes
+from testbed.links.apply import apply_plans, clear_nodes, show_nodes
+from testbed.links.handler_lifecycle import handler_files
 from testbed.links.plans import compile_plan
 from testbed.links.verify import verify_links
 from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli

@@ -181,8 +181,8 @@ def lab_copy(inventory: Path, directory: Path) -> Path:
 def campaign_sudo_argvs(campaign_path: Path, directory: Path) -> dict[tuple[str, ...], str]:
     """Every sudo'd command line of every run's plan (offline, as `--dry-run` plans an unreachable
     lab), and of its trace players' schedules: argv -> what the plan says it is for."""
-    from testbed.links.apply import player_schedules
     from testbed.links.plans import traced_links
+    from testbed.links.trace_playback import player_schedules
 
     inventory = re.search(r"^inventory: (\S+)", campaign_path.read_text(), re.M)
     assert inventory is not None

@@ -349,7 +349,8 @@ def _set_power(campaign: Campaign, state: _RunState, events: EventLog) -> None:
 
 
 def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
-    from testbed.links.apply import apply_plans, apply_trace
+    from testbed.links.apply import apply_plans
+    from testbed.links.trace_playback import apply_trace
     from testbed.links.verify import verify_links
 
     lab, link, plan = campaign.inventory, settings.link, _plan(state)
@@ -531,7 +532,7 @@ def _fidelity(directory: Path, state: _RunState) -> None:
 def _delay_fidelity(campaign: Campaign, state: _RunState) -> None:
     """The NFQUEUE delay handlers' record of the run (how late their releases were) into the manifest;
     a handler that stopped flags the run: its directions went undelayed (--queue-bypass)."""
-    from testbed.links.apply import read_delay_handlers
+    from testbed.links.handler_lifecycle import read_delay_handlers
     from testbed.links.node_journal import journal_dir
 
     held = {c["node"] for c in state.links.get("nfqueue", ()) if c["queues"]}
@@ -580,7 +581,7 @@ def _restore(lab: Inventory, state: _RunState, keep: tuple[frozenset[str], froze
     shaped = set(state.shaped_nodes)
     kept = Kept(frozenset(power & keep[0]), frozenset(shaped & keep[1]), dict(plan.contexts) if plan else {})
     if plan is not None and plan.trace is not None and shaped:
-        from testbed.links.apply import stop_trace_players
+        from testbed.links.trace_playback import stop_trace_players
 
         stopped = stop_trace_players(lab, sorted(shaped))
         problems += [f"{o.node}: trace player: {o.error}" for o in stopped.failed]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foundation.errors import TestbedError
-from netem.plan import TcPlan
+from netem.plan import TcPlan, plan_devices, plans_by_node
 from netem.profile import LinkProfile
 from netem.trace import BandwidthTrace
 from nodes.contracts.draft import default_adapter_dir
@@ -38,7 +38,7 @@ from testbed.campaign.plan_commands import PlannedCommand, normalised_line, plan
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
 from testbed.context_service import LIFETIME_MARGIN_S, ServicePlan, run_scales, service_plans
 from testbed.inventory import DirectedLink, Inventory, links_from_file
-from testbed.links.apply import NodeProbe, assign_delay_paths, plan_devices, plans_by_node, probe_nodes
+from testbed.links.probe import NodeProbe, assign_delay_paths, probe_nodes
 from testbed.node_context import (
     NodeContext,
     resolve_context,

@@ -11,25 +11,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from netem.plan import TcPlan
+from netem.nfqueue import chains_by_node, iptables_commands_for
+from netem.plan import TcPlan, plan_devices, plans_by_node
+from netem.tc_state import commands_for
 from nodes.contracts.rank_dirs import device_glob
 from testbed.campaign.spec import Campaign
 from testbed.context_service import STOP_GRACE_S
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
-from testbed.links.apply import (
-    chains_by_node,
-    commands_for,
-    handler_command,
-    handler_files,
-    handler_report_script,
-    iptables_commands_for,
-    iptables_read_script,
-    plan_devices,
-    plans_by_node,
-    probe_script,
-    shapeable_nodes,
-)
+from testbed.links.apply import shapeable_nodes
+from testbed.links.handler_lifecycle import handler_command, handler_files, handler_report_script
+from testbed.links.probe import iptables_read_script, probe_script
 from testbed.node_context import HOME_SCRIPT, NodeContext, host_of, unresolved_context
 from testbed.power import driver_command, set_action
 from testbed.split_run import (
@@ -298,7 +290,9 @@ def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:
         probe = probes.get(name)
         when = "if-differs" if probe is not None else "live"
         commands = [c for p in plans for c in (commands_for(p, probe.states) if probe else p.apply_commands())]
-        commands += iptables_commands_for(held, probe) if probe else [c for r in held for c in r.apply_commands()]
+        journaled = probe.journal.chains if probe and probe.journal else ()
+        commands += (iptables_commands_for(held, probe.iptables, journaled) if probe
+                     else [c for r in held for c in r.apply_commands()])  # fmt: skip
         queued = any(r.queues for r in held)
         directory = plan.contexts[name].path(node_journal.journal_dir(workdir)) if name in plan.contexts else None
         if queued:

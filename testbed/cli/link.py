@@ -62,8 +62,9 @@ def link_apply(
     and iptables are read back and compared with the plan; if any node fails, every node is undone
     (exit 1). Applying again replaces the shaping in place."""
     from netem.plan import queue_limit_packets
-    from testbed.links.apply import apply_plans, apply_trace
+    from testbed.links.apply import apply_plans
     from testbed.links.plans import compile_plan
+    from testbed.links.trace_playback import apply_trace
 
     inv = load_lab(inventory)
     if sum(x is not None for x in (profile, links_file, trace)) > 1:

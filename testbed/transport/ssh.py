@@ -10,6 +10,9 @@ connection up when the node stops acknowledging (``TCP_USER_TIMEOUT``, with keep
 idle connection has something to acknowledge). A connection that failed one of these is dropped,
 and the next command opens a new one. A node that froze (its kernel still acknowledging) is noticed
 by the first bound, a node that vanished by the last.
+
+One concept over ~550 lines, the SSH transport: its connection, commands, streams and transfers share
+the bounded-wait machinery above and are not useful apart.
 """
 
 from __future__ import annotations
