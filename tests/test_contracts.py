@@ -45,3 +45,16 @@ def test_node_tools_answer_failures_as_json_with_one_exit_status_scheme(tmp_path
                    str(tmp_path / "no-adb"), "--node", "phone", "--probe")  # fmt: skip
     assert sampler.returncode == NODE_FAILED, sampler.stdout + sampler.stderr
     assert "error" in json.loads(sampler.stdout.strip().splitlines()[-1])
+
+
+def test_the_node_registries_hold_the_names_campaign_files_are_checked_against():
+    from nodes.contracts.catalogues import DEVICE_SPEED_NAMES, DISPATCH_POLICIES, SCHEDULER_NAMES, SERVICE_NAMES
+    from nodes.dispatch.controller import REGIME_OF
+    from nodes.endpoints.device_speed import DEVICE_SPEEDS
+    from nodes.endpoints.services import SERVICES
+    from nodes.serving.schedulers import SCHEDULERS
+
+    assert set(SCHEDULERS) - set(SCHEDULER_NAMES) == {"static"}  # static batching: a method's, not a choice
+    assert set(SCHEDULER_NAMES) <= set(SCHEDULERS)
+    assert tuple(SERVICES) == SERVICE_NAMES and tuple(DEVICE_SPEEDS) == DEVICE_SPEED_NAMES
+    assert set(REGIME_OF) < set(DISPATCH_POLICIES)

@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from nodes.contracts.catalogues import DISPATCH_POLICIES
 from nodes.endpoints.device_speed import LinearTtft
 
 from .policy import (
@@ -36,7 +37,7 @@ from .policy import (
     wait_map,
 )
 
-POLICIES = ("server-only", "device-only", "stoch-s", "stoch-d", "disco-s", "disco-d")
+POLICIES = DISPATCH_POLICIES
 REGIME_OF = {"stoch-s": SERVER, "disco-s": SERVER, "stoch-d": DEVICE, "disco-d": DEVICE}
 NEVER = float("inf")
 GENERATION_CAP_TOKENS = 128  # DiSCo App. E: generation capped at 128 tokens

@@ -17,6 +17,7 @@ import json
 import os
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+from nodes.contracts.catalogues import DISPATCH_POLICIES
 from nodes.contracts.compute_profile import ModeRates, rates_from_json
 from nodes.contracts.methods import Method, method_named, names
 from nodes.contracts.rank_dirs import RankDir
@@ -102,16 +103,13 @@ class ScalingSettings(NamedTuple):
     max_migrations: int = 4
 
 
-DISPATCH_POLICIES = ("server-only", "device-only", "stoch-s", "stoch-d", "disco-s", "disco-d")
-
-
 class DispatchSettings(NamedTuple):
     """DiSCo's dispatch (``methods/disco.py``): the policy and budget the device dispatches with, the
     server it races (a trace endpoint replaying ``service`` on the server node), its own speed,
     migration, and the per-token prices (USD: server input, server output, device prefill, device
     decode) that Algorithm 1 and Eq. 4 weigh; the controller fills them from the cost model."""
 
-    policy: str = "disco-s"  # nodes.dispatch.controller.POLICIES
+    policy: str = "disco-s"  # one of nodes.contracts.catalogues.DISPATCH_POLICIES
     budget: float = 0.5  # b: the constrained endpoint's share of input tokens
     alpha: float = 0.01  # DiSCo-D's tail ratio
     service: str = "gpt"  # the trace endpoint's service (nodes.endpoints.services)

@@ -44,14 +44,16 @@ from pydantic import (
 )
 
 from foundation.user_fields import STRICT_MODEL_CONFIG, Number, PlainText
+from nodes.contracts.catalogues import DEVICE_SPEED_NAMES, DISPATCH_POLICIES, SCHEDULER_NAMES, SERVICE_NAMES
 from nodes.contracts.methods import CONTEXT_MEMORY_METHODS, method_named
 from nodes.contracts.methods import names as method_names
-from nodes.workers.run_config import DISPATCH_POLICIES, DRAFT_LIMITS
+from nodes.workers.run_config import DRAFT_LIMITS
 from nodes.workers.run_config import DispatchSettings as RunDispatchSettings
 from nodes.workers.run_config import DraftSettings as RunDraftSettings
 from nodes.workers.run_config import ScalingSettings as RunScalingSettings
 from nodes.workers.run_config import ServingSettings as RunServingSettings
 from testbed.inventory import Inventory, Name, NodeSpec
+from testbed.inventory.node_kinds import JETSON_SOURCES
 from workloads.schedule import WorkloadSpec
 
 
@@ -121,7 +123,7 @@ DraftSettings = _draft_settings_model()
 class TelemetrySettings(_Strict):
     enabled: StrictBool = True
     interval_ms: StrictInt = Field(100, ge=10, le=60_000)
-    jetson_source: Literal["tegrastats", "jtop"] = "tegrastats"
+    jetson_source: Literal[tuple(JETSON_SOURCES)] = "tegrastats"  # type: ignore[valid-type]
 
 
 class TargetSettings(_Strict):
@@ -146,7 +148,7 @@ class ServingSettings(_Strict):
     profile's host link; ``capacity_tokens`` overrides it. ``swap_gb``: host memory for swapped KV
     (Andes: 240 GB), None for unbounded; 0 makes every preemption a recompute."""
 
-    scheduler: Literal["fcfs", "rr", "andes", "andes-dp"] = "fcfs"
+    scheduler: Literal[SCHEDULER_NAMES] = "fcfs"  # type: ignore[valid-type]
     capacity_tokens: StrictInt | None = Field(None, ge=1, le=10**12)
     swap_gb: Number | None = Field(None, ge=0, le=100_000)
     gpu_memory_utilization: Number = Field(0.9, gt=0, le=1)  # vLLM's default share of GPU memory it takes
@@ -172,14 +174,13 @@ class DispatchSettings(_Strict):
     the regime's energy-to-money rate: DiSCo App. E); ``regime`` forces the rate (default: the policy's,
     ``server`` for one-endpoint policies)."""
 
-    policy: Literal[DISPATCH_POLICIES] = "disco-s"  # type: ignore[valid-type]  (the run config's list)
+    policy: Literal[DISPATCH_POLICIES] = "disco-s"  # type: ignore[valid-type]
     budget: Number = Field(_DISPATCH["budget"], ge=0, le=1)
     alpha: Number = Field(_DISPATCH["alpha"], gt=0, lt=1)
-    service: Literal["gpt", "deepseek", "command", "llama"] = "gpt"
+    service: Literal[SERVICE_NAMES] = "gpt"  # type: ignore[valid-type]
     server_endpoint: Literal["trace", "engine"] = "trace"  # engine: the serving engine (``serving:``) behind the API
     external: Name | None = None  # an inventory endpoint (a lab's vLLM, ...) raced instead of the server's
-    device_speed: Literal["pixel7pro-bloom-1.1b", "pixel7pro-bloom-560m", "xiaomi14-qwen-0.5b"] = \
-        "pixel7pro-bloom-1.1b"
+    device_speed: Literal[DEVICE_SPEED_NAMES] = "pixel7pro-bloom-1.1b"  # type: ignore[valid-type]
     migration: StrictBool = False
     source_keeps_streaming: StrictBool = True
     consumption_tok_s: Number = Field(_DISPATCH["consumption_tok_s"], gt=0, le=1000)
