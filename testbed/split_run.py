@@ -33,9 +33,7 @@ from nodes.contracts.draft import default_adapter_dir
 from nodes.contracts.methods import method_named
 from nodes.contracts.methods import names as method_names
 from nodes.contracts.rank_dirs import ABORT_REASON_GLOB, parse_rank_dir
-from nodes.contracts.schedules import request_id
-from nodes.contracts.target_model import from_json as target_from_json
-from nodes.workers.run_config import (
+from nodes.contracts.run_config import (
     DispatchSettings,
     DraftSettings,
     RankSpec,
@@ -45,6 +43,8 @@ from nodes.workers.run_config import (
     dispatch_settings,
     scaling_settings,
 )
+from nodes.contracts.schedules import request_id
+from nodes.contracts.target_model import from_json as target_from_json
 from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
 from testbed.provision import compare_records, load_record

@@ -19,9 +19,9 @@ import pytest
 from analysis.cost_model import SERVICE_APIS, DispatchPrices
 from analysis.report import build_report
 from foundation.errors import InputError
+from nodes.contracts.run_config import DISPATCH_POLICIES, DispatchSettings, parse
 from nodes.dispatch.controller import POLICIES
 from nodes.dispatch.policy import TokenCosts, constrained_endpoint
-from nodes.workers.run_config import DISPATCH_POLICIES, DispatchSettings, parse
 from testbed.campaign.dispatch_config import dispatch_config
 from testbed.campaign.load import load_campaign
 from testbed.campaign.spec import RunSettings

@@ -13,13 +13,13 @@ from pathlib import Path
 import openai
 import pytest
 
+from nodes.contracts.run_config import parse
 from nodes.endpoints.openai_api import Endpoint, make_server
 from nodes.endpoints.pace import EnginePace
 from nodes.inference.checkpoint import load_whole
 from nodes.inference.generate import greedy_generate
 from nodes.inference.tokenizer import Tokenizer
 from nodes.workers.engine_endpoint import EngineEndpoint
-from nodes.workers.run_config import parse
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "examples" / "models" / "tiny")

@@ -107,7 +107,7 @@ def test_a_disco_runs_endpoints_take_its_key_alone_and_its_dispatchers_send_it(t
 def test_staging_hands_each_node_the_path_of_its_run_key_and_plans_show_a_placeholder() -> None:
     from dataclasses import replace
 
-    from nodes.workers.run_config import RankSpec, parse
+    from nodes.contracts.run_config import RankSpec, parse
     from testbed.campaign.spec import RunSettings
 
     section = dispatch_config(RunSettings(method="disco", dispatch={"policy": "disco-s"}))

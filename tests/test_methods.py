@@ -11,7 +11,7 @@ import pytest
 
 from foundation.errors import InputError
 from nodes.contracts.methods import Method, MethodCheck, method_named, names, register, unregister
-from nodes.workers.run_config import RunConfigError, parse
+from nodes.contracts.run_config import RunConfigError, parse
 from testbed.campaign.load import load_campaign
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def test_the_report_says_what_each_method_is_from_its_plugin(tmp_path):
 
 def test_the_run_config_the_controller_builds_is_what_the_ranks_read():
     """The controller builds a RunConfig and writes its JSON; the ranks parse exactly it back."""
-    from nodes.workers.run_config import RankSpec
+    from nodes.contracts.run_config import RankSpec
     from testbed.split_run import SplitRunSpec, run_config_for
 
     spec = SplitRunSpec(method="hat", model=str(TINY), server="server", devices=("orin",), stages=2, device_layers=2,

@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nodes.contracts import run_config
+from nodes.contracts.run_config import DraftSettings, RunConfigError
 from nodes.inference.checkpoint import load_part, load_whole
 from nodes.inference.config import LlamaConfig
 from nodes.inference.draft import (
@@ -48,7 +50,7 @@ from nodes.inference.speculative import (
     speculative_rounds,
 )
 from nodes.inference.tokenizer import Tokenizer
-from nodes.workers import run_config, wire
+from nodes.workers import wire
 from nodes.workers.hat_sizing import (
     MIN_MEASURED_BYTES,
     LinkEstimator,
@@ -56,7 +58,6 @@ from nodes.workers.hat_sizing import (
     chunk_tokens_eq3,
     parallel_steps_eq6,
 )
-from nodes.workers.run_config import DraftSettings, RunConfigError
 from nodes.workers.state_monitor import ServerState, StateMonitor
 
 REPO = Path(__file__).resolve().parent.parent

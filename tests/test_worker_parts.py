@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from foundation.errors import TestbedError
+from nodes.contracts import run_config
+from nodes.contracts.run_config import RunConfigError, load_schedule
 from nodes.inference.kv_cache import KVCache
 from nodes.inference.partition import PartitionError, UShapePartition
-from nodes.workers import run_config, wire
-from nodes.workers.run_config import RunConfigError, load_schedule
+from nodes.workers import wire
 from nodes.workers.state_monitor import StateMonitor, bucket_of
 from nodes.workers.wire import DATA, DECODE, PREFILL, RELEASE, STOP, Segment, WireError, decode, encode
 from testbed.inventory import Inventory, load_inventory

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from nodes.contracts.run_config import DraftSettings, RankSpec, RunConfig
 from nodes.workers.part_cache import PartCache
-from nodes.workers.run_config import DraftSettings, RankSpec, RunConfig
 from testbed.split_run import data_plane_env
 from tests.conftest import REPO
 

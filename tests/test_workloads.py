@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from foundation.errors import InputError, TestbedError
+from nodes.contracts.run_config import load_schedule
 from nodes.inference.tokenizer import Tokenizer
-from nodes.workers.run_config import load_schedule
 from workloads.arrivals import (
     ConstantRate,
     GammaArrivals,

@@ -28,6 +28,7 @@ from typing import Callable, Dict, Tuple
 
 import numpy as np
 
+from nodes.contracts.scheduler_settings import SchedulerSettings
 from nodes.serving.knapsack import exact_pack, greedy_pack_many, largest_batch
 from nodes.serving.qoe_shadow import predicted_qoe
 
@@ -58,15 +59,6 @@ class Snapshot:
 
     def __len__(self) -> int:
         return len(self.running)
-
-
-@dataclass(frozen=True)
-class SchedulerSettings:
-    rr_interval: int = 50  # iterations a request runs before round robin moves it to the back
-    watermark: float = 0.9  # Andes' trigger: KV cache use above this share of M (Optimisation 1)
-    preemption_cap: float = 1.0  # P: preemptions over admitted requests, at most (Optimisation 4)
-    batch_grid: int = 16  # batch sizes Andes tries, geometrically from B_min to B_max (all when fewer)
-    dp_block_tokens: int = 16  # andes-dp counts memory in blocks of this many tokens
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ def main(argv=None) -> int:
         from .pool import serve_pool
 
         return serve_pool(comm, args.pool, args.runs, args.idle_timeout_s)
+    from nodes.contracts.run_config import RunConfigError, load
+
     from .part_cache import PartCache
-    from .run_config import RunConfigError, load
     from .run_one import run_one
 
     rank = comm.Get_rank()

@@ -22,9 +22,8 @@ from typing import Any, Dict, List
 
 from nodes.contracts.durable import write_json_atomic
 from nodes.contracts.records import JsonLinesLog
+from nodes.contracts.run_config import RunConfig
 from nodes.contracts.service_files import service_files
-
-from .run_config import RunConfig
 
 APP_STOP_GRACE_S = 10.0
 FOLLOW_POLL_S = 0.2

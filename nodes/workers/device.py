@@ -39,6 +39,7 @@ import torch
 from mpi4py import MPI
 
 from nodes.contracts.records import CsvLog, JsonLinesLog
+from nodes.contracts.run_config import RunConfig, ScheduledRequest, load_schedule
 from nodes.contracts.speculative_metrics import acceptance_length
 from nodes.inference.checkpoint import load_part
 from nodes.inference.config import LlamaConfig
@@ -52,7 +53,6 @@ from . import mpi_link, wire
 from .hat_sizing import LinkEstimator, MovingAverage, chunk_tokens_eq3, parallel_steps_eq6
 from .pacing import PacedAdapter, PacedPart, pacer_for
 from .part_cache import PartCache
-from .run_config import RunConfig, ScheduledRequest, load_schedule
 from .state_monitor import ServerState
 
 TOKEN_COLUMNS = ("request_id", "index", "token_id", "ts_s")

@@ -34,6 +34,7 @@ from mpi4py import MPI
 
 from nodes.contracts.durable import write_json_atomic
 from nodes.contracts.records import CsvLog, JsonLinesLog
+from nodes.contracts.run_config import RunConfig, load_schedule
 from nodes.dispatch.controller import REGIME_OF, MigrationRule, plan_dispatch
 from nodes.dispatch.live import EndpointAddress, dispatch_request
 from nodes.dispatch.policy import SERVER, LengthDistribution, ServerTtft, TokenCosts, constrained_endpoint
@@ -43,8 +44,6 @@ from nodes.endpoints.generator import PacedGenerator
 from nodes.endpoints.openai_api import Endpoint, EndpointLimits, api_key_from_file, make_server
 from nodes.endpoints.pace import DevicePace, EnginePace, TracePace
 from nodes.endpoints.services import service_named
-
-from .run_config import RunConfig, load_schedule
 
 TAG_DISPATCH = 21  # the server's URL down, each device's "done" up
 TOKEN_COLUMNS = ("request_id", "index", "token_id", "ts_s", "display_s")

@@ -70,9 +70,10 @@ def _share_order(comm: Any, order: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 def serve_pool(comm: Any, pool_dir: str, runs_dir: str, idle_timeout_s: float) -> int:
     """Serve orders until a stop (or the idle timeout); the exit status of this rank."""
+    from nodes.contracts.run_config import RunConfigError, load
+
     from . import mpi_link
     from .part_cache import PartCache
-    from .run_config import RunConfigError, load
     from .run_one import run_one
 
     rank = comm.Get_rank()

@@ -7,10 +7,10 @@ import threading
 import time
 from typing import Any, Dict, Optional
 
+from nodes.contracts.run_config import RunConfig
 from nodes.contracts.tool_errors import NODE_FAILED
 
 from . import mpi_link
-from .run_config import RunConfig
 
 
 def _overrun(config: RunConfig, rank: int) -> None:

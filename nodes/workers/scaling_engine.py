@@ -39,6 +39,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from nodes.contracts.records import CsvLog, JsonLinesLog
+from nodes.contracts.run_config import RunConfig
 from nodes.inference.layer_copies import LayerCopies, SequenceKV
 from nodes.scaling.controller import ScalingController, Snapshot, Thresholds
 from nodes.scaling.memory_budget import MemoryCosts, SequenceUse, out_of_memory, used_bytes
@@ -51,7 +52,6 @@ from nodes.serving.schedulers import Decision
 from . import mpi_link, wire
 from .layer_ranks import CopyServer, RemoteGpu
 from .pacing import Pacer
-from .run_config import RunConfig
 from .server_stage import stage_device
 from .serving_engine import UNBOUNDED_TOKENS, ServingEngine
 

@@ -22,6 +22,7 @@ import torch
 from mpi4py import MPI
 
 from nodes.contracts.records import CsvLog
+from nodes.contracts.run_config import RunConfig
 from nodes.inference.checkpoint import load_part
 from nodes.inference.config import LlamaConfig
 from nodes.inference.model import ModelPart
@@ -31,7 +32,6 @@ from nodes.inference.partition import UShapePartition
 from . import mpi_link, wire
 from .pacing import PacedPart, pacer_for, target_stage_layers
 from .part_cache import PartCache
-from .run_config import RunConfig
 from .state_monitor import StateMonitor
 
 ITERATION_COLUMNS = (

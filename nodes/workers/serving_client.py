@@ -24,11 +24,11 @@ import torch
 from mpi4py import MPI
 
 from nodes.contracts.records import CsvLog, JsonLinesLog
+from nodes.contracts.run_config import RunConfig, ScheduledRequest, load_schedule
 from nodes.inference.tokenizer import Tokenizer
 
 from . import mpi_link, wire
 from .part_cache import PartCache
-from .run_config import RunConfig, ScheduledRequest, load_schedule
 
 TOKEN_COLUMNS = ("request_id", "index", "token_id", "ts_s", "display_s")
 

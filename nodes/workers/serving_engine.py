@@ -23,6 +23,7 @@ import torch
 from mpi4py import MPI
 
 from nodes.contracts.records import CsvLog, JsonLinesLog
+from nodes.contracts.run_config import RunConfig
 from nodes.inference.checkpoint import load_part
 from nodes.inference.config import LlamaConfig
 from nodes.inference.model import Segment as CacheSegment
@@ -33,7 +34,6 @@ from nodes.serving.schedulers import Decision, SchedulerSettings
 from . import mpi_link, wire
 from .pacing import Pacer
 from .part_cache import PartCache
-from .run_config import RunConfig
 from .server_stage import stage_device
 
 ITERATION_COLUMNS = (

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from analysis.cost_model import DispatchPrices, dispatch_regime
-from nodes.workers.run_config import DispatchSettings as RunDispatchSettings
+from nodes.contracts.run_config import DispatchSettings as RunDispatchSettings
 from testbed.campaign.spec import DispatchSettings
 from testbed.split_run import PER_RUN_KEY
 

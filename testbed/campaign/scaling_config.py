@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import TestbedError
+from nodes.contracts.run_config import ScalingSettings as RunScalingSettings
 from nodes.contracts.target_model import TargetModel
-from nodes.workers.run_config import ScalingSettings as RunScalingSettings
 from testbed.inventory import Inventory
 
 GB = 1e9

@@ -16,8 +16,8 @@ from typing import Any
 
 from foundation.errors import TestbedError
 from nodes.contracts.methods import method_named
+from nodes.contracts.run_config import ServingSettings as RunServingSettings
 from nodes.contracts.target_model import TargetModel
-from nodes.workers.run_config import ServingSettings as RunServingSettings
 from testbed.inventory import Inventory
 
 GB = 1e9

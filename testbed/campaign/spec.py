@@ -47,11 +47,11 @@ from foundation.user_fields import STRICT_MODEL_CONFIG, Number, PlainText
 from nodes.contracts.catalogues import DEVICE_SPEED_NAMES, DISPATCH_POLICIES, SCHEDULER_NAMES, SERVICE_NAMES
 from nodes.contracts.methods import CONTEXT_MEMORY_METHODS, method_named
 from nodes.contracts.methods import names as method_names
-from nodes.workers.run_config import DRAFT_LIMITS
-from nodes.workers.run_config import DispatchSettings as RunDispatchSettings
-from nodes.workers.run_config import DraftSettings as RunDraftSettings
-from nodes.workers.run_config import ScalingSettings as RunScalingSettings
-from nodes.workers.run_config import ServingSettings as RunServingSettings
+from nodes.contracts.run_config import DRAFT_LIMITS
+from nodes.contracts.run_config import DispatchSettings as RunDispatchSettings
+from nodes.contracts.run_config import DraftSettings as RunDraftSettings
+from nodes.contracts.run_config import ScalingSettings as RunScalingSettings
+from nodes.contracts.run_config import ServingSettings as RunServingSettings
 from testbed.inventory import Inventory, Name, NodeSpec
 from testbed.inventory.node_kinds import JETSON_SOURCES
 from workloads.schedule import WorkloadSpec

@@ -17,13 +17,13 @@ import json
 import os
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from nodes.contracts.catalogues import DISPATCH_POLICIES
+from nodes.contracts.catalogues import DISPATCH_POLICIES, ENGINE_SCHEDULER_NAMES
 from nodes.contracts.compute_profile import ModeRates, rates_from_json
 from nodes.contracts.methods import Method, method_named, names
 from nodes.contracts.rank_dirs import RankDir
+from nodes.contracts.scheduler_settings import SchedulerSettings
 from nodes.contracts.target_model import TargetModel, TargetModelError
 from nodes.contracts.target_model import from_json as target_from_json
-from nodes.serving.schedulers import SCHEDULERS, SchedulerSettings
 
 
 class RunConfigError(ValueError):
@@ -376,9 +376,9 @@ def dispatch_settings(raw: Any, source: str) -> DispatchSettings:
 
 def _serving(raw: Any, source: str) -> ServingSettings:
     settings = _section(raw, source, "serving", ServingSettings)  # type: ServingSettings
-    if settings.scheduler not in SCHEDULERS:
+    if settings.scheduler not in ENGINE_SCHEDULER_NAMES:
         raise RunConfigError("%s: serving.scheduler is %r; choose one of %s"
-                             % (source, settings.scheduler, ", ".join(SCHEDULERS)))  # fmt: skip
+                             % (source, settings.scheduler, ", ".join(ENGINE_SCHEDULER_NAMES)))  # fmt: skip
     for name in ("capacity_tokens", "swap_tokens", "max_batch", "tensor_parallel", "rr_interval", "batch_grid",
                  "dp_block_tokens", "latency_context_tokens"):  # fmt: skip
         value = getattr(settings, name)
