@@ -4,6 +4,7 @@ of interleaved missing chunks (fp32, no compression: equal keys and values, the 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,14 @@ def test_a_missing_chunk_at_the_end_and_the_rope_at_global_positions(model) -> N
     assert not torch.allclose(at_zero, expected, atol=1e-3)
 
 
+def _sleep_lateness(seconds: float, count: int = 8) -> float:
+    """How much longer ``count`` sleeps of ``seconds`` take than asked, as a ratio (1: on time)."""
+    start = time.perf_counter()
+    for _ in range(count):
+        time.sleep(seconds)
+    return max(1.0, (time.perf_counter() - start) / (count * seconds))
+
+
 def test_the_install_profile_fits_recompute_and_gives_back_the_modeled_disk(model, tmp_path) -> None:
     from nodes.context_service.chunk_store import ChunkStore, DiskProfile
     from nodes.context_service.install_profile import install_profile
@@ -151,11 +160,13 @@ def test_the_install_profile_fits_recompute_and_gives_back_the_modeled_disk(mode
     layers = len(model.layer_ids)
     block = 2 * chunk_nbytes(model.config.num_key_value_heads, 16, model.config.head_dim, 8)  # one layer's read
     one_chunk = profile["read_points"][0][0]
+    # the disk's profile, given back: never faster than modeled. Late wake-ups only add, by as much as
+    # this machine's load makes them now: the bound above is 1.5 times the lateness of the same sleeps,
+    # measured here (a quiet machine: 1.5; 3 test workers on 2 cores once gave 1.98 of the model)
+    late = max(_sleep_lateness(disk.read_s(block)) for _ in range(3))
     for nbytes, seconds in profile["read_points"]:
         reads = nbytes // one_chunk * layers  # a Load reads a chunk one layer at a time
-        # the disk's profile, given back: never faster than modeled; a loaded machine's late wake-ups
-        # only add (11% measured beside a spin loop), so the bound above is loose
-        assert 0.95 <= seconds / (reads * disk.read_s(block)) <= 1.5
+        assert 0.95 <= seconds / (reads * disk.read_s(block)) <= 1.5 * late
         assert profile["read"].seconds(nbytes) == pytest.approx(seconds, rel=0.25)
     recompute = profile["recompute"]  # this machine's compute: its speed is not asserted here (bench/)
     assert [count for count, _ in profile["recompute_points"]] == [1, 2, 4, 8]

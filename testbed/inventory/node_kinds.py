@@ -19,7 +19,7 @@ import importlib
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from foundation.errors import TestbedError
@@ -67,7 +67,6 @@ class NodeKind:
     boards: BoardFamily | None = None
     discrete_gpus: bool = False  # nvidia-smi lists its GPUs: the inventory's ``gpus`` counts them
     wheel_extras: tuple[str, ...] = ()  # the node wheel's extras it installs
-    telemetry_choices: tuple[str, ...] = field(default=())  # the campaign's telemetry.jetson_source values it reads
 
     @property
     def reached_by_ssh(self) -> bool:
@@ -109,11 +108,6 @@ def register(kind: NodeKind) -> NodeKind:
         raise ValueError(f"node kind {kind.name!r} is registered already")
     _KINDS[kind.name] = kind
     return kind
-
-
-def unregister(name: str) -> None:
-    """Drop a kind added by :func:`register` (tests that add one take it away again)."""
-    _KINDS.pop(name, None)
 
 
 def kind_names() -> tuple[str, ...]:
@@ -160,7 +154,6 @@ JETSON = register(NodeKind(
         re.compile(r"^(?:[0-9]{1,3}|[A-Za-z][A-Za-z0-9_.-]{0,31}|[0-9]+[A-Za-z_][A-Za-z0-9_.-]{0,30})$"),
         "an nvpmodel mode's id or name, e.g. 0 or MAXN or MODE_15W", ids_are_numbers=True, listed_by_driver=True),
     telemetry=_jetson_sources,
-    telemetry_choices=tuple(JETSON_SOURCES),
     stand_ins="stand-in nvpmodel, jetson_clocks and tegrastats; power modes are CPU quotas",
     boards=BoardFamily(
         name="Jetson",
