@@ -31,9 +31,12 @@ from workloads.context_traces import context_schedule, context_trace
 TINY = REPO / "examples" / "models" / "tiny"
 
 
-SMALL = ("{contexts: 2, calls_per_context: 8, apps: 2, mean_gap_s: 0.1, budget_gb: 0.75, tasks: [samsum, samsum]}")
+SMALL = ("{contexts: 2, calls_per_context: 8, apps: 2, mean_gap_s: 0.4, budget_gb: 0.75, tasks: [samsum, samsum]}")
 # 6 MiB of the tiny model's chunks hold 1,228 tokens at float16 (LMK's cache): less than the two contexts that
-# grow by 100-300 tokens a call to 1,024 each, so switching between them kills and recomputes contexts
+# grow by 100-300 tokens a call to 1,024 each, so switching between them kills and recomputes contexts. Each
+# context is its own app's process: the calls are spread over about 6 s so that the two apps' calls still
+# interleave when one process starts late on a loaded machine (at 0.1 s apart, one run of the whole suite
+# found no switch to a killed context under LMK: likely one app's calls all came before the other's)
 
 
 def campaign_text(inventory: Path, service: str = SMALL,
