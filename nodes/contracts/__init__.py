@@ -8,8 +8,8 @@ sides import these modules:
 - ``schedules``: request ids; ``draft``: the draft adapter's default place;
 - ``speculative_metrics``: the acceptance length, for the workers and the analysis alike;
 - ``durable``: atomic writes and synced appends;
-- ``pool_orders``: the files by which the controller orders runs from a warm worker pool.
-
-The run config itself (``nodes/workers/run_config.py``) is the other half of the contract: it lives
-with the workers because it reads the method registry (``nodes/contracts/methods``).
+- ``pool_orders``: the files by which the controller orders runs from a warm worker pool;
+- ``run_config`` (the run the controller builds and the ranks read) with ``scheduler_settings``,
+  ``methods/`` (the method registry, one module per method) and ``catalogues`` (the names campaign files
+  are checked against and the node registries hold).
 """
