@@ -152,7 +152,7 @@ def api_price_usd(api: str, input_tokens: np.ndarray, output_tokens: np.ndarray)
 SERVICE_APIS = {"gpt": "gpt-4o-mini", "deepseek": "deepseek-v2.5", "command": "command-cohere",
                 "llama": "llama-3.1-70b-hyperbolic"}  # fmt: skip
 REGIMES = {"server": "server-constrained", "device": "device-constrained"}
-# The model each of DiSCo's device speeds (nodes/dispatch/device_speed.py) runs, for its FLOPs.
+# The model each of DiSCo's device speeds (nodes/endpoints/device_speed.py) runs, for its FLOPs.
 DEVICE_SPEED_MODELS = {"pixel7pro-bloom-1.1b": "bloom-1.1b", "pixel7pro-bloom-560m": "bloom-560m",
                        "xiaomi14-qwen-0.5b": "qwen-0.5b"}  # fmt: skip
 PRICE_CONTEXT_TOKENS = 20.0  # the prompt a device's per-token FLOPs are priced at (Alpaca-like mean)

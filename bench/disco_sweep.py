@@ -1,6 +1,6 @@
 """DiSCo's trace-driven budget sweep (Sec. 5.1-5.2: Table 2, Fig. 6, Fig. 7, Table 3).
 
-For each service trace (GPT-, DeepSeek-, Command-, LLaMA-like: ``nodes/dispatch/services.py``),
+For each service trace (GPT-, DeepSeek-, Command-, LLaMA-like: ``nodes/endpoints/services.py``),
 device (Pixel 7 Pro + BLOOM-1.1B, + BLOOM-560M, Xiaomi 14 + Qwen1.5-0.5B at their measured rates),
 regime (server- or device-constrained, forced as the paper does; Algorithm 1's verdict is logged) and
 seed: profile p(l), F, T_d and the output lengths on a calibration draw, then replay an evaluation

@@ -7,7 +7,7 @@ A schedule is JSON lines, one request per line, keys sorted, in arrival order::
      "request_id": 1000000}
 
 Device workers read ``request_id``, ``arrival_s`` (seconds from the run's start barrier),
-``prompt_ids`` and ``max_new_tokens`` (``nodes/workers/run_config.py``), and a streaming method's
+``prompt_ids`` and ``max_new_tokens`` (``nodes/contracts/run_config.py``), and a streaming method's
 clients the QoE expectation (``expected_ttft_s``, ``expected_tds_tok_s``: the preset's, or with
 ``qoe_draw`` each request's own from Andes' Table 1 or 2); the rest is kept for analysis. Each
 device has its own random streams, seeded from (seed, device name, purpose) through SHA-256: a

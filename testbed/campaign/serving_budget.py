@@ -37,7 +37,7 @@ def kv_capacity_tokens(model: TargetModel, memory_gb: float, gpus: int, utilizat
 
 
 def serving_config(inventory: Inventory, base_dir: Path, settings: Any) -> dict[str, Any]:
-    """The run config's ``serving`` section (``nodes/workers/run_config.ServingSettings``) for ``settings``."""
+    """The run config's ``serving`` section (``nodes/contracts/run_config.ServingSettings``) for ``settings``."""
     from testbed.campaign.spec import ServingSettings
     from testbed.target_emulation import load_target_model, node_profile
 

@@ -138,7 +138,7 @@ class TargetSettings(_Strict):
     pad_payloads: StrictBool = True  # hidden states on the wire at the target's width and dtype
 
 
-_SERVING = RunServingSettings._field_defaults  # the engine's defaults, defined once (nodes/workers/run_config)
+_SERVING = RunServingSettings._field_defaults  # the engine's defaults, defined once (nodes/contracts/run_config)
 
 
 class ServingSettings(_Strict):
@@ -164,7 +164,7 @@ class ServingSettings(_Strict):
     ignore_eos: StrictBool = _SERVING["ignore_eos"]  # every request makes its max_new_tokens (drawn lengths hold)
 
 
-_DISPATCH = RunDispatchSettings._field_defaults  # the dispatcher's defaults (nodes/workers/run_config)
+_DISPATCH = RunDispatchSettings._field_defaults  # the dispatcher's defaults (nodes/contracts/run_config)
 
 
 class DispatchSettings(_Strict):
@@ -188,7 +188,7 @@ class DispatchSettings(_Strict):
     regime: Literal["server", "device"] | None = None
 
 
-_SCALING = RunScalingSettings._field_defaults  # the engine's defaults (nodes/workers/run_config)
+_SCALING = RunScalingSettings._field_defaults  # the engine's defaults (nodes/contracts/run_config)
 
 
 class ScalingSettings(_Strict):
