@@ -402,7 +402,7 @@ class _NodeProvisioner:
 
     def venv_and_wheel(self, facts: NodeFacts, readiness: Readiness) -> str | None:
         """Make the venv and install the wheel where needed; the installed wheel version, or None."""
-        system_torch_image = bool(kind_of(self.node).boards and kind_of(self.node).boards.system_torch)
+        system_torch_image = kind_of(self.node).system_torch
         see_base = system_torch_image or facts.emulated
         if not readiness.first("venv_version"):
             if not readiness.first("base_venv") and not (see_base and readiness.first("base_pip")):
@@ -442,8 +442,7 @@ class _NodeProvisioner:
         wheels_dir = f"{self.workdir}/wheels"
         wheel_remote = f"{wheels_dir}/{self.wheel.filename}"
         ensure_file(self.t, self.wheel_file, wheel_remote, self.wheel.sha256, say=self.say)
-        boards = kind_of(self.node).boards
-        torch_pin = None if boards is not None and boards.system_torch else self.wheel.torch_requirement
+        torch_pin = None if kind_of(self.node).system_torch else self.wheel.torch_requirement
         pins = [f"torch=={keep_torch}"] if keep_torch else ([torch_pin] if torch_pin else [])
         constraints = f"{wheels_dir}/constraints.txt"
         self.t.store(constraints, "".join(f"{pin}\n" for pin in pins).encode())

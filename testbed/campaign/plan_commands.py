@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from netem.nfqueue import chains_by_node, iptables_commands_for
+from netem.nfqueue import chains_by_node
 from netem.plan import TcPlan, plan_devices, plans_by_node
 from netem.tc_state import commands_for
 from nodes.contracts.rank_dirs import device_glob
@@ -290,9 +290,7 @@ def _link_lines(lines: _Lines, plan: RunPlan, probes: dict[str, Any]) -> None:
         probe = probes.get(name)
         when = "if-differs" if probe is not None else "live"
         commands = [c for p in plans for c in (commands_for(p, probe.states) if probe else p.apply_commands())]
-        journaled = probe.journal.chains if probe and probe.journal else ()
-        commands += (iptables_commands_for(held, probe.iptables, journaled) if probe
-                     else [c for r in held for c in r.apply_commands()])  # fmt: skip
+        commands += probe.chain_commands(held) if probe else [c for r in held for c in r.apply_commands()]
         queued = any(r.queues for r in held)
         directory = plan.contexts[name].path(node_journal.journal_dir(workdir)) if name in plan.contexts else None
         if queued:

@@ -107,7 +107,8 @@ class NodeFiles:
     def write_board_tools(self, tools: tuple[str, ...]) -> None:
         """The board's stand-in tools on the node's PATH (run with this Python), each naming its node and
         board files itself: run with sudo, a tool keeps none of the session's environment."""
-        for tool, module in ((tool, f"{STANDIN_PACKAGE}.{tool}") for tool in tools):
+        for tool in tools:
+            module = f"{STANDIN_PACKAGE}.{tool}"
             _write_executable(
                 self.jetson_bin / tool,
                 "#!/bin/sh\n"

@@ -69,6 +69,11 @@ class NodeKind:
     wheel_extras: tuple[str, ...] = ()  # the node wheel's extras it installs
 
     @property
+    def system_torch(self) -> bool:
+        """Its torch comes with the board's OS image (JetPack's), never from PyPI."""
+        return self.boards is not None and self.boards.system_torch
+
+    @property
     def reached_by_ssh(self) -> bool:
         return not self.via_usb_host
 

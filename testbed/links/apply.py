@@ -133,9 +133,7 @@ def apply_on_node(
         journal = journal.with_trace(None)
     if earlier and directory is not None:  # the new config starts a new one
         stop_earlier_handler(transport, directory, probe.journal.handler_pidfile if probe.journal else None)
-    journaled = probe.journal.chains if probe.journal else ()
-    commands = [c for p in plans for c in commands_for(p, probe.states)]
-    commands += nfqueue.iptables_commands_for(chains, probe.iptables, journaled)
+    commands = [c for p in plans for c in commands_for(p, probe.states)] + probe.chain_commands(chains)
     node_journal.write(transport, workdir, journal)  # names the chains and the handler before they exist
     transport.run_script(node_journal.commands_script(commands, transport.use_sudo), timeout_s=60.0).check()
     if directory is not None and queued:

@@ -70,6 +70,11 @@ class NodeProbe:
     iptables: str = ""  # iptables -t mangle -S
     handler_config: dict | None = None  # the config of the delay handler running there, if one runs
 
+    def chain_commands(self, chains: Sequence[nfqueue.NfqueueRules]) -> list[list[str]]:
+        """The iptables commands that make this node hold ``chains``, given its table and journal as read."""
+        journaled = self.journal.chains if self.journal else ()
+        return nfqueue.iptables_commands_for(chains, self.iptables, journaled)
+
     def delay_path(self, preference: str) -> str:
         """The delay path of the classes this node shapes (``defaults.delay_path``): netem where asked,
         or asked for auto and the kernel has sch_netem, else nfqueue."""
