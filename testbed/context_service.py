@@ -31,7 +31,9 @@ from nodes.contracts.service_files import ServiceFiles, service_files
 from nodes.contracts.target_model import TargetModel, from_hf_config
 from testbed.inventory import Inventory
 from testbed.node_context import NodeContext, transport_for
+from testbed.planned_commands import PlanLines, sh
 from testbed.split_run import run_dir_on
+from testbed.transport.base import background_running_script, background_stop_script, command_line
 from testbed.transport.fanout import FanOutResult, fan_out
 
 READY_TIMEOUT_S = 300.0  # loading the model and fitting T_re and T_IO at start
@@ -106,6 +108,9 @@ class ServicePlan:
 
     def check_argv(self, python: str) -> list[str]:
         return [python, "-m", "nodes.context_service.client", "--socket", self.files.socket, "stats"]
+
+    def log_tail_argv(self) -> list[str]:
+        return ["tail", "-c", "2000", self.files.logfile]
 
     def directory_argv(self) -> list[str]:
         """Make the service's directory, its user's alone (the daemon refuses a socket directory others
@@ -202,8 +207,6 @@ def start_services(
 
 def wait_ready(t: Any, plan: ServicePlan, context: NodeContext, timeout_s: float = READY_TIMEOUT_S) -> str:
     """Poll the daemon's ``stats`` until it answers; a daemon that ends first is a NodeError with its log."""
-    from testbed.transport.base import background_running_script
-
     check = context.command(plan.check_argv(context.python))
     deadline = time.monotonic() + timeout_s
     while True:
@@ -214,7 +217,7 @@ def wait_ready(t: Any, plan: ServicePlan, context: NodeContext, timeout_s: float
             raise NodeError(plan.node, f"the LLM service's check failed (exit status {answer.exit_code}): "
                             f"{(answer.stderr or answer.stdout).strip()[-800:]}")  # fmt: skip
         if t.run_script(background_running_script(plan.files.pidfile), timeout_s=30.0).exit_code != 0:
-            log = t.run(["tail", "-c", "2000", plan.files.logfile], timeout_s=30.0).stdout
+            log = t.run(plan.log_tail_argv(), timeout_s=30.0).stdout
             raise NodeError(plan.node, f"the LLM service ended before it answered: {log.strip()[-1500:]}")
         if time.monotonic() > deadline:
             raise NodeError(plan.node, f"the LLM service did not answer on {plan.files.socket} in {timeout_s:.0f} s")
@@ -230,3 +233,26 @@ def stop_services(inventory: Inventory, plans: Sequence[ServicePlan]) -> FanOutR
             return t.stop_background(by_node[name].files.pidfile, grace_s=STOP_GRACE_S)
 
     return fan_out(list(by_node), stop, description="stopping the LLM services")
+
+
+def plan_services_start(lines: PlanLines, plans: Sequence[ServicePlan], contexts: Mapping[str, NodeContext]) -> None:
+    """The services phase's lines of :func:`start_services` (once the run is staged)."""
+    for service in plans:
+        context = contexts[service.node]
+        lines.add(service.node, "services", "make the LLM service's directory (0700: its user's alone)",
+                  command_line(service.directory_argv()))  # fmt: skip
+        lines.detached(service.node, "services", "start the LLM service (detached)", service.argv,
+                       service.files.pidfile, service.files.logfile)  # fmt: skip
+        lines.add(service.node, "services", "wait until the LLM service answers",
+                  command_line(context.command(service.check_argv(context.python))), "polled")  # fmt: skip
+        lines.add(service.node, "services", "is the LLM service still running? (while it does not answer yet)",
+                  sh(background_running_script(service.files.pidfile)), "polled")  # fmt: skip
+        lines.add(service.node, "services", "read the LLM service's log (it ended before it answered)",
+                  command_line(service.log_tail_argv()), "on-failure")  # fmt: skip
+
+
+def plan_services_stop(lines: PlanLines, plans: Sequence[ServicePlan]) -> None:
+    """The restore phase's lines of :func:`stop_services`."""
+    for service in plans:
+        lines.add(service.node, "restore", "stop the LLM service",
+                  sh(background_stop_script(service.files.pidfile, STOP_GRACE_S)))  # fmt: skip

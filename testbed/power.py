@@ -23,6 +23,8 @@ from testbed.node_context import (
     restoring_context,
     transport_for,
 )
+from testbed.planned_commands import PlanLines
+from testbed.transport.base import command_line
 from testbed.transport.fanout import FanOutResult, fan_out
 
 
@@ -202,3 +204,31 @@ def restore_power(
         return _reading(by_name[name], answer, "restored") if answer.get("restored") else None
 
     return fan_out(list(by_name), restore, description="restoring power modes")
+
+
+@dataclass(frozen=True)
+class PowerStep:
+    """A run's power mode for one node (set where it differs, restored from the node's journal)."""
+
+    node: str
+    mode: str
+
+
+def plan_power_set(lines: PlanLines, steps: Sequence[PowerStep], contexts: Mapping[str, NodeContext]) -> None:
+    """The configure phase's lines of :func:`converge_power`."""
+    lab = lines.lab
+    for step in steps:
+        lines.node_code(step.node, "configure", contexts[step.node])
+        lines.add(step.node, "configure", "set the power mode where it differs",
+                  command_line(driver_command(lab, lab.node(step.node), contexts[step.node],
+                                              set_action(step.mode, if_differs=True))))  # fmt: skip
+
+
+def plan_power_restore(lines: PlanLines, steps: Sequence[PowerStep], contexts: Mapping[str, NodeContext]) -> None:
+    """The restore phase's lines of :func:`restore_power` (after the last run that needs the modes)."""
+    lab = lines.lab
+    for step in steps:
+        node = lab.node(step.node)
+        lines.node_code(step.node, "restore", contexts[step.node])
+        lines.add(node, "restore", "restore the power mode from the node's journal",
+                  command_line(driver_command(lab, node, contexts[step.node], ["restore"])), "at-release")  # fmt: skip

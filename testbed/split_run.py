@@ -32,7 +32,7 @@ from nodes.contracts.compute_profile import rates_from_json
 from nodes.contracts.draft import default_adapter_dir
 from nodes.contracts.methods import method_named
 from nodes.contracts.methods import names as method_names
-from nodes.contracts.rank_dirs import ABORT_REASON_GLOB, parse_rank_dir
+from nodes.contracts.rank_dirs import ABORT_REASON_GLOB, device_glob, parse_rank_dir
 from nodes.contracts.run_config import (
     DispatchSettings,
     DraftSettings,
@@ -47,9 +47,10 @@ from nodes.contracts.schedules import request_id
 from nodes.contracts.target_model import from_json as target_from_json
 from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_context import NodeContext, ensure_node_code, resolve_contexts
+from testbed.planned_commands import PlanLines, normalised_line, sh
 from testbed.provision import compare_records, load_record
 from testbed.transport import open_transport
-from testbed.transport.base import Transport, store_script
+from testbed.transport.base import Transport, command_line, quote_path, store_script
 from testbed.transport.fanout import fan_out
 
 Say = Callable[[str], None]
@@ -610,3 +611,51 @@ def collect_ranks(inventory: Inventory, staged: StagedRun, into: Path) -> list[P
         if outcome.ok:
             dirs += outcome.value
     return sorted(set(dirs))
+
+
+def served_count_script(context: NodeContext, run_id: str, device: str) -> str:
+    """sh that prints how many requests ``device``'s ranks have finished so far in run ``run_id``."""
+    pattern = f"{quote_path(run_dir_on(context, run_id) + '/out')}/{device_glob(shlex.quote(device))}"
+    return f"cat {pattern}/requests.jsonl 2>/dev/null | grep -c request_id || true"
+
+
+def plan_mpiexec_search(lines: PlanLines, server: str, context: NodeContext) -> None:
+    """The plan phase's line of :func:`find_mpiexec`."""
+    lines.add(server, "plan", "find mpiexec beside the workers' Python", sh(mpiexec_search_script(context.python)))
+
+
+def plan_stage(lines: PlanLines, spec: SplitRunSpec, contexts: Mapping[str, NodeContext]) -> None:
+    """The stage phase's lines of :func:`stage_run`, node by node (a key's value comes on stdin: never
+    in a plan, a manifest or a command line)."""
+    external = bool((spec.extra.get("dispatch") or {}).get("external_key_env"))
+    for name in (spec.server, *spec.devices):
+        context = contexts[name]
+        run_dir = run_dir_on(context, spec.run_id)
+        lines.node_code(name, "stage", context)
+        lines.add(name, "stage", "remove what an earlier run with this id left", command_line(["rm", "-rf", run_dir]))
+        if name in spec.devices:
+            lines.store(name, "stage", "store the device's schedule", f"{run_dir}/schedule-{name}.jsonl")
+            if external:
+                lines.add(name, "stage", "store the external endpoint's key, its user's alone (0600)",
+                          normalised_line(sh(private_store_script(f"{run_dir}/{KEY_FILE}", 0))),
+                          short=f"(store, 0600) {run_dir}/{KEY_FILE}")  # fmt: skip
+        key_path = run_key_path(spec.extra.get("dispatch"), run_dir)
+        if key_path is not None:
+            stored = normalised_line(sh(private_store_script(key_path, 0)))
+            lines.add(name, "stage", f"store the run's endpoint key, its user's alone (0600): {PER_RUN_KEY}", stored,
+                      short=f"(store, 0600) {key_path}")  # fmt: skip
+        lines.store(name, "stage", "store the run config", f"{run_dir}/run.json")
+
+
+def plan_served_counts(lines: PlanLines, spec: SplitRunSpec, contexts: Mapping[str, NodeContext]) -> None:
+    """The lines that count the requests served while a run goes on (the progress a campaign shows)."""
+    for device in spec.devices:
+        lines.add(device, "workers", "count the requests served so far",
+                  sh(served_count_script(contexts[device], spec.run_id, device)), "polled")  # fmt: skip
+
+
+def plan_rank_listing(lines: PlanLines, spec: SplitRunSpec, contexts: Mapping[str, NodeContext]) -> None:
+    """The lines of :func:`collect_ranks` that list each node's rank files."""
+    for name in (spec.server, *spec.devices):
+        out = run_dir_on(contexts[name], spec.run_id) + "/out"
+        lines.add(name, "workers", "list the ranks' files to collect", sh(rank_listing_script(out)))

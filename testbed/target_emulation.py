@@ -24,7 +24,9 @@ from nodes.contracts.target_model import TargetModel, TargetModelError, builtin,
 from testbed.compute_profiles import ComputeProfile, known_profiles, load_profile, profile_path
 from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_context import NodeContext, ensure_node_code, resolve_context
+from testbed.planned_commands import PlanLines
 from testbed.transport import open_transport
+from testbed.transport.base import command_line
 from testbed.transport.fanout import FanOutResult, fan_out
 
 
@@ -166,6 +168,18 @@ def paceable(inventory: Inventory, names: Sequence[str]) -> list[str]:
     """The emulated ones of ``names`` (a real board's CPU is not this machine's to pace; an emulated
     phone hosts no steps to pace)."""
     return [n for n in names if inventory.node(n).emulated is not None and kind_of(inventory.node(n)).runs_ranks]
+
+
+def plan_pacing(lines: PlanLines, names: Sequence[str], contexts: Mapping[str, NodeContext], on: bool) -> None:
+    """The lines of :func:`pace_nodes` (configure: ``on``; restore: off) for the paceable ones of ``names``."""
+    for name in names:
+        if on:
+            lines.node_code(name, "configure", contexts[name])
+            lines.add(name, "configure", "pace the CPU: 10 ms CFS periods, a quota of every CPU",
+                      command_line(pacing_command(contexts[name], True)))  # fmt: skip
+        else:
+            lines.add(name, "restore", "end the CPU pacing (the power mode's quota again)",
+                      command_line(pacing_command(contexts[name], False)))  # fmt: skip
 
 
 def pace_nodes(

@@ -41,7 +41,9 @@ from testbed.node_context import (
     resolve_context,
     transport_for,
 )
-from testbed.transport.clock import ClockOffset, measure_clock_offset
+from testbed.planned_commands import PlanLines, sh
+from testbed.transport.base import background_stop_script, command_line
+from testbed.transport.clock import ClockOffset, echo_script, measure_clock_offset
 from testbed.transport.fanout import FanOutResult, fan_out
 
 Say = Callable[[str], None]
@@ -463,3 +465,43 @@ def import_tegrastats(log: Path, node: str, out_dir: Path, *, interval_s: float,
     path = out_dir / f"{node}.parquet"
     frame[COLUMNS].to_parquet(path, index=False)
     return path
+
+
+@dataclass(frozen=True)
+class TelemetryStep:
+    """A run's recording: one detached sampler per node, stopped when the run is collected."""
+
+    session: str
+    interval_s: float
+    max_seconds: float
+    jetson_source: str
+    samplers: tuple[SamplerPlan, ...]
+
+
+def plan_recording_start(lines: PlanLines, step: TelemetryStep, contexts: Mapping[str, NodeContext]) -> None:
+    """The telemetry phase's lines of :func:`start_recording`: probe, clock offset, detached sampler."""
+    echo = sh(echo_script(lines.lab.spec.defaults.python))
+    for sampler in step.samplers:
+        context = contexts[sampler.node]
+        lines.node_code(sampler.node, "telemetry", context)
+        lines.add(sampler.node, "telemetry", "probe the sensors (unless the last run's sampler bore them out)",
+                  command_line([*sampler_command(sampler, context), "--probe"]), "live")  # fmt: skip
+    for sampler in step.samplers:
+        lines.add(sampler.node, "telemetry", "measure the clock offset", echo)
+    for sampler in step.samplers:
+        context = contexts[sampler.node]
+        argv = sampler_start_command(sampler, context, step.session, interval_s=step.interval_s,
+                                     max_seconds=step.max_seconds)  # fmt: skip
+        _datafile, pidfile, logfile = sampler_paths(context, step.session)
+        lines.node_code(sampler.node, "telemetry", context)
+        lines.detached(sampler.node, "telemetry", "start the sampler (detached)", argv, pidfile, logfile)
+
+
+def plan_recording_stop(lines: PlanLines, step: TelemetryStep, contexts: Mapping[str, NodeContext]) -> None:
+    """The collect phase's lines of :func:`finish_recording`: the clock offset again, the samplers stopped."""
+    echo = sh(echo_script(lines.lab.spec.defaults.python))
+    for sampler in step.samplers:
+        lines.add(sampler.node, "collect", "measure the clock offset again", echo)
+    for sampler in step.samplers:
+        pidfile = sampler_paths(contexts[sampler.node], step.session)[1]
+        lines.add(sampler.node, "collect", "stop the sampler", sh(background_stop_script(pidfile, 5.0)))

@@ -34,6 +34,7 @@ from nodes.contracts.durable import write_json_atomic
 from nodes.contracts.pool_orders import IDLE_TIMEOUT_S, ORDER_FILE, RUN_RECORD
 from testbed.inventory import Inventory
 from testbed.node_context import NodeContext
+from testbed.planned_commands import PlanLines, sh
 from testbed.split_run import (
     LAUNCH_MARGIN_S,
     WAIT_POLL_S,
@@ -45,10 +46,19 @@ from testbed.split_run import (
     launch_argv,
     launch_env,
     launch_failure,
+    plan_rank_listing,
+    plan_served_counts,
+    run_dir_on,
     stage_run,
 )
 from testbed.transport import open_transport
-from testbed.transport.base import Transport, background_running_script
+from testbed.transport.base import (
+    Transport,
+    background_running_script,
+    background_stop_script,
+    command_line,
+    prefix_words,
+)
 
 STOP_WAIT_S = 15.0  # how long a pool asked to stop may take before it is ended by its pidfile
 POOL_RECORD = RUN_RECORD  # rank 0's record of a run it served, in the run's directory
@@ -341,3 +351,38 @@ def end_registered_pools(inventory: Inventory, registry: Path, say: Callable[[st
         write_json_atomic(registry, failed)
     else:
         registry.unlink()
+
+
+def plan_pool_up(lines: PlanLines, launch: MpiLaunchPlan, files: PoolFiles) -> None:
+    """The stage phase's lines of :meth:`PoolKeeper.prepare` that start the pool when none of its shape is up."""
+    server = launch.launch_node
+    lines.add(server, "stage", "has the warm pool ended since the last run?", sh(alive_check(files)), "live")
+    lines.add(server, "stage", "clear what an earlier pool of this shape left", command_line(start_script(files)),
+              "if-cold")  # fmt: skip
+    words = prefix_words(sudo=False, env=launch_env(launch.timeout_s))
+    lines.detached(server, "stage", "start the warm worker pool with mpiexec (detached)",
+                   [*words, *launch_argv(launch, files.status)], files.pidfile, files.log, "if-cold")  # fmt: skip
+
+
+def plan_pool_serve(
+    lines: PlanLines, spec: SplitRunSpec, contexts: Mapping[str, NodeContext], files: PoolFiles
+) -> None:
+    """The workers phase's lines of :meth:`PoolKeeper.serve`: order, wait, end on failure, collect."""
+    server = spec.server
+    lines.store(server, "workers", "order the run from the pool", files.order)
+    record = f"{run_dir_on(contexts[server], spec.run_id)}/{POOL_RECORD}"
+    lines.add(server, "workers", "wait for the run to finish (or the pool to end)",
+              sh(run_wait_script(record, files.status)), "polled")  # fmt: skip
+    plan_served_counts(lines, spec, contexts)
+    lines.add(server, "workers", "end the pool (the run failed or timed out)",
+              sh(background_stop_script(files.pidfile, 5.0)), "on-failure")  # fmt: skip
+    lines.add(server, "workers", "read the pool's output", command_line(["tail", "-c", "200000", files.log]))
+    plan_rank_listing(lines, spec, contexts)
+
+
+def plan_pool_release(lines: PlanLines, server: str, files: PoolFiles) -> None:
+    """The lines of :meth:`PoolKeeper.release` (after the last run of the pool's shape)."""
+    lines.store(server, "restore", "order the pool to stop", files.order, "at-release")
+    lines.add(server, "restore", "wait for the pool to end", sh(stop_wait_script(files.status)), "at-release")
+    lines.add(server, "restore", "end the pool if it has not", sh(background_stop_script(files.pidfile, 5.0)),
+              "at-release")  # fmt: skip

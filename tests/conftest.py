@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import inspect
+import json
 import os
 import shutil
 import subprocess
@@ -75,6 +76,41 @@ def run_cli(*args: str, cwd: Path | None = None, timeout_s: float = 120) -> subp
 
 
 DEFAULT_INVENTORY = (REPO / "inventory.yaml").read_text()
+
+
+def run_campaign(
+    campaign: Path, out: Path, *, timeout_s: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``testbed run CAMPAIGN --out OUT`` in a subprocess, every command it sends to a node recorded
+    in ``OUT.commands.jsonl`` (the transports' command log): :func:`assert_sent_as_planned` reads it."""
+    from testbed.transport.command_log import ENV_VARIABLE
+
+    log = out.with_name(out.name + ".commands.jsonl")
+    return subprocess.run([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)], cwd=REPO,
+                          env={**os.environ, **(env or {}), ENV_VARIABLE: str(log)}, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)  # fmt: skip
+
+
+def assert_sent_as_planned(out: Path) -> int:
+    """The plans are what ran: every shell line the campaign of :func:`run_campaign` sent to a node is
+    a line of one of its runs' ``plan.json`` (made when the run started, from the nodes as they were),
+    and every line a plan sends unconditionally (``once``, ``per-campaign``) was sent. The lines sent."""
+    from testbed.planned_commands import normalised_line
+    from testbed.transport.command_log import read
+
+    planned: dict[tuple[str, str], list[dict]] = {}
+    plans = sorted(out.glob("runs/*/plan.json"))
+    assert plans, f"no run of {out} wrote its plan"
+    for path in plans:
+        for c in json.loads(path.read_text())["commands"]:
+            planned.setdefault((c["host"], normalised_line(c["line"])), []).append(c)
+    sent = [(e["node"], normalised_line(e["line"])) for e in read(out.with_name(out.name + ".commands.jsonl"))]
+    unplanned = list(dict.fromkeys(s for s in sent if s not in planned))
+    assert not unplanned, "sent but in no run's plan:\n" + "\n".join(f"{n}: {line[:300]}" for n, line in unplanned)
+    once = {k for k, cs in planned.items() if any(c["when"] in ("once", "per-campaign") for c in cs)}
+    missing = once - set(sent)
+    assert not missing, "planned but never sent:\n" + "\n".join(f"{n}: {line[:300]}" for n, line in missing)
+    return len(sent)
 
 
 # Test files run side by side (pytest-xdist, `make test`): a lab's name prefix and its two subnets

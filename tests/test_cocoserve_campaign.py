@@ -7,8 +7,6 @@ attainment, OOM rate, memory and the controller's actions."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -21,14 +19,14 @@ from testbed.campaign.load import load_campaign
 from testbed.campaign.scaling_config import scaling_config
 from testbed.campaign.spec import RunSettings
 from testbed.inventory import load_inventory
-from tests.conftest import REPO, emulated_inventory, emulated_lab
+from tests.conftest import REPO, assert_sent_as_planned, emulated_inventory, emulated_lab, run_campaign
 
 TINY = REPO / "examples" / "models" / "tiny"
 LLAMA_13B = builtin("llama-2-13b")
 WEIGHTS_GB = LLAMA_13B.params * 2 / 1e9  # bf16
 
 
-def campaign_text(inventory: Path, budget_gb: float, extra: str = "") -> str:
+def campaign_text(inventory: Path, budget_gb: float, extra: str = "", link: str = "{shaped: false}") -> str:
     return f"""name: cocoserve
 inventory: {inventory}
 base:
@@ -40,7 +38,7 @@ base:
   serving: {{max_batch: 10, ignore_eos: true}}
   scaling: {{gpu_memory_gb: {budget_gb}, period_s: 0.2, cooldown_s: 0.2, window_s: 2}}
   target: {{model: llama-2-13b, dtype: bfloat16, dilation: 2, pad_payloads: false}}
-  link: {{shaped: false}}
+  link: {link}
   telemetry: {{enabled: false}}
   drain_s: 0.1
 {extra}matrix:
@@ -86,12 +84,12 @@ def test_static_batching_runs_out_of_memory_where_cocoserve_scales_and_the_repor
     campaign = tmp_path / "campaign.yaml"
     # the weights and KV for about 150 tokens: ten Alpaca prompts (about 19 tokens each) overfill it at once
     budget_gb = round(WEIGHTS_GB + 150 * LLAMA_13B.kv_bytes_per_token / 1e9, 4)
-    campaign.write_text(campaign_text(inventory, budget_gb))
+    campaign.write_text(campaign_text(inventory, budget_gb, link="{profile: wifi-down}"))  # 2 ms each way
     out = tmp_path / "out"
     with emulated_lab(inventory):
-        done = subprocess.run([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)], cwd=REPO,
-                              capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+        done = run_campaign(campaign, out, timeout_s=900)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert_sent_as_planned(out)  # the scaling engine's runs sent what they planned
     tables, ops = {}, {}
     for run in sorted((out / "runs").iterdir()):
         import json

@@ -26,7 +26,8 @@ from testbed.campaign.dispatch_config import dispatch_config
 from testbed.campaign.load import load_campaign
 from testbed.campaign.spec import RunSettings
 from testbed.split_run import PER_RUN_KEY, RUN_KEY_FILE
-from tests.conftest import REPO, emulated_inventory, emulated_lab
+from testbed.transport.command_log import ENV_VARIABLE
+from tests.conftest import REPO, assert_sent_as_planned, emulated_inventory, emulated_lab, run_campaign
 
 TINY = REPO / "examples" / "models" / "tiny"
 
@@ -100,8 +101,11 @@ def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -
     campaign.write_text(campaign_text(inventory))
     out = tmp_path / "out"
     with emulated_lab(inventory):
-        done, command_lines = run_watching_ps([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)])
+        log = {ENV_VARIABLE: str(out.with_name(out.name + ".commands.jsonl"))}  # as run_campaign keeps it
+        done, command_lines = run_watching_ps([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)],
+                                              log)  # fmt: skip
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        assert_sent_as_planned(out)  # the dispatch runs, delay on their links, sent what they planned
         keys = {}  # each run's own endpoint key, as staging left it on the nodes
         for path in (tmp_path / "state" / "nodes").rglob(RUN_KEY_FILE):
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
@@ -152,10 +156,11 @@ def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -
     assert (out / "report" / "dispatch_tail_reduction.csv").is_file()
 
 
-def run_watching_ps(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+def run_watching_ps(argv: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """Run ``argv`` (the controller) to its end, reading every process's command line as it runs."""
     snapshots: list[str] = []
-    with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+    with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **env}) as process:  # fmt: skip
         outputs: dict[str, str] = {}
         readers = [threading.Thread(target=lambda n=n, f=f: outputs.update({n: f.read()}), daemon=True)
                    for n, f in (("out", process.stdout), ("err", process.stderr))]  # fmt: skip
@@ -234,12 +239,12 @@ def test_devices_race_a_labs_own_endpoint_with_its_key_from_the_environment(tmp_
                                cwd=REPO, stdout=subprocess.PIPE)  # fmt: skip
         try:
             assert lab.stdout is not None and b"serving" in lab.stdout.readline()
-            done = subprocess.run([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)],
-                                  cwd=REPO, capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+            done = run_campaign(campaign, out, timeout_s=900)
         finally:
             lab.terminate()
             lab.wait(timeout=30)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        assert_sent_as_planned(out)  # the external key's store included, its value never on a line
         homes = tmp_path / "state" / "nodes"  # the nodes' run directories, while the lab is up
         assert list(homes.rglob("run.json")) and not list(homes.rglob("endpoint.key"))  # removed once read
     served = [json.loads(line) for line in log.read_text().splitlines() if not line.startswith("#")]

@@ -15,8 +15,8 @@ from analysis.report import ReportOptions, build_report
 from foundation.errors import InputError
 from netem.trace import load_trace, scale_trace
 from testbed.campaign.load import load_campaign
-from testbed.campaign.plan import draft_config as _draft_config
 from testbed.campaign.plan import run_links
+from testbed.campaign.run_spec import draft_config as _draft_config
 from tests.conftest import REPO, run_cli
 
 INVENTORY = REPO / "inventory.yaml"

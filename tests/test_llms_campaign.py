@@ -25,7 +25,7 @@ from testbed.campaign.load import load_campaign
 from testbed.campaign.plan import plan_run
 from testbed.compute_profiles import load_profile
 from testbed.context_service import context_scale
-from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
+from tests.conftest import REPO, assert_sent_as_planned, emulated_inventory, emulated_lab, run_campaign
 from workloads.context_traces import context_schedule, context_trace
 
 TINY = REPO / "examples" / "models" / "tiny"
@@ -39,8 +39,8 @@ SMALL = ("{contexts: 2, calls_per_context: 8, apps: 2, mean_gap_s: 0.4, budget_g
 # found no switch to a killed context under LMK: likely one app's calls all came before the other's)
 
 
-def campaign_text(inventory: Path, service: str = SMALL,
-                  memories: str = "[llms, lmk]", timeout_s: int = 300) -> str:  # fmt: skip
+def campaign_text(inventory: Path, service: str = SMALL, memories: str = "[llms, lmk]", timeout_s: int = 300,
+                  link: str = "{shaped: false}") -> str:  # fmt: skip
     return f"""name: llms
 inventory: {inventory}
 base:
@@ -50,7 +50,7 @@ base:
   devices: [orin]
   target: {{model: llama-2-7b, dtype: q4f16}}
   context_service: {service}
-  link: {{shaped: false}}
+  link: {link}
   telemetry: {{enabled: false}}
   drain_s: 0.1
 matrix:
@@ -152,11 +152,12 @@ def _alive(pidfile: Path) -> bool:
 def test_apps_switch_contexts_on_each_devices_daemon_which_ends_with_the_run(tmp_path: Path) -> None:
     inventory = emulated_inventory(tmp_path, "lm", 200)
     campaign = tmp_path / "campaign.yaml"
-    campaign.write_text(campaign_text(inventory))
+    campaign.write_text(campaign_text(inventory, link="{profile: wifi-down}"))  # 2 ms each way
     out = tmp_path / "out"
     with emulated_lab(inventory):
-        done = run_cli("run", str(campaign), "--out", str(out), timeout_s=600)
+        done = run_campaign(campaign, out)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        assert_sent_as_planned(out)  # the LLM services' runs sent what they planned
         by_memory = {}
         for run in sorted((out / "runs").iterdir()):
             manifest = json.loads((run / "manifest.json").read_text())

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -21,7 +19,7 @@ from testbed.campaign.load import load_campaign
 from testbed.campaign.serving_budget import kv_capacity_tokens, serving_config
 from testbed.campaign.spec import RunSettings, ServingSettings, TargetSettings
 from testbed.inventory import load_inventory
-from tests.conftest import REPO, emulated_inventory, emulated_lab
+from tests.conftest import REPO, assert_sent_as_planned, emulated_inventory, emulated_lab, run_campaign
 
 TINY = REPO / "examples" / "models" / "tiny"
 
@@ -89,9 +87,9 @@ def test_schedulers_give_the_same_tokens_and_the_tables_carry_the_engine(tmp_pat
     campaign.write_text(campaign_text(inventory))
     out = tmp_path / "out"
     with emulated_lab(inventory):
-        done = subprocess.run([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)], cwd=REPO,
-                              capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+        done = run_campaign(campaign, out)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert_sent_as_planned(out)  # the serving engine's runs, delay on their links, sent what they planned
     runs = sorted((out / "runs").iterdir())
     tables = {}
     for run in runs:

@@ -181,9 +181,6 @@ def lab_copy(inventory: Path, directory: Path) -> Path:
 def campaign_sudo_argvs(campaign_path: Path, directory: Path) -> dict[tuple[str, ...], str]:
     """Every sudo'd command line of every run's plan (offline, as `--dry-run` plans an unreachable
     lab), and of its trace players' schedules: argv -> what the plan says it is for."""
-    from testbed.links.plans import traced_links
-    from testbed.links.trace_playback import player_schedules
-
     inventory = re.search(r"^inventory: (\S+)", campaign_path.read_text(), re.M)
     assert inventory is not None
     campaign = load_campaign(campaign_path, inventory=lab_copy((campaign_path.parent / inventory[1]).resolve(),
@@ -198,12 +195,10 @@ def campaign_sudo_argvs(campaign_path: Path, directory: Path) -> dict[tuple[str,
         for command in plan.commands:
             for argv in sudo_argvs(command.line):
                 found.setdefault(tuple(argv), f"{campaign_path.name}: {command.what}")
-        if plan.trace is not None:
-            _links, driven = traced_links(campaign.inventory, {d: plan.trace for d in plan.devices})
-            for schedule in player_schedules(plan.tc_plans, driven, sudo=True):
-                for step in schedule.steps:
-                    for argv in step["commands"]:
-                        found.setdefault(tuple(argv[3:]), f"{campaign_path.name}: the trace player")
+        for schedule in plan.shaping.players:  # the trace players' tc commands, as they run them
+            for step in schedule.steps:
+                for argv in step["commands"]:
+                    found.setdefault(tuple(argv[3:]), f"{campaign_path.name}: the trace player")
     return found
 
 

@@ -349,20 +349,18 @@ def _set_power(campaign: Campaign, state: _RunState, events: EventLog) -> None:
 
 
 def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: EventLog) -> None:
-    from testbed.links.apply import apply_plans
-    from testbed.links.trace_playback import apply_trace
+    from testbed.links.apply import apply_link_plan
+    from testbed.links.trace_playback import apply_traced_plan
     from testbed.links.verify import verify_links
 
     lab, link, plan = campaign.inventory, settings.link, _plan(state)
     started = None
-    plans = plan.tc_plans
-    state.shaped_nodes = tuple(dict.fromkeys(p.node for p in plans))
+    state.shaped_nodes = tuple(dict.fromkeys(p.node for p in plan.tc_plans))
     seed = derive_seed(plan.run_id, "links")  # the delay handlers' jitter and loss draws
     if plan.trace is not None:
-        result, started = apply_trace(lab, {d: plan.trace for d in plan.devices}, plans=plans, probes=plan.probes,
-                                      seed=seed)  # fmt: skip
+        result, started = apply_traced_plan(lab, plan.shaping, probes=plan.probes, seed=seed)
     else:
-        result = apply_plans(lab, plans, probes=plan.probes, seed=seed)
+        result = apply_link_plan(lab, plan.shaping, probes=plan.probes, seed=seed)
     state.links["applied"] = [
         {"node": p.node, "device": p.shaped_device, "direction": p.direction, "delay_path": p.delay_path,
          "peers": [{"peer": x.peer, "profile": x.profile_name, "rate_bit_s": x.profile.rate_bit_s} for x in p.peers],

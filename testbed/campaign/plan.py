@@ -32,35 +32,56 @@ from foundation.errors import TestbedError
 from netem.plan import TcPlan, plan_devices, plans_by_node
 from netem.profile import LinkProfile
 from netem.trace import BandwidthTrace
-from nodes.contracts.draft import default_adapter_dir
 from nodes.contracts.methods import method_named
-from testbed.campaign.plan_commands import PlannedCommand, normalised_line, plan_commands
-from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes, workload_spec
-from testbed.context_service import LIFETIME_MARGIN_S, ServicePlan, run_scales, service_plans
+from testbed.campaign.run_spec import dilation_of, node_run_id, split_spec
+from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes
+from testbed.context_service import (
+    LIFETIME_MARGIN_S,
+    ServicePlan,
+    plan_services_start,
+    plan_services_stop,
+    run_scales,
+    service_plans,
+)
 from testbed.inventory import DirectedLink, Inventory, links_from_file
-from testbed.links.probe import NodeProbe, assign_delay_paths, probe_nodes
+from testbed.links.apply import plan_shaping, plan_unshaping
+from testbed.links.handler_lifecycle import plan_handler_reports
+from testbed.links.plans import Driven, LinkPlan, link_plan
+from testbed.links.probe import NodeProbe, plan_probe, probe_nodes
+from testbed.links.trace_playback import plan_trace_players, plan_trace_stop
 from testbed.node_context import (
+    HOME_SCRIPT,
     NodeContext,
     resolve_context,
     transport_for,
     unresolved_context,
 )
+from testbed.planned_commands import PlanLines, PlannedCommand, normalised_line, sh
+from testbed.power import PowerStep, plan_power_restore, plan_power_set
 from testbed.split_run import (
     MpiLaunchPlan,
     SplitRunSpec,
     find_mpiexec,
     launch_plan,
+    plan_mpiexec_search,
+    plan_stage,
 )
-from testbed.telemetry import SamplerPlan, sampler_plan
+from testbed.target_emulation import paceable, plan_pacing
+from testbed.telemetry import TelemetryStep, plan_recording_start, plan_recording_stop, sampler_plan
+from testbed.transport.base import command_line
+from testbed.transport.facts import facts_script
 from testbed.transport.fanout import fan_out
-from testbed.worker_pool import IDLE_TIMEOUT_S, pool_launch, pool_name
+from testbed.worker_pool import (
+    IDLE_TIMEOUT_S,
+    plan_pool_release,
+    plan_pool_serve,
+    plan_pool_up,
+    pool_files,
+    pool_launch,
+    pool_name,
+)
 
 TELEMETRY_MARGIN_S = 60.0  # samplers stop themselves this long after the run's timeout at the latest
-
-
-def node_run_id(run: PlannedRun, attempt: int) -> str:
-    """The run's directory name on the nodes: one per attempt, so attempts never share files."""
-    return f"{run.run_id}-a{attempt}"
 
 
 def run_trace(campaign: Campaign, settings: RunSettings) -> BandwidthTrace:
@@ -74,14 +95,21 @@ def run_trace(campaign: Campaign, settings: RunSettings) -> BandwidthTrace:
 def run_links(
     campaign: Campaign, settings: RunSettings, trace: BandwidthTrace | None = None
 ) -> tuple[DirectedLink, ...]:
+    """The directed links a run shapes (:func:`run_links_driven` without the traced directions)."""
+    return run_links_driven(campaign, settings, trace)[0]
+
+
+def run_links_driven(
+    campaign: Campaign, settings: RunSettings, trace: BandwidthTrace | None = None
+) -> tuple[tuple[DirectedLink, ...], Driven]:
     """The directed links a run shapes: a trace's first row on every device's links, a links file,
     one profile on every link of the inventory, or the inventory's own links; every rate multiplied
     by ``link.rate_scale`` (the traced links come scaled with the trace; ``trace``: the run's, when
-    the caller has loaded it already)."""
+    the caller has loaded it already). With them, the directions a trace drives."""
     from testbed.links.plans import traced_links
 
     lab, link = campaign.inventory, settings.link
-    driven: dict = {}
+    driven: Driven = {}
     if link.trace:
         trace = trace or run_trace(campaign, settings)
         links, driven = traced_links(lab, {d: trace for d in device_names(lab, settings)})
@@ -95,12 +123,12 @@ def run_links(
     dilation = dilation_of(settings)
     scale = link.rate_scale / dilation
     if scale == 1.0 and dilation == 1.0:
-        return links
+        return links, driven
     return tuple(
         dataclasses.replace(lk, profile=dilated_profile(lk.profile, scale, dilation))
         if (lk.source, lk.destination) not in driven else lk
         for lk in links
-    )  # fmt: skip
+    ), driven  # fmt: skip
 
 
 def dilated_profile(profile: LinkProfile, rate_scale: float, dilation: float) -> LinkProfile:
@@ -112,29 +140,6 @@ def dilated_profile(profile: LinkProfile, rate_scale: float, dilation: float) ->
         if getattr(profile, name):
             update[name] = getattr(profile, name) * dilation
     return profile.model_copy(update=update)
-
-
-def draft_config(campaign: Campaign, settings: RunSettings) -> dict[str, Any]:
-    """The run config's ``draft`` mapping, the adapter's path resolved against the campaign file (by
-    default the checkpoint's ``draft/``, where the model is, also when devices run a placed part)."""
-    draft = settings.draft.model_dump()
-    draft["adapter"] = str(campaign.resolve(draft["adapter"] or default_adapter_dir(settings.model)))
-    return draft
-
-
-@dataclass(frozen=True)
-class PowerStep:
-    node: str
-    mode: str
-
-
-@dataclass(frozen=True)
-class TelemetryStep:
-    session: str
-    interval_s: float
-    max_seconds: float
-    jetson_source: str
-    samplers: tuple[SamplerPlan, ...]
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ class RunPlan:
     unresolved: tuple[str, ...]  # what could not be read, and why
     power: tuple[PowerStep, ...]
     links: tuple[DirectedLink, ...]
-    tc_plans: tuple[TcPlan, ...]
+    shaping: LinkPlan  # the links' tc plans on their delay paths, NFQUEUE rules, trace players
     trace: BandwidthTrace | None
     telemetry: TelemetryStep | None
     split: SplitRunSpec
@@ -158,6 +163,10 @@ class RunPlan:
     commands: tuple[PlannedCommand, ...] = field(default=())
     probes: dict[str, NodeProbe] = field(default_factory=dict)  # tc state read when planning; apply reuses it
     services: tuple[ServicePlan, ...] = ()  # the devices' LLM service daemons (a context-serving method)
+
+    @property
+    def tc_plans(self) -> tuple[TcPlan, ...]:
+        return self.shaping.tc_plans
 
     def by_node(self) -> dict[str, list[PlannedCommand]]:
         out: dict[str, list[PlannedCommand]] = {}
@@ -271,11 +280,12 @@ def plan_run(
     )
     links: tuple[DirectedLink, ...] = ()
     tc_plans: tuple[TcPlan, ...] = ()
+    driven: Driven = {}
     trace = run_trace(campaign, settings) if settings.link.shaped and settings.link.trace else None
     if settings.link.shaped:
         from testbed.links.plans import compile_plan
 
-        links = run_links(campaign, settings, trace)
+        links, driven = run_links_driven(campaign, settings, trace)
         try:
             tc_plans = compile_plan(lab, links)
         except TestbedError as exc:  # e.g. an emulated testbed that is not up has no data interfaces yet
@@ -325,34 +335,76 @@ def plan_run(
         scales = run_scales(lab, campaign.base_dir, settings, devices, campaign.resolve(settings.model))
         services = service_plans(lab, settings, contexts, devices, split.run_id, split.model, scales,
                                  campaign.spec.run_timeout_s + LIFETIME_MARGIN_S)  # fmt: skip
-    plan = RunPlan(
-        run.run_id, attempt, node_run_id(run, attempt), names, devices, contexts, live, (), power, links,
-        tc_plans, trace, telemetry, split, mpiexec, launch, services=services,
-    )  # fmt: skip
     probes: dict[str, NodeProbe] = {}
     if live and tc_plans:
         failed = reads.read_probes(lab, tc_plans)
         unresolved += [f"{node}: tc state not read ({error})" for node, error in failed.items()]
         probes = reads.probes_for(tc_plans)
-        # each shaping node's delay path (netem, or NFQUEUE rules on the receivers) as the apply will take it
-        plan = dataclasses.replace(plan, tc_plans=assign_delay_paths(tc_plans, probes, lab.spec.defaults.delay_path))
-    elif any(p.has_delay_or_loss for p in tc_plans):
-        if lab.spec.defaults.delay_path == "auto":
-            unresolved.append("the delay path (netem, or NFQUEUE without sch_netem) is chosen when the nodes are read")
-        plan = dataclasses.replace(plan, tc_plans=assign_delay_paths(tc_plans, {}, lab.spec.defaults.delay_path))
-    commands = plan_commands(campaign, plan, probes)
-    return dataclasses.replace(plan, unresolved=tuple(unresolved), commands=tuple(commands), probes=probes)
+    elif any(p.has_delay_or_loss for p in tc_plans) and lab.spec.defaults.delay_path == "auto":
+        unresolved.append("the delay path (netem, or NFQUEUE without sch_netem) is chosen when the nodes are read")
+    # each shaping node's delay path (netem, or NFQUEUE rules on the receivers) as the apply will take it
+    shaping = link_plan(lab, tc_plans, probes, driven if trace is not None else None)
+    plan = RunPlan(
+        run.run_id, attempt, node_run_id(run, attempt), names, devices, contexts, live, tuple(unresolved), power,
+        links, shaping, trace, telemetry, split, mpiexec, launch, probes=probes, services=services,
+    )  # fmt: skip
+    return dataclasses.replace(plan, commands=tuple(plan_commands(lab, plan)))
+
+
+def plan_commands(lab: Inventory, plan: RunPlan) -> list[PlannedCommand]:
+    """Every line the run sends, in phase order, each planned by the action that sends it."""
+    ctx, settings, shaping = plan.contexts, plan.split, plan.shaping
+    lines = PlanLines(lab)
+    for name in plan.nodes:
+        lines.add(name, "campaign", "gather the node's facts for the manifests (once per campaign)",
+                  sh(facts_script(lab.spec.defaults.python)), "per-campaign")  # fmt: skip
+    for name in plan.contexts:
+        lines.add(name, "plan", "read the node's home directory", sh(HOME_SCRIPT))
+    plan_mpiexec_search(lines, settings.server, ctx[settings.server])
+    for name, plans in plans_by_node(plan.tc_plans).items():
+        plan_probe(lines, name, plan_devices(plans), phase="plan", what="read the interfaces, journal and kernel")
+    for name in plan.nodes:
+        lines.add(name, "preflight", "reach the node", command_line(["true"]))
+    # configure: power modes (each set where the node is not in it already), CPU pacing of emulated
+    # nodes in a target run (a quota that never holds their paced steps back), links
+    plan_power_set(lines, plan.power, ctx)
+    paced = paceable(lab, plan.nodes) if settings.extra.get("target") else []
+    plan_pacing(lines, paced, ctx, on=True)
+    if shaping.tc_plans:
+        plan_shaping(lines, shaping, plan.probes, ctx)
+        plan_trace_players(lines, shaping, ctx)
+    if plan.telemetry is not None:
+        plan_recording_start(lines, plan.telemetry, ctx)
+    # stage (beside configure and telemetry): the run staged on its nodes, the warm pool of its shape
+    # started if none is up; services; workers: the run ordered from the pool
+    plan_stage(lines, settings, ctx)
+    files = pool_files(ctx[settings.server], pool_name(settings))
+    plan_pool_up(lines, plan.launch, files)
+    plan_services_start(lines, plan.services, ctx)
+    plan_pool_serve(lines, settings, ctx, files)
+    if plan.telemetry is not None:
+        plan_recording_stop(lines, plan.telemetry, ctx)
+    plan_handler_reports(lines, [name for name in shaping.nodes if shaping.queued(name)], ctx)
+    # restore: the services and the trace end with the run; shaping, power modes and the pool stay
+    # while the next runs need them, and are released after the last of them (or when a run fails,
+    # or the campaign ends)
+    plan_services_stop(lines, plan.services)
+    if shaping.tc_plans:
+        if plan.trace is not None:
+            plan_trace_stop(lines, shaping, ctx)
+        plan_unshaping(lines, shaping, ctx)
+    plan_pacing(lines, paced, ctx, on=False)
+    plan_power_restore(lines, plan.power, ctx)
+    plan_pool_release(lines, settings.server, files)
+    return lines.out
 
 
 def delay_holders(lab: Inventory, tc_plans: Sequence[TcPlan]) -> list[str]:
-    """The nodes that would hold the NFQUEUE rules of the plans' delayed directions."""
+    """The nodes that would hold the NFQUEUE rules of the plans' delayed directions, were they all on
+    that path (their home directories are read before the delay paths are known)."""
     if not any(p.has_delay_or_loss for p in tc_plans):
         return []
-    from netem.nfqueue import compile_chains
-    from testbed.links.plans import link_topology
-
-    on_nfqueue = [dataclasses.replace(p, delay_path="nfqueue") for p in tc_plans]
-    return list(dict.fromkeys(c.node for c in compile_chains(link_topology(lab), on_nfqueue)))
+    return list(link_plan(lab, tc_plans, {}, preference="nfqueue").chains)
 
 
 def pool_lifetime_s(campaign: Campaign) -> float:
@@ -376,78 +428,6 @@ def configured_nodes(campaign: Campaign, settings: RunSettings) -> tuple[frozens
             shaped = frozenset()
     return power, shaped
 
-
-def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpec:
-    """The workers' part of the run: method, model, partition, per-device schedules, run id."""
-    from workloads.schedule import build_schedules
-
-    lab, settings = campaign.inventory, run.settings
-    devices = device_names(lab, settings)
-    if method_named(settings.method).serves_contexts:  # the LLM service's apps replay a context trace
-        schedules = context_schedules(settings, devices, seed=run.seed, model_dir=campaign.resolve(settings.model))
-    else:
-        schedules = build_schedules(
-            workload_spec(settings), devices, seed=run.seed, model_dir=campaign.resolve(settings.model),
-            base_dir=campaign.base_dir,
-        )  # fmt: skip
-    extra: dict[str, Any] = {"draft": draft_config(campaign, settings)}
-    engine_endpoint = settings.dispatch is not None and settings.dispatch.server_endpoint == "engine"
-    if method_named(settings.method).streams or engine_endpoint:
-        from testbed.campaign.serving_budget import serving_config
-
-        extra["serving"] = serving_config(lab, campaign.base_dir, settings)
-    if method_named(settings.method).gpu_ranks:
-        from testbed.campaign.scaling_config import scaling_config
-
-        extra["scaling"] = scaling_config(lab, campaign.base_dir, settings)
-    if method_named(settings.method).dispatches:
-        from testbed.campaign.dispatch_config import dispatch_config
-
-        extra["dispatch"] = dispatch_config(settings, lab)
-    if settings.target is not None:
-        from testbed.target_emulation import paced_names, resolve_target
-
-        target = resolve_target(lab, campaign.base_dir, settings, list(lab.select(paced_names(settings, devices))))
-        extra["target"] = target.to_json()
-        schedules = {d: dilated_schedule(rows, target.dilation) for d, rows in schedules.items()}
-    return SplitRunSpec(
-        method=settings.method, model=str(campaign.resolve(settings.model)), server=settings.server,
-        devices=devices, stages=settings.partition.stages, device_layers=settings.partition.device_layers,
-        chunk_tokens=settings.chunk_tokens, dtype=settings.dtype,
-        schedules=tuple((d, tuple(schedules[d])) for d in devices), run_id=node_run_id(run, attempt),
-        timeout_s=campaign.spec.run_timeout_s, threads_per_rank=settings.threads_per_rank, extra=extra,
-        device_slots=settings.device_slots,
-    )  # fmt: skip
-
-
-def context_schedules(
-    settings: RunSettings, devices: tuple[str, ...], *, seed: int, model_dir: Any
-) -> dict[str, list[dict[str, Any]]]:
-    """Each device's context-switching trace (LLMS Sec. 4) as schedule rows, seeded per device."""
-    from foundation.seeds import derive_seed
-    from workloads.context_traces import context_schedule, context_trace
-
-    service = settings.context_service_or_default
-    out = {}
-    for index, device in enumerate(devices):
-        trace = context_trace(service.contexts, service.contexts * service.calls_per_context, service.pattern,
-                              tasks=tuple(service.tasks), mean_gap_s=service.mean_gap_s,
-                              output_share=service.output_share, max_context_tokens=service.max_context_tokens,
-                              seed=derive_seed(seed, device, "context-trace"))  # fmt: skip
-        out[device] = context_schedule(trace, device_index=index, apps=service.apps, model_dir=model_dir,
-                                       seed=derive_seed(seed, device, "context-text"))  # fmt: skip
-    return out
-
-
-def dilation_of(settings: RunSettings) -> float:
-    return settings.target.dilation if settings.target is not None else 1.0
-
-
-def dilated_schedule(rows: list[dict[str, Any]], dilation: float) -> list[dict[str, Any]]:
-    """A device's schedule on the dilated time axis: every arrival ``dilation`` times later."""
-    if dilation == 1.0:
-        return rows
-    return [dict(row, arrival_s=float(row["arrival_s"]) * dilation) for row in rows]
 
 
 __all__ = ["PlannedCommand", "RunPlan", "TelemetryStep", "node_run_id", "normalised_line", "plan_run", "run_links"]

@@ -1,58 +1,65 @@
-"""Applying tc plans to nodes as one transaction, reading them back, and undoing them.
+"""Applying a :class:`LinkPlan` to nodes as one transaction, reading it back, and undoing it.
 
-``apply_plans`` first probes every node it will touch (reachable, data interface present, not the
-interface of the SSH session, a delay path where a profile has delay, jitter or loss, no foreign
-qdiscs in the way) and refuses, changing nothing, when any problem is found. The delay path is
-chosen per node from the probe (``defaults.delay_path``; auto: netem where the kernel has it, else
-the NFQUEUE path of :mod:`netem.nfqueue`). Then, on each node: the journal is written (snapshot of
-the interfaces before the first apply, the iptables chains and the delay handler about to exist),
+``apply_link_plan`` (``apply_plans`` for tc plans compiled from links) first probes every node it
+will touch that the plan's maker did not (reachable, data interface present, not the interface of
+the SSH session, a delay path where a profile has delay, jitter or loss, no foreign qdiscs in the
+way) and refuses, changing nothing, when any problem is found. The delay path is chosen per node
+from the probe when the plan is made (``defaults.delay_path``; auto: netem where the kernel has it,
+else the NFQUEUE path of :mod:`netem.nfqueue`). Then, on each node: the journal is written (snapshot
+of the interfaces before the first apply, the iptables chains and the delay handler about to exist),
 the plan's commands run (each with sudo, as one fixed program: :mod:`testbed.sudo_rules`), the delay
-handler installed root-owned starts (:mod:`testbed.delay_handler`), and tc and iptables are
-read back and compared with the plan. When any node fails, every node already touched is undone. ``clear_nodes``
-undoes from the nodes' journals alone, so it also works after the controller was killed.
+handler installed root-owned starts (:mod:`testbed.delay_handler`), and tc and iptables are read
+back and compared with the plan. When any node fails, every node already touched is undone.
+``clear_nodes`` undoes from the nodes' journals alone, so it also works after the controller was
+killed. ``plan_shaping`` and ``plan_unshaping`` write a run plan's lines of the same steps.
 
 One concept, the link transaction on the nodes (refuse, journal, apply, read back, undo) and what it
-leaves (``show_nodes``, ``clear_nodes``). Its neighbours: :mod:`.probe` (reading a node before), the
-delay handler's life (:mod:`.handler_lifecycle`), trace playback (:mod:`.trace_playback`); the pure
-reconciliation of a plan with what a node holds is netem's (``tc_state.commands_for``,
-``nfqueue.iptables_commands_for``).
+leaves (``show_nodes``, ``clear_nodes``). Its neighbours: :mod:`.plans` (the LinkPlan), :mod:`.probe`
+(reading a node before), the delay handler's life (:mod:`.handler_lifecycle`), trace playback
+(:mod:`.trace_playback`); the pure reconciliation of a plan with what a node holds is netem's
+(``tc_state.commands_for``, ``nfqueue.iptables_commands_for``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from foundation.errors import NodeError, TestbedError
 from netem import nfqueue
-from netem.plan import TcPlan, plan_devices, plans_by_node
-from netem.tc_state import InterfaceState, commands_for, differences
+from netem.plan import TcPlan, plan_devices
+from netem.tc_state import InterfaceState, commands_for, differences, read_script
 from testbed.delay_handler import RUN_ROOT
 from testbed.inventory import Inventory, kind_of
 from testbed.links import node_journal
 from testbed.links.handler_lifecycle import (
+    handler_command,
     handler_files,
     json_or_none,
     node_directory,
+    node_directory_script,
     start_delay_handler,
     stop_earlier_handler,
 )
 from testbed.links.node_journal import DeviceSnapshot, LinkJournal
-from testbed.links.plans import link_topology
+from testbed.links.plans import LinkPlan, link_plan
 from testbed.links.probe import (
     NodeProbe,
-    assign_delay_paths,
     chain_refusals,
     iptables_read_script,
+    plan_probe,
     probe_nodes,
     read_states,
     refusals,
 )
+from testbed.node_context import NodeContext
+from testbed.planned_commands import PlanLines, sh
 from testbed.transport import Transport, open_transport
-from testbed.transport.base import background_alive_test, quote_path
+from testbed.transport.base import background_alive_test, command_line, quote_path
 from testbed.transport.fanout import FanOutResult, fan_out
 
 Say = Callable[[str], None]
@@ -192,6 +199,7 @@ def clear_on_node(transport: Transport, node: str, workdir: str) -> NodeCleared:
 class ApplyResult:
     applied: FanOutResult[NodeApplied]
     rolled_back: FanOutResult[NodeCleared] | None  # when a node failed, every touched node undone
+    plan: LinkPlan | None = None  # what was applied (each tc plan on the delay path its node took)
 
     @property
     def ok(self) -> bool:
@@ -203,23 +211,29 @@ def _workdir(inventory: Inventory) -> str:
 
 
 def apply_plans(
+    inventory: Inventory, plans: Sequence[TcPlan], *, say: Say = lambda _: None, seed: int = 0
+) -> ApplyResult:
+    """Apply ``plans`` (compiled from links, e.g. ``testbed link apply``): the :class:`LinkPlan` of
+    them, made once their nodes are probed, applied by :func:`apply_link_plan`."""
+    return apply_link_plan(inventory, LinkPlan(tuple(plans)), say=say, seed=seed)
+
+
+def apply_link_plan(
     inventory: Inventory,
-    plans: Sequence[TcPlan],
+    plan: LinkPlan,
     *,
     say: Say = lambda _: None,
     probes: Mapping[str, NodeProbe] | None = None,
     seed: int = 0,
-    traced: Collection[tuple[str, str]] = (),
 ) -> ApplyResult:
-    """Apply all plans or none: refuse up front (TestbedError, nothing changed) when a node is
+    """Apply all of ``plan`` or none: refuse up front (TestbedError, nothing changed) when a node is
     unfit; when applying fails on any node, undo every node (NodeError outcomes say why). Nodes
-    that carry shaping from an earlier apply but have no plan now are cleared, so what is shaped
-    afterwards is exactly the plans. ``probes``: what a run plan read from the nodes moments before
-    (its tc commands were reconciled against them); nodes without one are probed now. Each plan
-    goes on its node's delay path; ``seed`` seeds the NFQUEUE handlers' jitter and loss draws;
-    ``traced``: the (sender, receiver) pairs a trace drives (their handlers draw the rows' loss)."""
-    by_node = plans_by_node(plans)
-    probe_of = {name: probe for name, probe in (probes or {}).items() if name in by_node}
+    that carry shaping from an earlier apply but have no part in it now are cleared, so what is
+    shaped afterwards is exactly the plan. ``probes``: what a run plan read from the nodes moments
+    before (its plan and tc commands were made from them); where a node of the plan's tc plans has
+    none, the nodes are probed now and the plan made again from what they hold (:func:`link_plan`).
+    ``seed`` seeds the NFQUEUE handlers' jitter and loss draws."""
+    probe_of = {name: probe for name, probe in (probes or {}).items() if name in plan.nodes}
 
     def probe_more(missing: Sequence[TcPlan], also: Sequence[str] = ()) -> None:
         fresh = probe_nodes(inventory, missing, also)
@@ -228,22 +242,21 @@ def apply_plans(
             raise NodeError("probe", f"cannot reach every node to shape, nothing changed: {failed}")
         probe_of.update(fresh.values())
 
-    missing = [p for p in plans if p.node not in probe_of]
-    if missing:
+    missing = [p for p in plan.tc_plans if p.node not in probe_of]
+    if missing:  # the delay paths follow what the nodes hold now
         probe_more(missing)
-    plans = assign_delay_paths(plans, probe_of, inventory.spec.defaults.delay_path)
-    by_node = plans_by_node(plans)
-    chains = nfqueue.chains_by_node(nfqueue.compile_chains(link_topology(inventory), plans, traced))
-    holders = [name for name in chains if name not in probe_of]
+        plan = link_plan(inventory, plan.tc_plans, probe_of, plan.driven)
+    holders = [name for name in plan.chains if name not in probe_of]
     if holders:  # receivers that shape nothing themselves hold the rules of what they receive
         probe_more([], [name for name in holders if name not in (probes or {})])
         probe_of.update({name: (probes or {})[name] for name in holders if name in (probes or {})})
+    by_node, chains = plan.by_node, plan.chains
     found = [r for name, probe in probe_of.items() for r in refusals(probe, by_node.get(name, []))]
     found += [r for name, cs in chains.items() for r in chain_refusals(probe_of[name], cs)]
     if found:
         raise TestbedError("refusing to shape links, nothing was changed:\n  " + "\n  ".join(found))
-    touched = list(dict.fromkeys([*by_node, *chains]))
-    # The plans say what is shaped: nodes shaped earlier that have no plan now are cleared.
+    touched = list(plan.nodes)
+    # The plan says what is shaped: nodes shaped earlier that have no part in it now are cleared.
     others = [n for n in shapeable_nodes(inventory) if n not in touched]
     for o in clear_nodes(inventory, others).outcomes:
         if not o.ok:
@@ -262,7 +275,7 @@ def apply_plans(
     if not applied.ok:
         say("shaping failed on " + ", ".join(o.node for o in applied.failed) + "; undoing every node")
         rolled_back = clear_nodes(inventory, touched)
-    return ApplyResult(applied, rolled_back)
+    return ApplyResult(applied, rolled_back, plan)
 
 
 def shapeable_nodes(inventory: Inventory) -> list[str]:
@@ -322,3 +335,85 @@ def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanO
             return NodeShaping(name, journal, states, chains, handler)
 
     return fan_out(names, show, description="reading tc and iptables")
+
+
+# --------------------------------------------------------------------------------------------
+# A run plan's lines of the link transaction
+
+
+def plan_shaping(
+    lines: PlanLines, plan: LinkPlan, probes: Mapping[str, NodeProbe], contexts: Mapping[str, NodeContext]
+) -> None:
+    """The configure phase's lines of :func:`apply_link_plan`: with a node's probe from planning, the
+    tc and iptables commands reconciled against it (sent ``if-differs``); without, decided live."""
+    lab = lines.lab
+    workdir, sudo = _workdir(lab), lab.spec.defaults.sudo
+    by_node = plan.by_node
+    for name in plan.nodes:
+        if name not in probes:  # the plan's own read is reused when it has one
+            plan_probe(lines, name, plan_devices(by_node.get(name, [])), phase="configure",
+                       what="read the interfaces, journal and kernel before shaping", when="live")  # fmt: skip
+    for name in shapeable_nodes(lab):
+        if name not in plan.nodes:
+            lines.add(name, "configure", "clear earlier shaping of a node this run does not shape",
+                      sh(node_journal.read_script(workdir)))  # fmt: skip
+    for name in plan.nodes:
+        plans, held = by_node.get(name, []), plan.chains.get(name, ())
+        probe = probes.get(name)
+        when = "if-differs" if probe is not None else "live"
+        commands = [c for p in plans for c in (commands_for(p, probe.states) if probe else p.apply_commands())]
+        commands += probe.chain_commands(held) if probe else [c for r in held for c in r.apply_commands()]
+        directory = contexts[name].path(node_journal.journal_dir(workdir)) if name in contexts else None
+        if plan.queued(name):
+            lines.add(name, "configure", "where the delay handler lives", sh(node_directory_script(workdir)), when)
+            lines.add(name, "configure", "stop the delay handler of an earlier apply",
+                      command_line(handler_command("stop", directory or node_journal.journal_dir(workdir), sudo=sudo)),
+                      "live")  # fmt: skip
+        lines.store(name, "configure", "write the link journal (the interfaces, rules and handler as they were)",
+                    node_journal.journal_path(workdir), "if-differs")  # fmt: skip
+        lines.add(name, "configure", "shape the links", sh(node_journal.commands_script(commands, sudo)), when)
+        if plan.queued(name) and directory is not None:
+            start = handler_command("start", directory, sudo=sudo)
+            lines.add(name, "configure", "start the delay handler (root-owned, detached; returns once its queues are "
+                      "bound)", command_line(start), when, f"(its queues on stdin) {shlex.join(start)}")  # fmt: skip
+        if plans:
+            lines.add(name, "configure", "read tc back", sh(read_script(plan_devices(plans))), "if-differs")
+        if held:
+            lines.add(name, "configure", "read iptables back", sh(iptables_read_script(sudo)), when)
+
+
+def _fresh_undo(plans: Sequence[TcPlan]) -> list[list[str]]:
+    """What the journal of a fresh apply of ``plans`` undoes: ingress redirects, ifbs, then our roots."""
+    ingress = [c for p in plans if p.ifb for c in p.undo_commands()[:1]]
+    ifbs = [c for p in plans if p.ifb for c in p.undo_commands()[1:]]
+    roots = [c for p in plans if not p.ifb for c in p.undo_commands()]
+    return ingress + ifbs + roots
+
+
+def plan_unshaping(lines: PlanLines, plan: LinkPlan, contexts: Mapping[str, NodeContext]) -> None:
+    """The restore phase's lines of :func:`clear_nodes` on the plan's nodes (after the last run that
+    keeps the links), as the journal of a fresh apply would have them undone."""
+    lab = lines.lab
+    workdir, sudo = _workdir(lab), lab.spec.defaults.sudo
+    by_node = plan.by_node
+    for name in plan.nodes:
+        plans, held = by_node.get(name, []), plan.chains.get(name, ())
+        journal_devices = list(dict.fromkeys(plan_devices(plans) + [p.interface for p in plans if p.ifb]))
+        undo = [c for r in held for c in r.undo_commands()] + _fresh_undo(plans)
+        steps = [("read the link journal", sh(node_journal.read_script(workdir)))]
+        if plan.queued(name) and name in contexts:
+            directory = contexts[name].path(node_journal.journal_dir(workdir))
+            steps.append(("where the delay handler lives", sh(node_directory_script(workdir))))
+            steps.append(("stop the delay handler", command_line(handler_command("stop", directory, sudo=sudo))))
+        steps.append(("read tc before undoing", sh(read_script(journal_devices))))
+        if held:
+            steps.append(("read iptables before undoing", sh(iptables_read_script(sudo))))
+        steps += [
+            ("undo the shaping (only what the journal says is ours)", sh(node_journal.commands_script(undo, sudo))),
+            ("read tc after undoing", sh(read_script(journal_devices))),
+        ]
+        if held:
+            steps.append(("read iptables after undoing", sh(iptables_read_script(sudo))))
+        steps.append(("drop the link journal", sh(node_journal.remove_script(workdir))))
+        for what, line in steps:
+            lines.add(name, "restore", what, line, "at-release")

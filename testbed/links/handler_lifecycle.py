@@ -7,13 +7,15 @@ The handler itself is ``nodes/link_delay_handler.py``, installed root-owned by :
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from foundation.errors import NodeError
 from testbed.delay_handler import RUN_ROOT, launcher_path, run_dir, run_dir_script
 from testbed.inventory import Inventory
 from testbed.links import node_journal
+from testbed.node_context import NodeContext
+from testbed.planned_commands import PlanLines, sh
 from testbed.sudo_rules import privileged
 from testbed.transport import Transport, open_transport
 from testbed.transport.base import background_alive_test, quote_path
@@ -55,10 +57,15 @@ def handler_command(action: str, directory: str, *, sudo: bool) -> list[str]:
     return privileged([launcher_path(), action, directory], sudo=sudo)
 
 
+def node_directory_script(workdir: str) -> str:
+    """sh that prints the journal's directory as an absolute path (:func:`node_directory`)."""
+    return "echo " + quote_path(node_journal.journal_dir(workdir))
+
+
 def node_directory(transport: Transport, workdir: str) -> str:
     """The journal's directory on the node, as an absolute path (argv words are not expanded by a
     shell, so what a detached process is given must be absolute)."""
-    return transport.run_script("echo " + quote_path(node_journal.journal_dir(workdir))).check().stdout.strip()
+    return transport.run_script(node_directory_script(workdir)).check().stdout.strip()
 
 
 HANDLER_READY_S = 10.0  # nodes/link_delay_handler.py READY_S: its start returns within this
@@ -151,3 +158,11 @@ def read_delay_handlers(
             return parse_handler_report(name, output, since_unix_s)
 
     return fan_out(list(directories), read, description="reading delay handlers")
+
+
+def plan_handler_reports(lines: PlanLines, queued: Sequence[str], contexts: Mapping[str, NodeContext]) -> None:
+    """The collect phase's lines of :func:`read_delay_handlers` on the nodes that ran a delay handler."""
+    workdir = lines.lab.spec.defaults.workdir
+    for name in queued:
+        files = handler_files(contexts[name].path(node_journal.journal_dir(workdir)))
+        lines.add(name, "collect", "read the delay handler's record of the run", sh(handler_report_script(files)))

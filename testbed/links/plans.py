@@ -1,19 +1,30 @@
-"""netem's link plans for an inventory: the inventory's nodes as netem's :class:`LinkTopology`, and
-:func:`compile_plan` / :func:`traced_links` that take an :class:`Inventory`.
+"""The plan of one shaping of an inventory's links (:class:`LinkPlan`, made by :func:`link_plan`),
+and netem's compilers for an inventory: its nodes as netem's :class:`LinkTopology`, :func:`compile_plan`
+and :func:`traced_links` that take an :class:`Inventory`.
 
 netem compiles plans from a topology and never reads an inventory; this is the one place that
-translates between the two.
+translates between the two. A run plan makes its :class:`LinkPlan` once; the link actions
+(:mod:`.apply`, :mod:`.trace_playback`) execute it and plan their command lines from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from netem import nfqueue
 from netem import plan as netem_plan
 from netem import trace as netem_trace
-from netem.plan import TcPlan
+from netem.plan import TcPlan, plans_by_node
 from netem.profile import DirectedLink
 from netem.topology import LinkNode, LinkTopology
-from netem.trace import BandwidthTrace
+from netem.trace import BandwidthTrace, NodeSchedule, schedules
 from testbed.inventory import Inventory, kind_of
+from testbed.links.probe import NodeProbe, assign_delay_paths
+from testbed.sudo_rules import privileged
+
+Driven = Mapping[tuple[str, str], tuple[BandwidthTrace, str]]  # (sender, receiver) -> (trace, its rate column)
 
 
 def link_topology(inventory: Inventory) -> LinkTopology:
@@ -41,3 +52,61 @@ def traced_links(
 ) -> tuple[tuple[DirectedLink, ...], dict[tuple[str, str], tuple[BandwidthTrace, str]]]:
     """:func:`netem.trace.traced_links` for the inventory's links and server-role nodes."""
     return netem_trace.traced_links(link_topology(inventory), traces)
+
+
+@dataclass(frozen=True)
+class LinkPlan:
+    """One shaping of the links, decided once: the tc plans, each on its node's delay path; the
+    NFQUEUE rules per node that holds them; the directions a trace drives and its players' later
+    rows. Executed by :func:`testbed.links.apply.apply_link_plan` (and
+    :func:`testbed.links.trace_playback.start_trace_players`)."""
+
+    tc_plans: tuple[TcPlan, ...]
+    chains: Mapping[str, tuple[nfqueue.NfqueueRules, ...]] = field(default_factory=dict)
+    driven: Driven = field(default_factory=dict)
+    players: tuple[NodeSchedule, ...] = ()  # each step's tc commands as the player runs them (sudo included)
+
+    @property
+    def by_node(self) -> dict[str, list[TcPlan]]:
+        return plans_by_node(self.tc_plans)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node the shaping touches: the senders of its classes, then the holders of its rules."""
+        return tuple(dict.fromkeys([*self.by_node, *self.chains]))
+
+    def queued(self, name: str) -> bool:
+        """Whether ``name`` runs a delay handler (it holds a rule that queues packets)."""
+        return any(r.queues for r in self.chains.get(name, ()))
+
+    @property
+    def traced(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self.driven)
+
+
+def link_plan(
+    inventory: Inventory,
+    tc_plans: Sequence[TcPlan],
+    probes: Mapping[str, NodeProbe],
+    driven: Driven | None = None,
+    *,
+    preference: str | None = None,
+) -> LinkPlan:
+    """The :class:`LinkPlan` of ``tc_plans``: each put on its node's delay path as ``probes`` show it
+    (a node not probed takes ``preference``, by default ``defaults.delay_path``, netem for auto), the
+    NFQUEUE rules they need, and the trace players' schedules of the ``driven`` directions."""
+    driven = dict(driven or {})
+    on_paths = assign_delay_paths(tc_plans, probes, preference or inventory.spec.defaults.delay_path)
+    chains = nfqueue.chains_by_node(nfqueue.compile_chains(link_topology(inventory), on_paths, tuple(driven)))
+    players = player_schedules(on_paths, driven, sudo=inventory.spec.defaults.sudo) if driven else ()
+    return LinkPlan(on_paths, chains, driven, players)
+
+
+def player_schedules(plans: Sequence[TcPlan], driven: Driven, *, sudo: bool) -> tuple[NodeSchedule, ...]:
+    """The trace players' schedules, each step's tc commands as the player runs them (as the user,
+    each tc with sudo: :func:`testbed.sudo_rules.privileged`)."""
+    return tuple(
+        dataclasses.replace(s, steps=tuple({**step, "commands": [privileged(c, sudo=sudo) for c in step["commands"]]}
+                                           for step in s.steps))
+        for s in schedules(plans, dict(driven), ())
+    )  # fmt: skip

@@ -23,6 +23,7 @@ from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
 from testbed.links.handler_lifecycle import handler_read_script, json_or_none
 from testbed.links.node_journal import LinkJournal
+from testbed.planned_commands import PlanLines, sh
 from testbed.sudo_rules import privileged
 from testbed.transport import Transport, open_transport
 from testbed.transport.fanout import FanOutResult, fan_out
@@ -222,3 +223,11 @@ def probe_nodes(
             return probe_node(t, node, devices, inventory.spec.defaults.workdir)
 
     return fan_out(names, probe, description="probing interfaces")
+
+
+def plan_probe(
+    lines: PlanLines, name: str, devices: Sequence[str], *, phase: str, what: str, when: str = "once"
+) -> None:
+    """The line of :func:`probe_node` reading ``devices`` on node ``name``."""
+    defaults = lines.lab.spec.defaults
+    lines.add(name, phase, what, sh(probe_script(devices, defaults.workdir, defaults.sudo)), when)

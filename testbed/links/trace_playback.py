@@ -1,12 +1,11 @@
 """A bandwidth trace replayed on the links: its first row applied as a plan (a transaction, as
-:func:`testbed.links.apply.apply_plans`), then a player on every shaped node for the later rows
+:func:`testbed.links.apply.apply_link_plan`), then a player on every shaped node for the later rows
 (``nodes/link_trace_player.py``, named in the node's journal before it starts, so ``testbed link clear``
 stops it), and the delay handlers given the trace's delay rows; stopped when its run ends.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -14,34 +13,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from foundation.errors import NodeError
-from netem.plan import TcPlan
-from netem.trace import BandwidthTrace, NodeSchedule, delay_timelines, schedules
+from netem.trace import BandwidthTrace, NodeSchedule, delay_timelines
 from testbed.inventory import Inventory
 from testbed.links import node_journal
-from testbed.links.apply import ApplyResult, apply_plans, clear_nodes
+from testbed.links.apply import ApplyResult, apply_link_plan, clear_nodes
 from testbed.links.handler_lifecycle import node_directory, retime_delay_handler
-from testbed.links.plans import compile_plan, traced_links
+from testbed.links.plans import LinkPlan, compile_plan, traced_links
 from testbed.links.probe import NodeProbe
-from testbed.sudo_rules import privileged
+from testbed.node_context import NodeContext, unresolved_context
+from testbed.planned_commands import PlanLines, sh
 from testbed.transport import open_transport
+from testbed.transport.base import background_stop_script, quote_path
 from testbed.transport.fanout import FanOutResult, NodeOutcome, fan_out
 
 Say = Callable[[str], None]
 
 
 PLAYER_SOURCE = Path(__file__).resolve().parents[2] / "nodes" / "link_trace_player.py"
-
-
-def player_schedules(
-    plans: Sequence[TcPlan], driven: dict[tuple[str, str], tuple[BandwidthTrace, str]], *, sudo: bool
-) -> tuple[NodeSchedule, ...]:
-    """The trace players' schedules, each step's tc commands as the player runs them (as the user,
-    each tc with sudo: :func:`testbed.sudo_rules.privileged`)."""
-    return tuple(
-        dataclasses.replace(s, steps=tuple({**step, "commands": [privileged(c, sudo=sudo) for c in step["commands"]]}
-                                           for step in s.steps))
-        for s in schedules(plans, driven, ())
-    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -56,28 +44,33 @@ class TraceStarted:
 
 
 def apply_trace(
+    inventory: Inventory, traces: dict[str, BandwidthTrace], *, say: Say = lambda _: None
+) -> tuple[ApplyResult, TraceStarted | None]:
+    """Replay ``traces`` (device -> trace, ``testbed link trace``) on the inventory's links:
+    :func:`apply_traced_plan` of the plan compiled from their first rows."""
+    links, driven = traced_links(inventory, traces)
+    return apply_traced_plan(inventory, LinkPlan(compile_plan(inventory, links), driven=driven), say=say)
+
+
+def apply_traced_plan(
     inventory: Inventory,
-    traces: dict[str, BandwidthTrace],
+    plan: LinkPlan,
     *,
     say: Say = lambda _: None,
-    plans: Sequence[TcPlan] | None = None,
     probes: Mapping[str, NodeProbe] | None = None,
     seed: int = 0,
 ) -> tuple[ApplyResult, TraceStarted | None]:
-    """Apply the traces' first rows as a plan (a transaction, as :func:`apply_plans`), then start a
-    player on every shaped node for the later rows. The journal names each player before it starts,
-    so ``testbed link clear`` stops it. ``plans`` (a run plan's, e.g. with links the trace does not
-    drive scaled) replace the plans compiled from the inventory's links and the traces' first rows."""
-    links, driven = traced_links(inventory, traces)
-    plans = tuple(plans) if plans is not None else compile_plan(inventory, links)
-    result = apply_plans(inventory, plans, say=say, probes=probes, seed=seed, traced=tuple(driven))
-    if not result.ok:
+    """Apply ``plan`` (its traces' first rows; a transaction, as :func:`apply_link_plan`), then start
+    a player on every node whose classes a trace drives, for the later rows, and give the delay
+    handlers the traces' delay rows. The journal names each player before it starts, so ``testbed
+    link clear`` stops it."""
+    result = apply_link_plan(inventory, plan, say=say, probes=probes, seed=seed)
+    if not result.ok or result.plan is None:
         return result, None
+    plan = result.plan  # each tc plan on the delay path its node took
     start_unix_s = time.time()
-    applied = [o.value for o in result.applied.outcomes if o.value]
-    plans = tuple(p for a in applied for p in a.plans)  # on their delay paths
-    node_schedules = player_schedules(plans, driven, sudo=inventory.spec.defaults.sudo)
-    timelines = delay_timelines([c for a in applied for c in a.chains], driven)
+    node_schedules = plan.players
+    timelines = delay_timelines([c for held in plan.chains.values() for c in held], dict(plan.driven))
     workdir = inventory.spec.defaults.workdir
     player = PLAYER_SOURCE.read_bytes()
 
@@ -91,17 +84,14 @@ def apply_trace(
             journal = node_journal.read(t, workdir)
             if journal is None:
                 raise NodeError(schedule.node, "its link journal vanished after apply")
-            pidfile, logfile = f"{directory}/trace-player.pid", f"{directory}/trace.jsonl"
+            player_path, schedule_file, pidfile, logfile = player_files(directory)
             document = {"start_unix_s": start_unix_s, "steps": list(schedule.steps)}
             node_journal.write(t, workdir, journal.with_trace(pidfile))  # named before it starts
-            node_journal.store(t, f"{directory}/link_trace_player.py", player)
-            node_journal.store(t, f"{directory}/trace-schedule.json", json.dumps(document).encode())
+            node_journal.store(t, player_path, player)
+            node_journal.store(t, schedule_file, json.dumps(document).encode())
             python = inventory.spec.defaults.python
-            t.start_background(
-                [python, f"{directory}/link_trace_player.py", f"{directory}/trace-schedule.json", logfile],
-                pidfile=pidfile,
-                logfile=f"{directory}/trace-player.log",
-            )
+            t.start_background([python, player_path, schedule_file, logfile], pidfile=pidfile,
+                               logfile=f"{directory}/trace-player.log")  # fmt: skip
             return logfile
 
     by_node = {s.node: s for s in node_schedules}
@@ -111,12 +101,12 @@ def apply_trace(
         started = started if retimed.ok else FanOutResult(retimed.failed, retimed.wall_s)
     if not started.ok:
         say("starting the trace failed on " + ", ".join(o.node for o in started.failed) + "; undoing every node")
-        rolled_back = clear_nodes(inventory, list(dict.fromkeys(p.node for p in plans)))
+        rolled_back = clear_nodes(inventory, list(plan.nodes))
         failed = FanOutResult(
             tuple(NodeOutcome(o.node, None, o.error, o.duration_s) for o in started.failed), started.wall_s
         )
-        return ApplyResult(failed, rolled_back), None
-    duration = max(tr.duration_s for tr in traces.values())
+        return ApplyResult(failed, rolled_back, plan), None
+    duration = max((trace.duration_s for trace, _column in plan.driven.values()), default=0.0)
     return result, TraceStarted(start_unix_s, duration, started.values(), node_schedules)
 
 
@@ -135,3 +125,45 @@ def stop_trace_players(inventory: Inventory, names: Sequence[str]) -> FanOutResu
             return how
 
     return fan_out(list(names), stop, description="stopping trace players")
+
+
+# --------------------------------------------------------------------------------------------
+# A run plan's lines of trace playback
+
+
+def player_files(directory: str) -> tuple[str, str, str, str]:
+    """(player, schedule, pidfile, log of its steps) in the journal's ``directory`` on a node."""
+    return (f"{directory}/link_trace_player.py", f"{directory}/trace-schedule.json", f"{directory}/trace-player.pid",
+            f"{directory}/trace.jsonl")  # fmt: skip
+
+
+def plan_trace_players(lines: PlanLines, plan: LinkPlan, contexts: Mapping[str, NodeContext]) -> None:
+    """The configure phase's lines of :func:`apply_traced_plan` that start the players (after shaping)."""
+    lab = lines.lab
+    workdir = lab.spec.defaults.workdir
+    tilde = node_journal.journal_dir(workdir)
+    for schedule in plan.players:
+        name = schedule.node
+        context = contexts.get(name) or unresolved_context(lab, lab.node(name))
+        directory = context.path(tilde)
+        player, schedule_file, pidfile, logfile = player_files(directory)
+        lines.add(name, "configure", "where the trace player lives", sh("echo " + quote_path(tilde)))
+        lines.add(name, "configure", "read the link journal", sh(node_journal.read_script(workdir)))
+        lines.store(name, "configure", "name the trace player in the journal", node_journal.journal_path(workdir))
+        lines.store(name, "configure", "store the trace player", player)
+        lines.store(name, "configure", "store the trace's schedule", schedule_file)
+        lines.detached(name, "configure", "start the trace player (detached)",
+                       [lab.spec.defaults.python, player, schedule_file, logfile], pidfile,
+                       f"{directory}/trace-player.log")  # fmt: skip
+
+
+def plan_trace_stop(lines: PlanLines, plan: LinkPlan, contexts: Mapping[str, NodeContext]) -> None:
+    """The restore phase's lines of :func:`stop_trace_players` (a run's trace ends with it, also where
+    the shaping stays for the next run), on every node the plan shapes."""
+    workdir = lines.lab.spec.defaults.workdir
+    for name in sorted(plan.by_node):
+        pidfile = player_files(contexts[name].path(node_journal.journal_dir(workdir)))[2]
+        lines.add(name, "restore", "read the link journal", sh(node_journal.read_script(workdir)))
+        lines.add(name, "restore", "stop the trace player", sh(background_stop_script(pidfile, 5.0)), "live")
+        lines.store(name, "restore", "drop the trace player from the journal", node_journal.journal_path(workdir),
+                    "live")  # fmt: skip
