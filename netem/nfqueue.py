@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from netem.plan import MTU_BYTES, TcPlan
 from netem.profile import LinkProfile
 from netem.topology import LinkTopology
+from nodes.contracts.journal_values import INTERFACE
 
 TABLE = "mangle"
 FIRST_QUEUE = 8100  # a node's NFQUEUE numbers: FIRST_QUEUE + 0, 1, ... over its delayed directions
@@ -135,6 +137,7 @@ class DelayedDirection:
 class NfqueueRules:
     """Our chain on one interface and side of one node: its rules, the jump into it, its queues."""
 
+    delay_path: ClassVar[str] = "nfqueue"
     node: str
     interface: str
     hook_side: str
@@ -145,8 +148,17 @@ class NfqueueRules:
         return chain_name(self.interface, self.hook_side)
 
     @property
+    def key(self) -> tuple[str, ...]:
+        """Its identity in the node's link journal."""
+        return (self.interface, self.hook_side)
+
+    @property
     def queues(self) -> tuple[dict, ...]:
         return tuple(d.handler_queue() for d in self.directions if d.queue_num is not None)
+
+    @property
+    def description(self) -> str:
+        return ", ".join(f"{d.sender} -> {d.receiver}" for d in self.directions)
 
     def jump_words(self) -> list[str]:
         return [hook(self.hook_side), _interface_flag(self.hook_side), self.interface, "-j", self.chain]
@@ -299,3 +311,61 @@ def chains_by_node(chains: Sequence[NfqueueRules]) -> dict[str, tuple[NfqueueRul
     for c in chains:
         by_node.setdefault(c.node, []).append(c)
     return {name: tuple(cs) for name, cs in by_node.items()}
+
+
+class NfqueuePath:
+    """The NFQUEUE delay path as a :class:`netem.delay_path.DelayPath`: iptables chains of ours and a
+    user-space delay handler (see the module's docstring)."""
+
+    name = "nfqueue"
+    auto = True
+    listing_argv = ("iptables", "-w", "-t", TABLE, "-S")
+    listing_name = "iptables"
+
+    def readiness_probe(self, installed: Callable[[str], str]) -> str:
+        """``ready``, else ``missing:`` and what is missing: iptables, the kernel's nfnetlink_queue, the
+        suite's delay handler installed."""
+        return (
+            "why=''; { [ -x /usr/sbin/iptables ] || [ -x /sbin/iptables ]; } || why=\"$why iptables\"; "
+            "{ [ -e /proc/net/netfilter/nfnetlink_queue ] || [ -d /sys/module/nfnetlink_queue ] "
+            "|| grep -qs /nfnetlink_queue.ko \"/lib/modules/$(uname -r)/modules.builtin\" "
+            "|| /sbin/modprobe -n -q nfnetlink_queue 2>/dev/null; } || why=\"$why nfnetlink_queue\"; "
+            f"{installed('delay-handler')} || why=\"$why delay-handler\"; "
+            'if [ -z "$why" ]; then echo ready; else echo "missing:$why"; fi'
+        )
+
+    def ready(self, answer: str) -> bool:
+        return answer == "ready"
+
+    def not_ready(self, node: str, answer: str, what: str) -> str:
+        return (
+            f"{node}: the NFQUEUE delay path is not ready ({answer}) for {what} (the kernel has no "
+            "sch_netem); install iptables, and the delay handler root-owned (`testbed provision` does, or says the one "
+            "command to run as root; its Python needs NetfilterQueue, which needs libnetfilter-queue), or drop "
+            "delay/jitter/loss from the profile"
+        )
+
+    def compile(
+        self, topology: LinkTopology, plans: Sequence[TcPlan], traced: Collection[tuple[str, str]]
+    ) -> tuple[NfqueueRules, ...]:
+        return compile_chains(topology, plans, traced)
+
+    def commands(
+        self, held: Sequence[NfqueueRules], listing: str, journaled: Sequence[tuple[str, ...]]
+    ) -> list[list[str]]:
+        return iptables_commands_for(held, listing, [(k[0], k[1]) for k in journaled])
+
+    def differences(self, held: NfqueueRules, listing: str) -> list[str]:
+        return rule_differences(held, listing)
+
+    def undo(self, journaled: Sequence[tuple[str, ...]], listing: str) -> list[list[str]]:
+        return undo_present_chains([(k[0], k[1]) for k in journaled], listing)
+
+    def key_problem(self, key: tuple[str, ...]) -> str | None:
+        if (len(key) != 2 or not all(isinstance(k, str) for k in key) or INTERFACE.fullmatch(key[0]) is None
+                or key[1] not in ("ingress", "egress")):  # fmt: skip
+            return f"{list(key)} is not an (interface name, ingress or egress) pair"
+        return None
+
+    def listed(self, key: tuple[str, ...], listing: str) -> list[str]:
+        return chain_lines(listing, chain_name(key[0], key[1]))

@@ -135,16 +135,20 @@ def test_read_back_compares_rules_with_iptables_precision_and_undo_touches_only_
     assert "chain TB-IN-eth1" in nfqueue.rule_differences(chain, wrong)[0]
     unjumped = LISTING.replace("-A PREROUTING -i eth1 -j TB-IN-eth1\n", "")
     assert "no jump" in nfqueue.rule_differences(chain, unjumped)[0]
-    journal = LinkJournal(devices={}, chains=(("eth1", "ingress"), ("eth1", "egress")))
-    assert lines(journal.chain_undo_commands(LISTING)) == [
+    journal = LinkJournal(devices={}, held={"nfqueue": (("eth1", "ingress"), ("eth1", "egress"))})
+    assert lines(journal.held_undo_commands({"nfqueue": LISTING})) == [
         "iptables -w -t mangle -D PREROUTING -i eth1 -j TB-IN-eth1",
         "iptables -w -t mangle -F TB-IN-eth1",
         "iptables -w -t mangle -X TB-IN-eth1",
     ]  # the egress chain is not there, and THEIRS is not ours
-    assert lines(journal.chain_undo_commands(unjumped))[0] == "iptables -w -t mangle -F TB-IN-eth1"
-    assert journal.chain_undo_commands("-P PREROUTING ACCEPT\n") == []
+    assert lines(journal.held_undo_commands({"nfqueue": unjumped}))[0] == "iptables -w -t mangle -F TB-IN-eth1"
+    assert journal.held_undo_commands({"nfqueue": "-P PREROUTING ACCEPT\n"}) == []
     again = LinkJournal.from_json(journal.to_json())
-    assert again.chains == journal.chains and again.handler_pidfile is None
+    assert again.held == journal.held and again.handler_pidfile is None
+    # a journal an earlier version wrote (format 1: the chains by name) is read, and its chains undone
+    earlier = json.loads(journal.to_json())
+    earlier.update(format=1, chains=earlier.pop("held")["nfqueue"])
+    assert LinkJournal.from_json(json.dumps(earlier)).held == journal.held
 
 
 def queue(**spec) -> handler.DelayQueue:

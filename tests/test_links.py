@@ -225,7 +225,7 @@ def nfqueue_path_checks(inventory: Path, f: Path) -> None:
     proc = run_cli("link", "apply", "-i", str(inventory), "--links", str(f), "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     applied = json.loads(proc.stdout)["applied"]["outcomes"]
-    held = {(d["sender"], d["receiver"]): d["holder"] for o in applied for c in o["value"]["chains"]
+    held = {(d["sender"], d["receiver"]): d["holder"] for o in applied for c in o["value"]["held"]
             for d in c["directions"]}  # fmt: skip
     assert held == {("orin", "server"): "server", ("server", "orin"): "orin", ("server", "xavier"): "xavier"}
     assert {p["delay_path"] for o in applied for p in o["value"]["plans"]} == {"nfqueue"}
@@ -261,11 +261,12 @@ def nfqueue_path_checks(inventory: Path, f: Path) -> None:
     again = apply_plans(inv, compile_plan(inv, links_from_file(inv, f)))
     assert again.ok and not any(o.value.changed for o in again.applied.outcomes), again
     assert sorted(handler_pids()) == pids
-    # link show reads the chains back and each handler's last second: the pings and iperf3 just went through
+    # link show reads the held rules back (the chain and its rule) and each handler's last second: the pings
+    # and iperf3 just went through
     shown = run_cli("link", "show", "-i", str(inventory), "--json")
     assert shown.returncode == 0, shown.stderr
     server = next(n for n in json.loads(shown.stdout) if n["node"] == "server")
-    assert list(server["chains"]) == ["TB-IN-data0"] and len(server["chains"]["TB-IN-data0"]) == 2
+    assert list(server["held"]) == ["nfqueue data0 ingress"] and len(server["held"]["nfqueue data0 ingress"]) == 2
     (queue,) = server["delay_handler"]
     assert (queue["from"], queue["to"], queue["delay_s"]) == ("orin", "server", 0.01) and queue["dropped"] == 0
 

@@ -8,7 +8,6 @@ sudoers matcher written here (sudo's own matching: the command path as a glob th
 from __future__ import annotations
 
 import fnmatch
-import io
 import json
 import os
 import re
@@ -20,10 +19,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from ruamel.yaml import YAML
 
 from testbed.campaign.load import load_campaign
 from testbed.campaign.plan import plan_run
+from testbed.emulation.resolved import as_real_lab
 from testbed.inventory import load_inventory
 from testbed.provision import judge_readiness
 from testbed.transport.facts import NodeFacts
@@ -158,24 +157,8 @@ def printed_rules(tmp_path: Path, tool_paths: dict[str, str] | None = None) -> t
 
 
 def lab_copy(inventory: Path, directory: Path) -> Path:
-    """``inventory`` as a real lab reached as a non-root user with sudo, delay on the NFQUEUE path:
-    emulated nodes get addresses and data interfaces instead of their ``emulated:`` sections."""
-    yaml = YAML(typ="rt")
-    data = yaml.load(inventory.read_text())
-    defaults = data.setdefault("defaults", {})
-    defaults.update(sudo=True, delay_path="nfqueue")
-    defaults.setdefault("ssh", {})["user"] = USER
-    for i, node in enumerate(data["nodes"]):
-        if node.pop("emulated", None) is not None:
-            node["address"] = f"192.0.2.{i + 1}"
-            if node["kind"] != "android":
-                node["data"] = {"interface": "data0", "address": f"198.51.100.{i + 1}"}
-    data.pop("emulation", None)
-    path = directory / f"{inventory.stem}-sudo.yaml"
-    text = io.StringIO()
-    yaml.dump(data, text)
-    path.write_text(text.getvalue())
-    return path
+    """``inventory`` as a real lab reached as a non-root user with sudo, delay on the NFQUEUE path."""
+    return as_real_lab(inventory, directory / f"{inventory.stem}-sudo.yaml", delay_path="nfqueue", user=USER)
 
 
 def campaign_sudo_argvs(campaign_path: Path, directory: Path) -> dict[tuple[str, ...], str]:

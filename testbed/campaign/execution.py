@@ -367,11 +367,11 @@ def _shape(campaign: Campaign, settings: RunSettings, state: _RunState, events: 
          "commands": [" ".join(c) for c in p.apply_commands()], "changed": o.value.changed}
         for o in result.applied.outcomes if o.value for p in o.value.plans
     ]  # fmt: skip
-    # the NFQUEUE delay path: which node holds each delayed direction's rules, and the handler's queues
-    state.links["nfqueue"] = [
-        {"node": c.node, "chain": c.chain, "hook": c.hook_side, "seed": seed, "queues": list(c.queues),
-         "rules": c.rule_lines(), "directions": [f"{d.sender}->{d.receiver}" for d in c.directions]}
-        for o in result.applied.outcomes if o.value for c in o.value.chains
+    # the rules the delay paths hold outside tc (NFQUEUE: each receiver's chain), and the handler's queues
+    state.links["delay_rules"] = [
+        {"node": r.node, "delay_path": r.delay_path, "key": list(r.key), "delays": r.description, "seed": seed,
+         "queues": list(r.queues), "rules": r.rule_lines()}
+        for o in result.applied.outcomes if o.value for r in o.value.held
     ]  # fmt: skip
     if started is not None:
         state.links["trace"] = {"file": link.trace, "duration_s": started.duration_s, "logfiles": started.logfiles}
@@ -533,7 +533,7 @@ def _delay_fidelity(campaign: Campaign, state: _RunState) -> None:
     from testbed.links.handler_lifecycle import read_delay_handlers
     from testbed.links.node_journal import journal_dir
 
-    held = {c["node"] for c in state.links.get("nfqueue", ()) if c["queues"]}
+    held = {r["node"] for r in state.links.get("delay_rules", ()) if r["queues"]}
     if not held or "shaped_unix_s" not in state.links:
         return
     plan = _plan(state)

@@ -384,7 +384,7 @@ def plan_commands(lab: Inventory, plan: RunPlan) -> list[PlannedCommand]:
     plan_pool_serve(lines, settings, ctx, files)
     if plan.telemetry is not None:
         plan_recording_stop(lines, plan.telemetry, ctx)
-    plan_handler_reports(lines, [name for name in shaping.nodes if shaping.queued(name)], ctx)
+    plan_handler_reports(lines, [name for name in shaping.held if shaping.queued(name)], ctx)
     # restore: the services and the trace end with the run; shaping, power modes and the pool stay
     # while the next runs need them, and are released after the last of them (or when a run fails,
     # or the campaign ends)
@@ -404,7 +404,7 @@ def delay_holders(lab: Inventory, tc_plans: Sequence[TcPlan]) -> list[str]:
     that path (their home directories are read before the delay paths are known)."""
     if not any(p.has_delay_or_loss for p in tc_plans):
         return []
-    return list(link_plan(lab, tc_plans, {}, preference="nfqueue").chains)
+    return list(link_plan(lab, tc_plans, {}, preference="nfqueue").held)
 
 
 def pool_lifetime_s(campaign: Campaign) -> float:

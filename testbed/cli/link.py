@@ -98,13 +98,13 @@ def link_apply(
         table = Table(title="links shaped (read back and matching the plan)" if result.ok else "shaping failed")
         for column in ("node", "device", "direction", "peer", "profile", "rate", "queue", "delay/loss"):
             table.add_column(column, overflow="fold")
-        held_on = {(d.sender, d.receiver): f"nfqueue on {d.holder}" for o in result.applied.outcomes if o.value
-                   for c in o.value.chains for d in c.directions}  # fmt: skip
+        held_on = {(d.sender, d.receiver): f"{c.delay_path} on {c.node}" for o in result.applied.outcomes if o.value
+                   for c in o.value.held for d in getattr(c, "directions", ())}  # fmt: skip (NFQUEUE's, per direction)
         for o in result.applied.outcomes:
             for plan in o.value.plans if o.value else ():
                 for p in plan.peers:
                     pair = (plan.node, p.peer) if plan.direction == "egress" else (p.peer, plan.node)
-                    path = held_on.get(pair, "netem") if p.profile.has_delay_or_loss else ""
+                    path = held_on.get(pair, plan.delay_path) if p.profile.has_delay_or_loss else ""
                     table.add_row(
                         plan.node, plan.shaped_device, plan.direction, p.peer, p.profile_name,
                         format_rate(p.profile.rate_bit_s) if p.profile.rate_bit_s else "",
@@ -141,7 +141,7 @@ def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: Json
                 {
                     "node": o.node, "error": o.error, "journal": v is not None and v.journal is not None,
                     "classes": {d: jsonable(s.classes) for d, s in v.states.items()} if v else {},
-                    "chains": v.chains if v else {}, "delay_handler": list(v.handler) if v else [],
+                    "held": v.held if v else {}, "delay_handler": list(v.handler) if v else [],
                     "qdiscs": {d: list(s.qdiscs) for d, s in v.states.items()} if v else {},
                 }
             )  # fmt: skip
@@ -177,10 +177,10 @@ def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: Json
             delayed.add_column(column, overflow="fold")
         for o in result.outcomes:
             v = o.value
-            if v is None or not v.chains:
+            if v is None or not v.held:
                 continue
             if not v.handler:
-                delayed.add_row(o.node, "; ".join(r for lines in v.chains.values() for r in lines[1:]),
+                delayed.add_row(o.node, "; ".join(r for lines in v.held.values() for r in lines[1:]),
                                 "", "", "[yellow]handler not running: packets pass undelayed[/]", "", "")  # fmt: skip
             for q in v.handler:
                 late = f"{q['late_mean_ms'] if q['late_mean_ms'] is not None else '-'} / {q['late_max_ms']}"

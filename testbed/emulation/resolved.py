@@ -127,3 +127,26 @@ def load_lab(path: str | Path) -> Inventory:
     return dataclasses.replace(
         running, spec=running.spec.model_copy(update=shaping), groups=inventory.groups, links=inventory.links
     )
+
+
+def as_real_lab(source: Path, destination: Path, *, delay_path: str, user: str | None = None) -> Path:
+    """``source`` written to ``destination`` as a real lab would write it: each emulated node gets a
+    documentation address (192.0.2.0/24) and, unless it is a phone, a data interface ``data0`` with
+    one (198.51.100.0/24) instead of its ``emulated:`` section; sudo on, ``defaults.delay_path`` and
+    the SSH ``user`` as given. For planning offline what a real lab would run: nothing is reached."""
+    yaml = YAML(typ="rt")
+    data = yaml.load(source.read_text())
+    defaults = data.setdefault("defaults", {})
+    defaults.update(sudo=True, delay_path=delay_path)
+    if user is not None:
+        defaults.setdefault("ssh", {})["user"] = user
+    for i, node in enumerate(data["nodes"]):
+        if node.pop("emulated", None) is not None:
+            node["address"] = f"192.0.2.{i + 1}"
+            if node["kind"] != "android":
+                node["data"] = {"interface": "data0", "address": f"198.51.100.{i + 1}"}
+    data.pop("emulation", None)
+    text = io.StringIO()
+    yaml.dump(data, text)
+    destination.write_text(text.getvalue())
+    return destination

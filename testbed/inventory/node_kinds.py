@@ -8,7 +8,8 @@ to, if any (its models, what its device tree says, JetPack's torch, the stand-in
 gets); and what their emulated stand-ins are, for the manifests.
 
 Adding a kind is one :func:`register` call, here or in a lab's own module named by the environment
-variable ``TESTBED_NODE_KINDS`` (imported before the first kind is looked up), and, when it brings its
+variable ``TESTBED_NODE_KINDS`` (imported before the first kind or delay path is looked up: such a
+module may also register a delay path, :func:`netem.delay_path.register`), and, when it brings its
 own power driver or telemetry source, that module on the node side (``nodes/power/<driver>.py``,
 ``nodes/telemetry/<source>.py``). Nothing else in the controller names a kind.
 """
@@ -113,6 +114,14 @@ def register(kind: NodeKind) -> NodeKind:
         raise ValueError(f"node kind {kind.name!r} is registered already")
     _KINDS[kind.name] = kind
     return kind
+
+
+def delay_path_names() -> tuple[str, ...]:
+    """The delay paths an inventory may name (:mod:`netem.delay_path`), a lab's own among them."""
+    from netem.delay_path import names
+
+    _load_lab_kinds()
+    return names()
 
 
 def kind_names() -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from pydantic import (
 
 from foundation.user_fields import STRICT_MODEL_CONFIG, DurationS, Number, invalid_value
 from netem.profile import LinkProfile
-from testbed.inventory.node_kinds import kind_names
+from testbed.inventory.node_kinds import delay_path_names, kind_names
 
 # --------------------------------------------------------------------------------------------
 # Scalars that end up in commands: a strict character set, so nothing a user writes can reach a
@@ -90,6 +90,13 @@ def _python(value: object) -> object:
     return value if isinstance(value, str) and "/" not in value and not value.startswith("~") else _node_path(value)
 
 
+def _delay_path(value: object) -> str:
+    known = ("auto", *delay_path_names())
+    if isinstance(value, str) and value in known:
+        return value
+    raise invalid_value("delay_path", f"{value!r} is not a delay path", "one of " + ", ".join(map(repr, known)))
+
+
 def _workdir(value: object) -> object:
     if isinstance(value, str) and value.rstrip("/") == "":
         raise invalid_value("path", f"{value!r} is the root directory", "give an absolute directory of its own, "
@@ -129,8 +136,9 @@ class Defaults(_Strict):
     venv: NodePath | None = None  # the per-node virtual environment of `testbed provision`; <workdir>/venv
     registry_access: StrictBool = True  # False: nodes get a wheelhouse from the controller instead of PyPI
     # How delay, jitter and loss are applied: netem (a tc qdisc), nfqueue (iptables and a user-space
-    # handler, for kernels without sch_netem), or auto (netem where the node's kernel has it).
-    delay_path: Literal["auto", "netem", "nfqueue"] = "auto"
+    # handler, for kernels without sch_netem), auto (netem where the node's kernel has it), or a delay
+    # path a lab's module registers (netem.delay_path)
+    delay_path: Annotated[str, BeforeValidator(_delay_path)] = "auto"
 
     @property
     def venv_path(self) -> str:

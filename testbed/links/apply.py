@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from foundation.errors import NodeError, TestbedError
 from netem import nfqueue
+from netem.delay_path import DelayPath, HeldRules, by_path, delay_path
 from netem.plan import TcPlan, plan_devices
 from netem.tc_state import InterfaceState, commands_for, differences, read_script
 from testbed.delay_handler import RUN_ROOT
@@ -49,8 +50,8 @@ from testbed.links.node_journal import DeviceSnapshot, LinkJournal
 from testbed.links.plans import LinkPlan, link_plan
 from testbed.links.probe import (
     NodeProbe,
-    chain_refusals,
-    iptables_read_script,
+    held_refusals,
+    listing_script,
     plan_probe,
     probe_nodes,
     read_states,
@@ -66,7 +67,7 @@ Say = Callable[[str], None]
 
 
 def _journal_for(
-    probe: NodeProbe, plans: Sequence[TcPlan], chains: Sequence[nfqueue.NfqueueRules], handler_pidfile: str | None
+    probe: NodeProbe, plans: Sequence[TcPlan], held: Sequence[HeldRules], handler_pidfile: str | None
 ) -> LinkJournal:
     devices = {}
     for dev in plan_devices(plans):
@@ -77,7 +78,7 @@ def _journal_for(
         devices=devices,
         ingress_on=tuple(p.interface for p in plans if p.ifb),
         ifbs=tuple(p.ifb for p in plans if p.ifb),
-        chains=tuple((c.interface, c.hook_side) for c in chains),
+        held={path: tuple(r.key for r in rules) for path, rules in by_path(held).items()},
         handler_pidfile=handler_pidfile,
         extra={"written_unix_s": round(time.time(), 3), "by": "testbed link apply"},
     )
@@ -91,27 +92,27 @@ class NodeApplied:
     commands: int
     states: dict[str, InterfaceState]
     changed: bool = True  # False: the node already held the plans (ours, read back), nothing was sent
-    chains: tuple[nfqueue.NfqueueRules, ...] = ()  # the NFQUEUE delay path's chains it holds
+    held: tuple[HeldRules, ...] = ()  # the rules its delay paths hold outside tc (NFQUEUE's chains)
 
 
-def holds_plans(
-    probe: NodeProbe, plans: Sequence[TcPlan], chains: Sequence[nfqueue.NfqueueRules] = (), seed: int = 0
-) -> bool:
-    """Whether the node already holds ``plans`` and ``chains`` as our shaping, exactly as read when
+def holds_plans(probe: NodeProbe, plans: Sequence[TcPlan], held: Sequence[HeldRules] = (), seed: int = 0) -> bool:
+    """Whether the node already holds ``plans`` and ``held`` as our shaping, exactly as read when
     probing, with no trace player running: then applying them would change nothing. That includes
-    the rules read back and a delay handler running with the same queues and seed. (netem's delay
-    and loss are not compared, so a plan on the netem delay path with them is always applied.)"""
+    the held rules listed back and a delay handler running with the same queues and seed. (netem's
+    delay and loss are not compared, so a plan on the netem delay path with them is always applied.)"""
     if probe.journal is None or probe.journal.trace_pidfile or any(p.uses_netem for p in plans):
         return False
-    present = nfqueue.chains_in(probe.iptables)
-    ours_there = {c for c in probe.journal.chains if nfqueue.chain_name(*c) in present}
-    if ours_there != {(c.interface, c.hook_side) for c in chains}:
-        return False  # an earlier apply's chains that are not planned now, or planned ones missing
-    if any(nfqueue.rule_differences(c, probe.iptables) for c in chains):
-        return False
-    if any(c.queues for c in chains):
+    grouped, journaled = by_path(held), probe.journal.held
+    for name in dict.fromkeys([*grouped, *journaled]):
+        path, listing = delay_path(name), probe.listings.get(name, "")
+        mine, ours = grouped.get(name, []), journaled.get(name, ())
+        if any(r.key not in ours for r in mine) or any(path.differences(r, listing) for r in mine):
+            return False  # planned rules missing, not ours, or other than planned
+        if path.undo([k for k in ours if k not in {r.key for r in mine}], listing):
+            return False  # an earlier apply's rules that are not planned now are still there
+    if any(r.queues for r in held):
         running = probe.handler_config
-        wanted = json.loads(json.dumps(nfqueue.handler_config(chains, seed=seed)))
+        wanted = json.loads(json.dumps(nfqueue.handler_config(held, seed=seed)))
         drawn = any(q["jitter_s"] or "loss_pct" in q for q in wanted["queues"])
         keys = [k for k in wanted if k != "seed" or drawn]  # the seed matters only to jitter and loss draws
         if running is None or any(running.get(k) != wanted[k] for k in keys):
@@ -119,40 +120,52 @@ def holds_plans(
     return not any(differences(p, probe.states) for p in plans)
 
 
+def read_listings(transport: Transport, paths: Sequence[str]) -> dict[str, str]:
+    """What each of the delay ``paths`` holds on the node, listed (NFQUEUE: ``iptables -S``)."""
+    out = {}
+    for name in paths:
+        path = delay_path(name)
+        if path.listing_argv:
+            script = listing_script(path, transport.use_sudo)
+            out[name] = transport.run_script(script, timeout_s=30.0).check().stdout
+    return out
+
+
 def apply_on_node(
     transport: Transport, probe: NodeProbe, plans: Sequence[TcPlan], workdir: str, *,
-    chains: Sequence[nfqueue.NfqueueRules] = (), seed: int = 0,
+    held: Sequence[HeldRules] = (), seed: int = 0,
 ) -> NodeApplied:
     """Journal first, then the commands, then the delay handler, then read back and compare.
     Raises :class:`NodeError` naming the interface and the difference when the read-back does not
     match. A node that already holds the plans is left alone (its journal keeps the snapshot from
     before the first apply)."""
-    if holds_plans(probe, plans, chains, seed):
-        return NodeApplied(probe.node, tuple(plans), 0, probe.states, changed=False, chains=tuple(chains))
-    queued = any(c.queues for c in chains)
+    if holds_plans(probe, plans, held, seed):
+        return NodeApplied(probe.node, tuple(plans), 0, probe.states, changed=False, held=tuple(held))
+    queued = any(r.queues for r in held)
     earlier = probe.journal is not None and probe.journal.handler_pidfile is not None
     # the handler is named by the journal's directory as an absolute path
     directory = node_directory(transport, workdir) if queued or earlier else None
     files = handler_files(directory) if directory is not None and queued else None
-    journal = _journal_for(probe, plans, chains, files["pidfile"] if files else None)
+    journal = _journal_for(probe, plans, held, files["pidfile"] if files else None)
     if journal.trace_pidfile:  # a trace still playing would overwrite the new rates
         transport.stop_background(journal.trace_pidfile)
         journal = journal.with_trace(None)
     if earlier and directory is not None:  # the new config starts a new one
         stop_earlier_handler(transport, directory, probe.journal.handler_pidfile if probe.journal else None)
-    commands = [c for p in plans for c in commands_for(p, probe.states)] + probe.chain_commands(chains)
-    node_journal.write(transport, workdir, journal)  # names the chains and the handler before they exist
+    commands = [c for p in plans for c in commands_for(p, probe.states)] + probe.held_commands(held)
+    node_journal.write(transport, workdir, journal)  # names the held rules and the handler before they exist
     transport.run_script(node_journal.commands_script(commands, transport.use_sudo), timeout_s=60.0).check()
     if directory is not None and queued:
-        start_delay_handler(transport, directory, nfqueue.handler_config(chains, seed=seed))
+        start_delay_handler(transport, directory, nfqueue.handler_config(held, seed=seed))
     states = read_states(transport, plan_devices(plans)) if plans else {}
     problems = [d for p in plans for d in differences(p, states)]
-    if chains:
-        listing = transport.run_script(iptables_read_script(transport.use_sudo), timeout_s=30.0).check().stdout
-        problems += [d for c in chains for d in nfqueue.rule_differences(c, listing)]
+    grouped = by_path(held)
+    listings = read_listings(transport, list(grouped))
+    problems += [d for name, rules in grouped.items() for r in rules
+                 for d in delay_path(name).differences(r, listings.get(name, ""))]  # fmt: skip
     if problems:
         raise NodeError(probe.node, "read-back differs from the plan: " + "; ".join(problems))
-    return NodeApplied(probe.node, tuple(plans), len(commands), states, chains=tuple(chains))
+    return NodeApplied(probe.node, tuple(plans), len(commands), states, held=tuple(held))
 
 
 @dataclass(frozen=True)
@@ -166,7 +179,7 @@ class NodeCleared:
 
 def clear_on_node(transport: Transport, node: str, workdir: str) -> NodeCleared:
     """Undo from the node's journal: stop the trace player and the delay handler, remove what we own
-    (qdiscs, ifbs, iptables chains), compare with the snapshot, then drop the journal."""
+    (qdiscs, ifbs, the rules the delay paths hold), compare with the snapshot, then drop the journal."""
     journal = node_journal.read(transport, workdir)
     if journal is None:
         return NodeCleared(node, False, 0, None, ())
@@ -176,19 +189,14 @@ def clear_on_node(transport: Transport, node: str, workdir: str) -> NodeCleared:
     if journal.handler_pidfile:
         stop_earlier_handler(transport, node_directory(transport, workdir), journal.handler_pidfile)
     devices = list(dict.fromkeys([*journal.devices, *journal.ingress_on, *journal.ifbs]))
-
-    def read_listing() -> str:
-        if not journal.chains:
-            return ""
-        return transport.run_script(iptables_read_script(transport.use_sudo), timeout_s=30.0).check().stdout
-
+    held_paths = [name for name, keys in journal.held.items() if keys]
     states = read_states(transport, devices)
-    commands = journal.chain_undo_commands(read_listing()) + journal.undo_commands(states)
+    commands = journal.held_undo_commands(read_listings(transport, held_paths)) + journal.undo_commands(states)
     if commands:
         transport.run_script(node_journal.commands_script(commands, transport.use_sudo), timeout_s=60.0).check()
-    after, listing = read_states(transport, devices), read_listing()
-    leftovers = journal.snapshot_differences(after, listing)
-    still_ours = journal.undo_commands(after) + journal.chain_undo_commands(listing)
+    after, listings = read_states(transport, devices), read_listings(transport, held_paths)
+    leftovers = journal.snapshot_differences(after, listings)
+    still_ours = journal.undo_commands(after) + journal.held_undo_commands(listings)
     if still_ours:
         raise NodeError(node, "after undo, still ours: " + "; ".join(" ".join(c) for c in still_ours))
     transport.run_script(node_journal.remove_script(workdir), timeout_s=30.0).check()
@@ -246,13 +254,13 @@ def apply_link_plan(
     if missing:  # the delay paths follow what the nodes hold now
         probe_more(missing)
         plan = link_plan(inventory, plan.tc_plans, probe_of, plan.driven)
-    holders = [name for name in plan.chains if name not in probe_of]
+    holders = [name for name in plan.held if name not in probe_of]
     if holders:  # receivers that shape nothing themselves hold the rules of what they receive
         probe_more([], [name for name in holders if name not in (probes or {})])
         probe_of.update({name: (probes or {})[name] for name in holders if name in (probes or {})})
-    by_node, chains = plan.by_node, plan.chains
+    by_node, held = plan.by_node, plan.held
     found = [r for name, probe in probe_of.items() for r in refusals(probe, by_node.get(name, []))]
-    found += [r for name, cs in chains.items() for r in chain_refusals(probe_of[name], cs)]
+    found += [r for name, rules in held.items() for r in held_refusals(probe_of[name], rules)]
     if found:
         raise TestbedError("refusing to shape links, nothing was changed:\n  " + "\n  ".join(found))
     touched = list(plan.nodes)
@@ -267,7 +275,7 @@ def apply_link_plan(
     def apply(name: str) -> NodeApplied:
         with open_transport(inventory, inventory.node(name)) as t:
             return apply_on_node(
-                t, probe_of[name], by_node.get(name, []), _workdir(inventory), chains=chains.get(name, ()), seed=seed,
+                t, probe_of[name], by_node.get(name, []), _workdir(inventory), held=held.get(name, ()), seed=seed,
             )  # fmt: skip
 
     applied = fan_out(touched, apply, description="shaping links")
@@ -300,7 +308,7 @@ class NodeShaping:
     node: str
     journal: LinkJournal | None
     states: dict[str, InterfaceState]
-    chains: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # our iptables chains, as -S prints
+    held: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # "path key" -> its rules, as listed
     handler: tuple[dict, ...] = ()  # the delay handler's latest stats line per queue (none: not running)
 
 
@@ -315,11 +323,11 @@ def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanO
             if journal:
                 devices += [*journal.devices, *journal.ifbs]
             states = read_states(t, list(dict.fromkeys(devices)))
-            if journal is None or not journal.chains:
+            if journal is None or not any(journal.held.values()):
                 return NodeShaping(name, journal, states)
-            listing = t.run_script(iptables_read_script(t.use_sudo), timeout_s=30.0).check().stdout
-            chains = {nfqueue.chain_name(i, side): nfqueue.chain_lines(listing, nfqueue.chain_name(i, side))
-                      for i, side in journal.chains}  # fmt: skip
+            listings = read_listings(t, list(journal.held))
+            held = {f"{path} {' '.join(key)}": delay_path(path).listed(key, listings.get(path, ""))
+                    for path, keys in journal.held.items() for key in keys}  # fmt: skip
             handler: tuple[dict, ...] = ()
             if journal.handler_pidfile and journal.handler_pidfile.startswith(RUN_ROOT + "/"):
                 pidfile = journal.handler_pidfile
@@ -332,9 +340,9 @@ def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanO
                     if record and record.get("event") == "stats":
                         latest[record["queue_num"]] = record
                 handler = tuple(latest[k] for k in sorted(latest))
-            return NodeShaping(name, journal, states, chains, handler)
+            return NodeShaping(name, journal, states, held, handler)
 
-    return fan_out(names, show, description="reading tc and iptables")
+    return fan_out(names, show, description="reading tc and what the delay paths hold")
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,7 +353,8 @@ def plan_shaping(
     lines: PlanLines, plan: LinkPlan, probes: Mapping[str, NodeProbe], contexts: Mapping[str, NodeContext]
 ) -> None:
     """The configure phase's lines of :func:`apply_link_plan`: with a node's probe from planning, the
-    tc and iptables commands reconciled against it (sent ``if-differs``); without, decided live."""
+    tc commands and the delay paths' rules reconciled against it (sent ``if-differs``); without,
+    decided live."""
     lab = lines.lab
     workdir, sudo = _workdir(lab), lab.spec.defaults.sudo
     by_node = plan.by_node
@@ -358,11 +367,11 @@ def plan_shaping(
             lines.add(name, "configure", "clear earlier shaping of a node this run does not shape",
                       sh(node_journal.read_script(workdir)))  # fmt: skip
     for name in plan.nodes:
-        plans, held = by_node.get(name, []), plan.chains.get(name, ())
+        plans, held = by_node.get(name, []), plan.held.get(name, ())
         probe = probes.get(name)
         when = "if-differs" if probe is not None else "live"
         commands = [c for p in plans for c in (commands_for(p, probe.states) if probe else p.apply_commands())]
-        commands += probe.chain_commands(held) if probe else [c for r in held for c in r.apply_commands()]
+        commands += probe.held_commands(held) if probe else [c for r in held for c in r.apply_commands()]
         directory = contexts[name].path(node_journal.journal_dir(workdir)) if name in contexts else None
         if plan.queued(name):
             lines.add(name, "configure", "where the delay handler lives", sh(node_directory_script(workdir)), when)
@@ -378,8 +387,13 @@ def plan_shaping(
                       "bound)", command_line(start), when, f"(its queues on stdin) {shlex.join(start)}")  # fmt: skip
         if plans:
             lines.add(name, "configure", "read tc back", sh(read_script(plan_devices(plans))), "if-differs")
-        if held:
-            lines.add(name, "configure", "read iptables back", sh(iptables_read_script(sudo)), when)
+        for path in _listed(held):
+            lines.add(name, "configure", f"read {path.listing_name} back", sh(listing_script(path, sudo)), when)
+
+
+def _listed(held: Sequence[HeldRules]) -> list[DelayPath]:
+    """The delay paths of ``held`` that list what they hold."""
+    return [p for p in map(delay_path, by_path(held)) if p.listing_argv]
 
 
 def _fresh_undo(plans: Sequence[TcPlan]) -> list[list[str]]:
@@ -397,7 +411,7 @@ def plan_unshaping(lines: PlanLines, plan: LinkPlan, contexts: Mapping[str, Node
     workdir, sudo = _workdir(lab), lab.spec.defaults.sudo
     by_node = plan.by_node
     for name in plan.nodes:
-        plans, held = by_node.get(name, []), plan.chains.get(name, ())
+        plans, held = by_node.get(name, []), plan.held.get(name, ())
         journal_devices = list(dict.fromkeys(plan_devices(plans) + [p.interface for p in plans if p.ifb]))
         undo = [c for r in held for c in r.undo_commands()] + _fresh_undo(plans)
         steps = [("read the link journal", sh(node_journal.read_script(workdir)))]
@@ -406,14 +420,12 @@ def plan_unshaping(lines: PlanLines, plan: LinkPlan, contexts: Mapping[str, Node
             steps.append(("where the delay handler lives", sh(node_directory_script(workdir))))
             steps.append(("stop the delay handler", command_line(handler_command("stop", directory, sudo=sudo))))
         steps.append(("read tc before undoing", sh(read_script(journal_devices))))
-        if held:
-            steps.append(("read iptables before undoing", sh(iptables_read_script(sudo))))
+        steps += [(f"read {p.listing_name} before undoing", sh(listing_script(p, sudo))) for p in _listed(held)]
         steps += [
             ("undo the shaping (only what the journal says is ours)", sh(node_journal.commands_script(undo, sudo))),
             ("read tc after undoing", sh(read_script(journal_devices))),
         ]
-        if held:
-            steps.append(("read iptables after undoing", sh(iptables_read_script(sudo))))
+        steps += [(f"read {p.listing_name} after undoing", sh(listing_script(p, sudo))) for p in _listed(held)]
         steps.append(("drop the link journal", sh(node_journal.remove_script(workdir))))
         for what, line in steps:
             lines.add(name, "restore", what, line, "at-release")

@@ -1,28 +1,27 @@
 """The link journal kept on each shaped node: what its interfaces looked like before we touched
-them, and what we own there (root qdiscs, ingress qdiscs, ifb devices, iptables chains of the NFQUEUE
-delay path, its delay handler, a trace player). It is written before the first tc or iptables
-command runs and before a handler starts, so ``testbed link clear`` can undo from it alone, also
-after the controller was killed halfway through an apply.
+them, and what we own there (root qdiscs, ingress qdiscs, ifb devices, the rules a delay path holds
+outside tc, such as the NFQUEUE path's iptables chains, its delay handler, a trace player). It is
+written before the first tc or iptables command runs and before a handler starts, so ``testbed link
+clear`` can undo from it alone, also after the controller was killed halfway through an apply.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from netem import nfqueue
+from netem.delay_path import Key, delay_path
+from netem.delay_path import names as delay_path_names
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE
 from netem.tc_state import InterfaceState, split_sections
 from nodes.contracts.journal_values import INTERFACE, JournalValueError, checked, checked_path
 from testbed.sudo_rules import privileged
 from testbed.transport.base import Transport, quote_path
 
-JOURNAL_FORMAT = 1
+JOURNAL_FORMAT = 2  # 2: ``held`` per delay path; 1 (read too) named the NFQUEUE chains as ``chains``
 JOURNAL_NAME = "netem/journal.json"  # under the node's workdir
-_HOOK_SIDE = re.compile(r"ingress|egress")
 
 
 def journal_dir(workdir: str) -> str:
@@ -48,7 +47,7 @@ class LinkJournal:
     ingress_on: tuple[str, ...] = ()  # devices we put an ingress qdisc on
     ifbs: tuple[str, ...] = ()  # ifb devices we created
     trace_pidfile: str | None = None  # the trace player running on the node, if any
-    chains: tuple[tuple[str, str], ...] = ()  # (interface, hook side) of each iptables chain we made
+    held: dict[str, tuple[Key, ...]] = field(default_factory=dict)  # delay path -> keys of the rules it holds
     handler_pidfile: str | None = None  # the NFQUEUE delay handler, if any
     extra: dict = field(default_factory=dict)  # written_unix_s, by
 
@@ -60,7 +59,8 @@ class LinkJournal:
             ingress_on=tuple(dict.fromkeys(self.ingress_on + newer.ingress_on)),
             ifbs=tuple(dict.fromkeys(self.ifbs + newer.ifbs)),
             trace_pidfile=newer.trace_pidfile or self.trace_pidfile,
-            chains=tuple(dict.fromkeys(self.chains + newer.chains)),
+            held={path: tuple(dict.fromkeys([*self.held.get(path, ()), *newer.held.get(path, ())]))
+                  for path in dict.fromkeys([*self.held, *newer.held])},
             handler_pidfile=newer.handler_pidfile or self.handler_pidfile,
             extra=newer.extra,
         )
@@ -76,7 +76,7 @@ class LinkJournal:
                 "ingress_on": list(self.ingress_on),
                 "ifbs": list(self.ifbs),
                 "trace_pidfile": self.trace_pidfile,
-                "chains": [list(c) for c in self.chains],
+                "held": {path: [list(k) for k in keys] for path, keys in self.held.items()},
                 "handler_pidfile": self.handler_pidfile,
                 **self.extra,
             },
@@ -88,16 +88,18 @@ class LinkJournal:
         """The journal as written, its names and pidfiles checked again before they reach tc, ip,
         iptables or kill (:mod:`nodes.contracts.journal_values`); ValueError names the field."""
         data = json.loads(text)
-        if data.get("format") != JOURNAL_FORMAT:
+        if data.get("format") not in (1, JOURNAL_FORMAT):
             raise ValueError(f"link journal format {data.get('format')!r} is not {JOURNAL_FORMAT}")
+        if data["format"] == 1:  # an earlier version's: the NFQUEUE chains were its only held rules
+            data = {**data, "held": {"nfqueue": data.pop("chains", [])}}
         _check_values(data)
-        known = {"format", "devices", "ingress_on", "ifbs", "trace_pidfile", "chains", "handler_pidfile"}
+        known = {"format", "devices", "ingress_on", "ifbs", "trace_pidfile", "held", "handler_pidfile"}
         return cls(
             devices={d: DeviceSnapshot(tuple(s["qdiscs"]), s["class_text"]) for d, s in data["devices"].items()},
             ingress_on=tuple(data["ingress_on"]),
             ifbs=tuple(data["ifbs"]),
             trace_pidfile=data.get("trace_pidfile"),
-            chains=tuple((c[0], c[1]) for c in data.get("chains", ())),
+            held={path: tuple(tuple(k) for k in keys) for path, keys in data.get("held", {}).items()},
             handler_pidfile=data.get("handler_pidfile"),
             extra={k: v for k, v in data.items() if k not in known},
         )
@@ -123,14 +125,17 @@ class LinkJournal:
                 commands.append(["tc", "qdisc", "del", "dev", dev, "root", "handle", f"{HTB_HANDLE}:", "htb"])
         return commands
 
-    def chain_undo_commands(self, listing: str) -> list[list[str]]:
-        """Remove our iptables chains that are still there (``listing``: ``iptables -t mangle -S``)."""
-        return nfqueue.undo_present_chains(self.chains, listing)
+    def held_undo_commands(self, listings: Mapping[str, str]) -> list[list[str]]:
+        """Remove the rules our delay paths hold that are still there (``listings``: each path's listing,
+        e.g. ``iptables -t mangle -S``)."""
+        return [c for path, keys in self.held.items() for c in delay_path(path).undo(keys, listings.get(path, ""))]
 
-    def snapshot_differences(self, states: dict[str, InterfaceState], listing: str = "") -> list[str]:
-        """Where the devices differ from the snapshot, and which of our chains are left (after undo
+    def snapshot_differences(
+        self, states: dict[str, InterfaceState], listings: Mapping[str, str] | None = None
+    ) -> list[str]:
+        """Where the devices differ from the snapshot, and which of our held rules are left (after undo
         this should be empty)."""
-        problems = [f"iptables: {nfqueue.TABLE} still has {' '.join(c)}" for c in self.chain_undo_commands(listing)]
+        problems = [f"still held: {' '.join(c)}" for c in self.held_undo_commands(listings or {})]
         for dev, snap in self.devices.items():
             s = states.get(dev)
             now = s.qdiscs if s is not None else ()
@@ -153,9 +158,13 @@ def _check_values(data: dict) -> None:
                 checked(name, INTERFACE, field, "an interface name")
         for name in data["devices"]:
             checked(name, INTERFACE, "devices", "an interface name")
-        for chain in data.get("chains", ()):
-            checked(chain[0], INTERFACE, "chains", "an interface name")
-            checked(chain[1], _HOOK_SIDE, "chains", "ingress or egress")
+        for path, keys in data.get("held", {}).items():
+            if path not in delay_path_names():
+                raise JournalValueError(f"held: {path!r} is not a delay path (known: {', '.join(delay_path_names())})")
+            for key in keys:
+                problem = delay_path(path).key_problem(tuple(key))
+                if problem is not None:
+                    raise JournalValueError(f"held.{path}: {problem}")
         for field in ("trace_pidfile", "handler_pidfile"):
             if data.get(field) is not None:
                 checked_path(data[field], field, suffix=".pid")

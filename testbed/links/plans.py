@@ -13,9 +13,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from netem import nfqueue
 from netem import plan as netem_plan
 from netem import trace as netem_trace
+from netem.delay_path import HeldRules, delay_path
+from netem.delay_path import names as delay_path_names
 from netem.plan import TcPlan, plans_by_node
 from netem.profile import DirectedLink
 from netem.topology import LinkNode, LinkTopology
@@ -56,13 +57,13 @@ def traced_links(
 
 @dataclass(frozen=True)
 class LinkPlan:
-    """One shaping of the links, decided once: the tc plans, each on its node's delay path; the
-    NFQUEUE rules per node that holds them; the directions a trace drives and its players' later
-    rows. Executed by :func:`testbed.links.apply.apply_link_plan` (and
-    :func:`testbed.links.trace_playback.start_trace_players`)."""
+    """One shaping of the links, decided once: the tc plans, each on its node's delay path; the rules
+    the delay paths hold outside tc, per node (the NFQUEUE path's chains, on the receivers); the
+    directions a trace drives and its players' later rows. Executed by
+    :func:`testbed.links.apply.apply_link_plan` (and :func:`testbed.links.trace_playback.apply_traced_plan`)."""
 
     tc_plans: tuple[TcPlan, ...]
-    chains: Mapping[str, tuple[nfqueue.NfqueueRules, ...]] = field(default_factory=dict)
+    held: Mapping[str, tuple[HeldRules, ...]] = field(default_factory=dict)
     driven: Driven = field(default_factory=dict)
     players: tuple[NodeSchedule, ...] = ()  # each step's tc commands as the player runs them (sudo included)
 
@@ -73,11 +74,11 @@ class LinkPlan:
     @property
     def nodes(self) -> tuple[str, ...]:
         """Every node the shaping touches: the senders of its classes, then the holders of its rules."""
-        return tuple(dict.fromkeys([*self.by_node, *self.chains]))
+        return tuple(dict.fromkeys([*self.by_node, *self.held]))
 
     def queued(self, name: str) -> bool:
         """Whether ``name`` runs a delay handler (it holds a rule that queues packets)."""
-        return any(r.queues for r in self.chains.get(name, ()))
+        return any(r.queues for r in self.held.get(name, ()))
 
     @property
     def traced(self) -> tuple[tuple[str, str], ...]:
@@ -94,12 +95,17 @@ def link_plan(
 ) -> LinkPlan:
     """The :class:`LinkPlan` of ``tc_plans``: each put on its node's delay path as ``probes`` show it
     (a node not probed takes ``preference``, by default ``defaults.delay_path``, netem for auto), the
-    NFQUEUE rules they need, and the trace players' schedules of the ``driven`` directions."""
+    rules each delay path compiles for the plans on it, and the trace players' schedules of the
+    ``driven`` directions."""
     driven = dict(driven or {})
     on_paths = assign_delay_paths(tc_plans, probes, preference or inventory.spec.defaults.delay_path)
-    chains = nfqueue.chains_by_node(nfqueue.compile_chains(link_topology(inventory), on_paths, tuple(driven)))
+    topology = link_topology(inventory)
+    held: dict[str, list[HeldRules]] = {}
+    for name in delay_path_names():
+        for rules in delay_path(name).compile(topology, [p for p in on_paths if p.delay_path == name], tuple(driven)):
+            held.setdefault(rules.node, []).append(rules)
     players = player_schedules(on_paths, driven, sudo=inventory.spec.defaults.sudo) if driven else ()
-    return LinkPlan(on_paths, chains, driven, players)
+    return LinkPlan(on_paths, {node: tuple(rules) for node, rules in held.items()}, driven, players)
 
 
 def player_schedules(plans: Sequence[TcPlan], driven: Driven, *, sudo: bool) -> tuple[NodeSchedule, ...]:

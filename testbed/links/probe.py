@@ -1,8 +1,10 @@
 """What a node looks like before its links are shaped, read in one round trip (:func:`probe_script`):
-the interface of the SSH session and of the management address, whether the kernel has sch_netem and
-whether the NFQUEUE delay path is ready, our iptables rules, the link journal, the running delay
-handler's config and tc's state of the devices to shape. From it: why shaping must be refused on the
-node (:func:`refusals`, :func:`chain_refusals`), and each plan's delay path (:func:`assign_delay_paths`).
+the interface of the SSH session and of the management address, whether each delay path is ready
+there (:mod:`netem.delay_path`: sch_netem in the kernel, the NFQUEUE path's iptables, kernel module
+and installed handler), what the paths hold there (our iptables rules), the link journal, the running
+delay handler's config and tc's state of the devices to shape. From it: why shaping must be refused
+on the node (:func:`refusals`, :func:`held_refusals`), and each plan's delay path
+(:func:`assign_delay_paths`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from foundation.errors import NodeError
-from netem import nfqueue
+from netem.delay_path import DelayPath, HeldRules, by_path, choose, delay_path
+from netem.delay_path import names as delay_path_names
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan, plan_devices, plans_by_node
 from netem.tc_state import InterfaceState, parse_read, read_script, split_sections
-from testbed.delay_handler import installed_test
+from testbed.delay_handler import installed_test, launcher_path
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
 from testbed.links.handler_lifecycle import handler_read_script, json_or_none
@@ -28,33 +31,25 @@ from testbed.sudo_rules import privileged
 from testbed.transport import Transport, open_transport
 from testbed.transport.fanout import FanOutResult, fan_out
 
-# Prints "loaded", "builtin", "module" or "missing": whether tc can create a netem qdisc here.
-NETEM_PROBE = (
-    "if [ -d /sys/module/sch_netem ]; then echo loaded; "
-    'elif grep -qs "/sch_netem.ko" "/lib/modules/$(uname -r)/modules.builtin"; then echo builtin; '
-    "elif modprobe -n -q sch_netem 2>/dev/null; then echo module; "
-    "else echo missing; fi"
-)
+
+def installed(program: str) -> str:
+    """An sh test that ``program`` of the suite is installed on the node (what a delay path may need)."""
+    if program == "delay-handler":
+        return installed_test()
+    raise ValueError(f"{program!r} is not a program the suite installs on a node")
 
 
-def nfqueue_probe() -> str:
-    """sh that prints ``ready`` when the NFQUEUE delay path can run on the node, else ``missing:``
-    and what is missing (iptables, the kernel's nfnetlink_queue, this checkout's handler installed)."""
-    return (
-        "why=''; { [ -x /usr/sbin/iptables ] || [ -x /sbin/iptables ]; } || why=\"$why iptables\"; "
-        "{ [ -e /proc/net/netfilter/nfnetlink_queue ] || [ -d /sys/module/nfnetlink_queue ] "
-        "|| grep -qs /nfnetlink_queue.ko \"/lib/modules/$(uname -r)/modules.builtin\" "
-        "|| /sbin/modprobe -n -q nfnetlink_queue 2>/dev/null; } || why=\"$why nfnetlink_queue\"; "
-        f"{installed_test()} || why=\"$why delay-handler\"; "
-        'if [ -z "$why" ]; then echo ready; else echo "missing:$why"; fi'
-    )
+def listing_script(path: DelayPath, sudo: bool) -> str:
+    """sh that prints what ``path`` holds on the node (``iptables -S`` for NFQUEUE, through the installed
+    delay handler), empty where it cannot be read (the handler not installed)."""
+    argv = privileged(list(path.listing_argv), sudo=sudo)
+    guard = f"{installed_test()} && " if launcher_path() in argv else ""
+    return f"{guard}{shlex.join(argv)} 2>/dev/null; true"
 
 
-def iptables_read_script(sudo: bool) -> str:
-    """sh that prints our table's rules (``iptables -S``, through the installed delay handler), empty
-    where the handler is not installed."""
-    words = shlex.join(privileged(["iptables", "-w", "-t", nfqueue.TABLE, "-S"], sudo=sudo))
-    return f"{installed_test()} && {words} 2>/dev/null; true"
+def listed_paths() -> list[DelayPath]:
+    """The delay paths that hold rules outside tc (read back with a listing)."""
+    return [p for p in map(delay_path, delay_path_names()) if p.listing_argv]
 
 
 @dataclass(frozen=True)
@@ -64,24 +59,27 @@ class NodeProbe:
     node: str
     ssh_interface: str | None  # the interface the controller's SSH session arrives on
     management_interface: str | None  # the interface holding the node's inventory address
-    netem: str  # loaded, builtin, module or missing
     journal: LinkJournal | None
     states: dict[str, InterfaceState]
-    nfqueue: str = "missing: not probed"  # ready, or what the NFQUEUE delay path lacks
-    iptables: str = ""  # iptables -t mangle -S
+    readiness: dict[str, str] = dataclasses.field(default_factory=dict)  # delay path -> its probe's answer
+    listings: dict[str, str] = dataclasses.field(default_factory=dict)  # delay path -> what it holds, listed
     handler_config: dict | None = None  # the config of the delay handler running there, if one runs
 
-    def chain_commands(self, chains: Sequence[nfqueue.NfqueueRules]) -> list[list[str]]:
-        """The iptables commands that make this node hold ``chains``, given its table and journal as read."""
-        journaled = self.journal.chains if self.journal else ()
-        return nfqueue.iptables_commands_for(chains, self.iptables, journaled)
+    def held_commands(self, held: Sequence[HeldRules]) -> list[list[str]]:
+        """The commands that make this node hold ``held`` (rules outside tc), given what each delay path
+        lists there and what the journal names: an earlier apply's rules that are not held now go."""
+        journaled = self.journal.held if self.journal else {}
+        grouped = by_path(held)
+        commands: list[list[str]] = []
+        for name in dict.fromkeys([*grouped, *journaled]):
+            path = delay_path(name)
+            commands += path.commands(grouped.get(name, []), self.listings.get(name, ""), journaled.get(name, ()))
+        return commands
 
     def delay_path(self, preference: str) -> str:
-        """The delay path of the classes this node shapes (``defaults.delay_path``): netem where asked,
-        or asked for auto and the kernel has sch_netem, else nfqueue."""
-        if preference == "netem" or (preference == "auto" and self.netem != "missing"):
-            return "netem"
-        return "nfqueue"
+        """The delay path of the classes this node shapes (``defaults.delay_path``; auto: netem where the
+        kernel has sch_netem, else nfqueue): :func:`netem.delay_path.choose`."""
+        return choose(preference, self.readiness)
 
 
 def _interface_of(addr_json: str, address: str | None) -> str | None:
@@ -108,9 +106,8 @@ def probe_script(devices: Sequence[str], workdir: str, sudo: bool = False) -> st
         [
             'echo "#### ssh"; echo "${SSH_CONNECTION:-}"',
             'echo "#### addr"; ip -j addr show 2>/dev/null || echo "[]"',
-            f'echo "#### netem"; {NETEM_PROBE}',
-            f'echo "#### nfqueue"; {nfqueue_probe()}',
-            f'echo "#### iptables"; {iptables_read_script(sudo)}',
+            *(f'echo "#### {name}"; {delay_path(name).readiness_probe(installed)}' for name in delay_path_names()),
+            *(f'echo "#### {p.listing_name}"; {listing_script(p, sudo)}' for p in listed_paths()),
             node_journal.read_script(workdir),
             handler_read_script(workdir),
             read_script(devices),
@@ -132,11 +129,10 @@ def probe_node(transport: Transport, node: NodeSpec, devices: Sequence[str], wor
         node=node.name,
         ssh_interface=_interface_of(addr_json, ssh[2]) if len(ssh) >= 3 else None,
         management_interface=_interface_of(addr_json, node.address),
-        netem=sections.get("netem", "").strip() or "missing",
         journal=journal,
         states=parse_read(output),
-        nfqueue=sections.get("nfqueue", "").strip() or "missing: not probed",
-        iptables=sections.get("iptables", ""),
+        readiness={name: sections.get(name, "").strip() or "missing: not probed" for name in delay_path_names()},
+        listings={p.name: sections.get(p.listing_name, "") for p in listed_paths()},
         handler_config=json_or_none(sections.get("handler", "")),
     )
 
@@ -161,11 +157,9 @@ def refusals(probe: NodeProbe, plans: Sequence[TcPlan]) -> list[str]:
                     f"{where} carries the node's {what}: shaping it could cut the controller off; "
                     "give the node a separate data interface"
                 )
-        if p.has_delay_or_loss and p.delay_path == "netem" and probe.netem == "missing":
-            problems.append(
-                f"{where}: a profile has delay, jitter or loss and defaults.delay_path is netem, but the kernel "
-                "has no sch_netem; set delay_path to auto (the NFQUEUE path) or drop delay/jitter/loss"
-            )
+        netem = delay_path("netem")
+        if p.has_delay_or_loss and p.delay_path == netem.name and not netem.ready(probe.readiness.get("netem", "")):
+            problems.append(netem.not_ready(probe.node, probe.readiness.get("netem", ""), p.interface))
         root = state.root_qdisc
         if root is not None and root.get("handle") not in ("0:", f"{HTB_HANDLE}:") and not p.ifb:
             problems.append(
@@ -183,17 +177,14 @@ def refusals(probe: NodeProbe, plans: Sequence[TcPlan]) -> list[str]:
     return problems
 
 
-def chain_refusals(probe: NodeProbe, chains: Sequence[nfqueue.NfqueueRules]) -> list[str]:
-    """Why this node cannot hold the NFQUEUE chains of the directions it receives (empty: go ahead)."""
-    if not chains or probe.nfqueue == "ready":
-        return []
-    directions = ", ".join(f"{d.sender} -> {d.receiver}" for c in chains for d in c.directions)
-    return [
-        f"{probe.node}: the NFQUEUE delay path is not ready ({probe.nfqueue}) for {directions} (the kernel has no "
-        "sch_netem); install iptables, and the delay handler root-owned (`testbed provision` does, or says the one "
-        "command to run as root; its Python needs NetfilterQueue, which needs libnetfilter-queue), or drop "
-        "delay/jitter/loss from the profile"
-    ]
+def held_refusals(probe: NodeProbe, held: Sequence[HeldRules]) -> list[str]:
+    """Why this node cannot hold the rules its delay paths need outside tc (empty: go ahead)."""
+    problems = []
+    for name, rules in by_path(held).items():
+        path, answer = delay_path(name), probe.readiness.get(name, "")
+        if not path.ready(answer):
+            problems.append(path.not_ready(probe.node, answer, ", ".join(r.description for r in rules)))
+    return problems
 
 
 def assign_delay_paths(
@@ -204,7 +195,7 @@ def assign_delay_paths(
     out = []
     for p in plans:
         probe = probes.get(p.node)
-        path = probe.delay_path(preference) if probe is not None else preference.replace("auto", "netem")
+        path = choose(preference, probe.readiness if probe is not None else None)
         out.append(dataclasses.replace(p, delay_path=path))
     return tuple(out)
 

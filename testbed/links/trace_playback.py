@@ -70,7 +70,9 @@ def apply_traced_plan(
     plan = result.plan  # each tc plan on the delay path its node took
     start_unix_s = time.time()
     node_schedules = plan.players
-    timelines = delay_timelines([c for held in plan.chains.values() for c in held], dict(plan.driven))
+    # the delay handler plays the traced directions' delay rows itself (the NFQUEUE path's queues)
+    queued = [r for rules in plan.held.values() for r in rules if r.delay_path == "nfqueue"]
+    timelines = delay_timelines(queued, dict(plan.driven))  # type: ignore[arg-type]
     workdir = inventory.spec.defaults.workdir
     player = PLAYER_SOURCE.read_bytes()
 
