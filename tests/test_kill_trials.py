@@ -156,9 +156,17 @@ def test_a_link_journal_value_that_is_not_a_name_or_pidfile_is_refused_before_an
         "handler_pidfile": "/etc/../run/sshd.pid",
         "trace_pidfile": "~/hil-testbed/netem/trace.pid; rm -rf ~",
     }
-    for field, value in bad.items():
-        with pytest.raises(ValueError, match=field.split("_")[0] if field != "devices" else "devices"):
+    for field, value in bad.items():  # (format 1's chains are read as the NFQUEUE path's held rules)
+        named = {"devices": "devices", "chains": r"held\.nfqueue"}.get(field, field.split("_")[0])
+        with pytest.raises(ValueError, match=named):
             LinkJournal.from_json(json.dumps({**good, field: value}))
+    # format 2 keeps each delay path's keys under held: each path checks its own, an unknown path is refused
+    current = {**{k: v for k, v in good.items() if k != "chains"}, "format": 2, "held": {"nfqueue": [["data0", "ingress"]]}}
+    assert LinkJournal.from_json(json.dumps(current)).held == {"nfqueue": (("data0", "ingress"),)}
+    for held, named in (({"nfqueue": [["data0", "PREROUTING -j ACCEPT"]]}, r"held\.nfqueue"),
+                        ({"bogus": [["data0", "ingress"]]}, "'bogus' is not a delay path")):  # fmt: skip
+        with pytest.raises(ValueError, match=named):
+            LinkJournal.from_json(json.dumps({**current, "held": held}))
 
 
 def test_a_noted_process_is_checked_against_the_inventory_and_the_workdir(tmp_path: Path) -> None:

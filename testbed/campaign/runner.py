@@ -39,9 +39,11 @@ from foundation.errors import TestbedError
 from nodes.contracts.durable import rename_durably, write_atomic, write_json_atomic
 from nodes.contracts.journal_values import JournalValueError, checked_path
 from testbed.campaign.carryover import Carryover
-from testbed.campaign.execution import Kept, Report, execute_run, release_nodes
+from testbed.campaign.execution import Report, execute_run
 from testbed.campaign.ledger import Ledger
 from testbed.campaign.plan import configured_nodes
+from testbed.campaign.restore_phase import release_nodes
+from testbed.campaign.run_state import Kept
 from testbed.campaign.spec import Campaign, PlannedRun, run_nodes
 from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.node_context import host_of, transport_for
