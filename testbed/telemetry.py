@@ -33,6 +33,7 @@ from foundation.clock_alignment import ClockAlignment
 from foundation.errors import NodeError, TestbedError
 from nodes.contracts.tool_answers import SensorStatus
 from testbed.inventory import Inventory, NodeSpec, kind_of
+from testbed.inventory.schema import MeterSpec
 from testbed.node_code import node_code
 from testbed.node_context import (
     NodeContext,
@@ -59,6 +60,7 @@ class SamplerPlan:
     host: str  # the node itself, or a phone's USB host ("controller" for the controller)
     sources: tuple[str, ...]
     serial: str | None = None
+    meter: MeterSpec | None = None  # the node's supply meter, read instead of its own sensors
 
     def argv(self, python: str) -> list[str]:
         words = [python, "-m", "nodes.telemetry.sampler"]
@@ -66,18 +68,21 @@ class SamplerPlan:
             words += ["--source", source]
         if self.serial:
             words += ["--serial", self.serial]
+        if self.meter is not None:
+            words += ["--meter-channel", self.meter.channel, "--meter-vout-v", f"{self.meter.vout_v:g}"]
         return [*words, "--node", self.node]
 
 
 def sampler_plan(node: NodeSpec, jetson_source: str = "tegrastats") -> SamplerPlan:
-    """The node kind's sources (:mod:`testbed.inventory.node_kinds`); a phone's are sampled on its USB
-    host, with its serial."""
+    """The node kind's sources (:mod:`testbed.inventory.node_kinds`), or its supply meter where it has one
+    (then the meter is what measures it); a phone's are sampled on its USB host, with its serial."""
     kind = kind_of(node)
-    sources = kind.telemetry(node, jetson_source)
+    serial = node.adb.serial if kind.via_usb_host and node.adb is not None else None
+    sources = (node.meter.kind,) if node.meter is not None else kind.telemetry(node, jetson_source)
     if kind.via_usb_host:
         assert node.adb is not None
-        return SamplerPlan(node.name, node.adb.usb_host, sources, node.adb.serial)
-    return SamplerPlan(node.name, node.name, sources)
+        return SamplerPlan(node.name, node.adb.usb_host, sources, serial, node.meter)
+    return SamplerPlan(node.name, node.name, sources, meter=node.meter)
 
 
 # -- probe ---------------------------------------------------------------------------------------
@@ -115,8 +120,14 @@ def sampler_start_command(
 ) -> list[str]:
     """The detached sampler's command line for a recording (its files under ``telemetry/<session>/``)."""
     datafile = sampler_paths(context, session)[0]
+    meter_log = ["--meter-log", meter_log_path(datafile)] if plan.meter is not None else []
     return [*sampler_command(plan, context), "--interval-ms", str(round(interval_s * 1000)), "--out", datafile,
-            "--max-seconds", f"{max_seconds + STOP_MARGIN_S:g}"]  # fmt: skip
+            "--max-seconds", f"{max_seconds + STOP_MARGIN_S:g}", *meter_log]  # fmt: skip
+
+
+def meter_log_path(datafile: str) -> str:
+    """Where a node's meter writes its own file, beside the sampler's rows (collected with them)."""
+    return datafile.removesuffix(".csv") + ".meter.csv"
 
 
 def probe_node(
@@ -342,6 +353,8 @@ def finish_recording(
         local = raw / f"{name}.csv"
         with transport_for(inventory, specs[name]) as t:
             t.get(by_name[name].datafile, local)
+            if specs[name].meter is not None:  # the meter's own file, in its own format
+                t.get(meter_log_path(by_name[name].datafile), raw / f"{name}.{specs[name].meter.kind}.csv")
         return local
 
     pulled = fan_out(list(by_name), pull, description="collecting telemetry")

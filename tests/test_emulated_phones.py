@@ -13,7 +13,9 @@ import threading
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
+from ruamel.yaml import YAML
 
 from foundation.errors import InputError
 from nodes.emulated.cgroup import CpuCgroup
@@ -71,6 +73,17 @@ def test_an_emulated_phones_inventory_is_checked(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="no emulated phone 'galaxy-s24'"):
         load_inventory(emulated_inventory(tmp_path, "pq", 212, PHONE_NODES.replace("pixel-7-pro", "galaxy-s24")))
     assert load_inventory(emulated_inventory(tmp_path, "pq", 212, PHONE_NODES)).node("pixel").emulated is not None
+    # a supply meter: a kind the suite reads, on a node that has one (an emulated board has no stand-in)
+    metered = PHONE_NODES.replace("    adb: {serial: EMU7PRO0001, usb_host: hub}\n",
+                                  "    adb: {serial: EMU7PRO0001, usb_host: hub}\n    meter: {kind: monsoon}\n")
+    assert load_inventory(emulated_inventory(tmp_path, "pq", 212, metered)).node("pixel").meter is not None
+    with pytest.raises(InputError, match=r"inventory.yaml:\d+: nodes\[2\]\.meter\.kind"):
+        load_inventory(emulated_inventory(tmp_path, "pq", 212, metered.replace("kind: monsoon", "kind: otii")))
+    board = PHONE_NODES.replace("    roles: [device]\n    emulated:\n      power_modes:\n        - {id: 0, name: MAXN",
+                                "    roles: [device]\n    meter: {kind: monsoon}\n    emulated:\n      power_modes:\n"
+                                "        - {id: 0, name: MAXN", 1)  # fmt: skip
+    with pytest.raises(InputError, match="an emulated jetson has no stand-in meter"):
+        load_inventory(emulated_inventory(tmp_path, "pq", 212, board))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
@@ -122,6 +135,7 @@ def test_a_phone_is_reached_through_adb_its_governor_moves_its_quota_and_its_bat
         devices = json.loads((tmp_path / "state" / "adb-devices.json").read_text())
         assert devices["EMU7PRO0001"]["usb_host"] == "hub"
         _an_app_on_the_phone_streams_from_the_server_across_the_data_plane(lab, tmp_path)
+        _a_supply_meter_on_the_phone_is_what_measures_it(Path(resolved), tmp_path)
 
 
 def _an_app_on_the_phone_streams_from_the_server_across_the_data_plane(lab, tmp_path: Path) -> None:
@@ -155,3 +169,35 @@ def _an_app_on_the_phone_streams_from_the_server_across_the_data_plane(lab, tmp_
     finally:
         with open_transport(lab, server) as t:
             t.run(["kill", str(pid)], timeout_s=30.0)
+
+
+def _a_supply_meter_on_the_phone_is_what_measures_it(resolved: Path, tmp_path: Path) -> None:
+    """A Monsoon inline with the phone's supply (``meter:`` on the node): its logger runs on the phone's
+    USB host and writes the meter's own CSV (here the stand-in's, from the phone's modeled battery), and
+    the node's telemetry is the meter's: whole-device power, labelled modeled, the raw file beside it."""
+    from analysis.metrics import node_power
+    from nodes.contracts import monsoon_csv
+
+    yaml = YAML(typ="rt")
+    data = yaml.load(resolved.read_text())
+    next(n for n in data["nodes"] if n["name"] == "pixel")["meter"] = {"kind": "monsoon", "vout_v": 3.9}
+    metered = tmp_path / "metered.yaml"
+    with metered.open("w") as handle:
+        yaml.dump(data, handle)
+    out = tmp_path / "metered"
+    done = run_cli("telemetry", "record", "-i", str(metered), "--nodes", "pixel", "--seconds", "3",
+                   "--interval-ms", "250", "--out", str(out), timeout_s=180)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    frame = pd.read_parquet(out / "pixel.parquet")
+    power = frame[frame["metric"] == "board_power_mw"]
+    assert len(power) >= 6 and set(power["sensor"]) == {"monsoon:main"} and set(power["kind"]) == {"modeled"}
+    raw = (out / "raw" / "pixel.monsoon.csv").read_text()
+    assert raw.startswith("Time(ms),Main(mA),Main Voltage(V),\n")  # the meter's own format, as PyMonsoon writes
+    samples = monsoon_csv.parse(raw, "main")
+    assert len(samples) >= 50 and {s.voltage_v for s in samples} == {3.9}
+    mean_raw = sum(s.power_mw for s in samples) / len(samples)
+    assert power["value"].mean() == pytest.approx(mean_raw, rel=0.25)  # interval means of the same samples
+    recording = json.loads((out / "recording.json").read_text())["nodes"]["pixel"]
+    assert recording["source"] == "monsoon" and "stand-in" in recording["source_header"]["meter"]
+    chosen = node_power(frame.assign(run_id="r"))
+    assert len(chosen) == len(power)  # the run's energy comes from the meter

@@ -87,13 +87,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--node", default=platform.node(), help="node name for the file header")
     parser.add_argument("--serial", help="phone serial (android source)")
     parser.add_argument("--adb", default="adb", help="adb executable (android source)")
+    parser.add_argument("--meter-channel", choices=("main", "usb"), default="main", help="monsoon: the output channel")
+    parser.add_argument("--meter-vout-v", type=float, default=4.0, help="monsoon: the voltage it supplies")
+    parser.add_argument("--meter-log", help="monsoon: where its logger writes its own CSV")
     parser.add_argument("--probe", action="store_true", help="print every sensor's reading as JSON and exit")
     args = parser.parse_args(argv)
     interval_s = args.interval_ms / 1000.0
     if interval_s <= 0 or args.max_seconds <= 0:
         parser.error("--interval-ms and --max-seconds must be positive")
     try:
-        source = build_source(args.source, interval_s, serial=args.serial, adb=args.adb)
+        source = build_source(args.source, interval_s, serial=args.serial, adb=args.adb,
+                              meter_channel=args.meter_channel, meter_vout_v=args.meter_vout_v,
+                              meter_log=args.meter_log)  # fmt: skip
     except UnknownSource as exc:
         parser.error(str(exc))
     except Exception as exc:  # a source that cannot start says why, as JSON

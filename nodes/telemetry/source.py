@@ -23,6 +23,9 @@ class SourceOptions(NamedTuple):
     interval_s: float
     serial: Optional[str] = None  # a phone's adb serial
     adb: str = "adb"
+    meter_channel: str = "main"  # an inline supply meter's output channel (monsoon: main or usb)
+    meter_vout_v: float = 4.0  # the voltage the meter supplies the node with
+    meter_log: Optional[str] = None  # where the meter's own logger writes its file (kept beside the rows)
 
 
 class Source(object):

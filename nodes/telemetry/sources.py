@@ -8,6 +8,8 @@ its own pace, which cannot be combined with others; polled sources are sampled t
 - ``host``: the host's CPU utilisation, RAM, and RAPL energy where readable, :mod:`.host`
 - ``emulated``: an emulated node's cgroup utilisation and modeled power, :mod:`.modeled_power`
 - ``android``: a phone's battery over adb (``--serial``), from its USB host, :mod:`.battery`
+- ``monsoon``: a Monsoon power monitor inline with the node's supply, on the host its USB is plugged
+  into (``--meter-*``; an emulated phone's stand-in reads its modeled battery), :mod:`.monsoon`
 """
 
 import importlib
@@ -22,6 +24,7 @@ SOURCES = {
     "host": "nodes.telemetry.host",
     "emulated": "nodes.telemetry.modeled_power",
     "android": "nodes.telemetry.battery",
+    "monsoon": "nodes.telemetry.monsoon",
 }
 NAMES = tuple(SOURCES)
 
@@ -30,7 +33,9 @@ def _module(name: str) -> Any:
     return importlib.import_module(SOURCES[name])
 
 
-def build_source(names: Sequence[str], interval_s: float, serial: Optional[str] = None, adb: str = "adb") -> Source:
+def build_source(
+    names: Sequence[str], interval_s: float, serial: Optional[str] = None, adb: str = "adb", **meter: Any
+) -> Source:
     """One source for ``names``: a stream source alone, or polled sources sampled together."""
     unknown = [n for n in names if n not in SOURCES]
     if unknown or not names:
@@ -41,7 +46,7 @@ def build_source(names: Sequence[str], interval_s: float, serial: Optional[str] 
     for name, module in zip(names, modules):
         if module.PACES_ITSELF and len(names) > 1:
             raise UnknownSource("the %s source paces itself and cannot be combined with others" % name)
-    options = SourceOptions(interval_s, serial, adb)
+    options = SourceOptions(interval_s, serial, adb, **meter)
     made = [module.source(options) for module in modules]
     if len(made) == 1:
         return made[0]

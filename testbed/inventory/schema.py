@@ -159,6 +159,17 @@ class AdbAttachment(_Strict):
     usb_host: Name
 
 
+class MeterSpec(_Strict):
+    """An external power meter inline with the node's supply (a Monsoon on a phone whose battery it
+    replaces, or on a board's input): the node's telemetry then comes from the meter, read where the
+    node's commands run (a phone's USB host, which its USB is plugged into too; else the node). On an
+    emulated phone a stand-in meter reads the phone's modeled battery and writes the meter's format."""
+
+    kind: Literal["monsoon"]  # the meter's logger and file format (nodes/telemetry/monsoon.py)
+    channel: Literal["main", "usb"] = "main"  # the Monsoon output the node hangs on
+    vout_v: Number = Field(4.0, ge=0.8, le=13.5)  # the voltage it supplies (HVPM: 0.8-13.5 V)
+
+
 class EmulatedPowerMode(_Strict):
     """One power mode of an emulated node: its CPU quota and modeled power."""
 
@@ -194,6 +205,7 @@ class NodeSpec(_Strict):
     gpus: StrictInt = Field(0, ge=0, le=64)
     gpu_model: Name | None = None
     adb: AdbAttachment | None = None
+    meter: MeterSpec | None = None
     tags: tuple[Name, ...] = Field((), max_length=64)
     registry_access: StrictBool | None = None  # overrides defaults.registry_access for this node
     # the hardware the node is (or stands for, emulated): a profile in examples/profiles or a file
