@@ -65,10 +65,11 @@ CLOCK_SYNC_WARN_S = 0.05
 _WHEELHOUSE_LOCK = threading.Lock()
 TOOL_PACKAGES = {"tc": "iproute2", "ip": "iproute2", "iperf3": "iperf3"}
 
-# key=value lines; what `facts` does not already gather. $1: base Python, $2: venv, $3: workdir.
+# key=value lines; what `facts` does not already gather. $1: base Python, $2: venv, $3: workdir, $4: the
+# systemd unit of the board family's optional telemetry service (node_kinds.BoardFamily.service), or ''.
 _READINESS_SCRIPT = r"""
 k() { printf '%s=%s\n' "$1" "$2"; }
-PY=$1 V=$2 W=$3
+PY=$1 V=$2 W=$3 U=$4
 S=$PATH:/usr/sbin:/sbin
 for t in tc ip iperf3 apt-get dnf timedatectl chronyc systemctl nvidia-smi adb; do
   PATH=$S command -v "$t" >/dev/null 2>&1 && k tool "$t"
@@ -83,7 +84,7 @@ k glibc "$(getconf GNU_LIBC_VERSION 2>/dev/null | cut -d' ' -f2)"
 command -v timedatectl >/dev/null 2>&1 &&
   k ntp_synchronized "$(timedatectl show -p NTPSynchronized --value 2>/dev/null)"
 command -v chronyc >/dev/null 2>&1 && k chrony "$(chronyc tracking 2>/dev/null | grep '^System time')"
-command -v systemctl >/dev/null 2>&1 && k jtop_service "$(systemctl is-active jtop 2>/dev/null)"
+[ -n "$U" ] && command -v systemctl >/dev/null 2>&1 && k board_service "$(systemctl is-active "$U" 2>/dev/null)"
 "$PY" -c '
 import sys
 from importlib.util import find_spec
@@ -258,7 +259,7 @@ def judge_readiness(
             )
     kind = kind_of(node)
     hint = kind.boards.service_hint if kind.boards else ""
-    if hint and not facts.emulated and first_value(values, "jtop_service") != "active":
+    if hint and not facts.emulated and first_value(values, "board_service") != "active":
         warnings.append(hint)
     if kind.discrete_gpus and node.gpus and "nvidia-smi" not in tools:
         missing.append(("nvidia-smi (NVIDIA driver)", "install the NVIDIA driver for the server's GPUs"))
@@ -392,7 +393,9 @@ class _NodeProvisioner:
         )
 
     def probe(self) -> dict[str, list[str]]:
-        words = ["sh", "-c", _READINESS_SCRIPT, "readiness", self.python, self.venv, self.workdir]
+        boards = kind_of(self.node).boards
+        service = boards.service if boards is not None else ""
+        words = ["sh", "-c", _READINESS_SCRIPT, "readiness", self.python, self.venv, self.workdir, service]
         result = self.t.run(words, timeout_s=60.0)
         if "readiness-end" not in result.stdout:
             raise NodeError(self.node.name, f"the readiness probe failed: {result.stderr.strip()[-300:]}")

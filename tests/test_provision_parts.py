@@ -726,7 +726,7 @@ def good_values(**changes: list[str]) -> dict[str, list[str]]:
         "sudo_ok": ["HIL_TC", "HIL_IP", "HIL_PROBE"],
         "workdir_free_kb": [str(20 * GIB_KB)],
         "ntp_synchronized": ["yes"],
-        "jtop_service": ["active"],
+        "board_service": ["active"],  # the Jetsons' jtop unit, as the probe names it
     }
     values.update(changes)
     return values
@@ -800,12 +800,12 @@ def test_an_unsynchronised_clock_warns_unless_chrony_keeps_it_close(readiness_in
 
 
 def test_jetson_warnings_are_for_real_boards_only(readiness_inventory: Inventory):
-    values = good_values(jtop_service=["inactive"])
+    values = good_values(board_service=["inactive"])
     _, warnings = judge(readiness_inventory, "orin", values)
     assert len(warnings) == 1 and "jtop service is not active" in warnings[0]
     assert "systemctl enable --now jtop" in warnings[0]
     unsynced = good_values(
-        jtop_service=["inactive"], ntp_synchronized=["no"], chrony=["System time : 3.0 seconds slow"]
+        board_service=["inactive"], ntp_synchronized=["no"], chrony=["System time : 3.0 seconds slow"]
     )
     assert len(judge(readiness_inventory, "orin", unsynced)[1]) == 2
     assert judge(readiness_inventory, "orin", unsynced, emulated=True) == ([], [])

@@ -53,7 +53,8 @@ class BoardFamily:
     release_file: str  # the OS image's release file (L4T's), its absence a problem
     system_torch: bool  # torch comes with the OS image (JetPack's), never from PyPI
     standin_tools: tuple[str, ...]  # the tools an emulated board gets stand-ins of, on its PATH
-    service_hint: str = ""  # a warning when the board's optional telemetry service is not active
+    service: str = ""  # the systemd unit of the board's optional telemetry service (jtop), read when probing
+    service_hint: str = ""  # the warning when that service is not active
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ JETSON = register(NodeKind(
         release_file="/etc/nv_tegra_release",
         system_torch=True,
         standin_tools=("nvpmodel", "jetson_clocks", "tegrastats"),
+        service="jtop",
         service_hint="the jtop service is not active (needed only for --jetson-source jtop): "
                      "sudo systemctl enable --now jtop",
     ),
