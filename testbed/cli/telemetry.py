@@ -107,7 +107,7 @@ def telemetry_import_tegrastats(
                                                 "(its timestamps) and UTC.")] = 0.0,
 ) -> None:
     """Convert an existing tegrastats log (JetPack 4 to 7) into our telemetry format."""
-    from testbed.telemetry import import_tegrastats
+    from testbed.telemetry_import import import_tegrastats
 
     if not log.is_file():
         raise TestbedError(f"{log}: no such file")
