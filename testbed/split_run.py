@@ -23,7 +23,7 @@ import secrets
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,18 @@ class MpiLaunchPlan:
 
 
 @dataclass(frozen=True)
+class MethodSections:
+    """The run config's sections of the method families, as the campaign's settings became them (each
+    holds its contract's fields, nodes.contracts.run_config; None: the run has none)."""
+
+    draft: Mapping[str, Any] | None = None  # HAT's draft model and drafting (DraftSettings)
+    serving: Mapping[str, Any] | None = None  # the serving engine's budgets and scheduler (Andes)
+    scaling: Mapping[str, Any] | None = None  # CoCoServe's GPU memory, speedup model and monitor
+    dispatch: Mapping[str, Any] | None = None  # DiSCo's policy, prices, endpoints and their key's place
+    target: Mapping[str, Any] | None = None  # target emulation: the model, the dilation, each node's profile
+
+
+@dataclass(frozen=True)
 class SplitRunSpec:
     method: str
     model: str  # checkpoint directory as seen on the nodes
@@ -131,7 +143,7 @@ class SplitRunSpec:
     run_id: str = "split"
     timeout_s: float = 600.0
     threads_per_rank: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
+    sections: MethodSections = MethodSections()
     device_slots: int = 1  # device ranks per device node: a free one takes the next request
 
 
@@ -188,10 +200,10 @@ def _rank_specs(
 ) -> tuple[RankSpec, ...]:
     """The run's ranks in MPI order: the server's P stages, then each device's slots (a rank each, all
     reading the device's schedule: a free slot claims the next request, see ``nodes.workers.device``);
-    each with its node's compute profile when the run emulates a target (``extra["target"]``)."""
+    each with its node's compute profile when the run emulates a target (``sections.target``)."""
     device = _torch_device(server)
     profiles = {name: rates_from_json(entry["rates"])
-                for name, entry in ((spec.extra.get("target") or {}).get("nodes") or {}).items()}  # fmt: skip
+                for name, entry in ((spec.sections.target or {}).get("nodes") or {}).items()}  # fmt: skip
     ranks = [RankSpec("stage", server.name, i, device, spec.threads_per_rank, profile=profiles.get(server.name))
              for i in range(spec.stages)]  # fmt: skip
     slots = [node for node in devices for _ in range(spec.device_slots)]
@@ -203,17 +215,17 @@ def _rank_specs(
 def run_config_for(spec: SplitRunSpec, model_dir: str, run_dir: str, ranks: tuple[RankSpec, ...]) -> RunConfig:
     """The run config one node's ranks read (the model as that node has it: a placed part or the
     checkpoint); the draft adapter stays with the checkpoint, also when the node runs a placed part."""
-    draft = {"adapter": default_adapter_dir(spec.model), **(spec.extra.get("draft") or {})}
-    target = spec.extra.get("target")
+    draft = {"adapter": default_adapter_dir(spec.model), **(spec.sections.draft or {})}
+    target = spec.sections.target
     return RunConfig(
         run_id=spec.run_id, method=spec.method, model=model_dir, dtype=spec.dtype, device_layers=spec.device_layers,
         stages=spec.stages, chunk_tokens=spec.chunk_tokens, out_dir=f"{run_dir}/out", ranks=ranks,
         draft=DraftSettings(**draft), deadline_s=spec.timeout_s,
         target=None if target is None else TargetSettings(
             target_from_json(target["model"]), float(target["dilation"]), bool(target["pad_payloads"])),
-        serving=ServingSettings(**spec.extra.get("serving", {})),
-        dispatch=_dispatch_settings(spec.extra.get("dispatch"), run_dir),
-        scaling=scaling_settings(spec.extra.get("scaling"), "the run's scaling settings"),
+        serving=ServingSettings(**(spec.sections.serving or {})),
+        dispatch=_dispatch_settings(spec.sections.dispatch, run_dir),
+        scaling=scaling_settings(spec.sections.scaling, "the run's scaling settings"),
     )  # fmt: skip
 
 
@@ -222,7 +234,7 @@ RUN_KEY_FILE = "endpoints.key"  # the run's own key for the endpoints it starts,
 PER_RUN_KEY = "<per-run key>"  # the dispatch section's ``endpoint_key``: one is made when the run is staged
 
 
-def _dispatch_settings(raw: dict[str, Any] | None, run_dir: str) -> DispatchSettings:
+def _dispatch_settings(raw: Mapping[str, Any] | None, run_dir: str) -> DispatchSettings:
     """The run config's dispatch section: the key's variable name becomes the path of its file, and a
     per-run key the path of the file staging writes it to."""
     fields = {k: v for k, v in (raw or {}).items() if k not in ("external_key_env", "endpoint_key")}
@@ -232,7 +244,7 @@ def _dispatch_settings(raw: dict[str, Any] | None, run_dir: str) -> DispatchSett
     return dispatch_settings(fields if raw else None, "the run's dispatch settings")
 
 
-def run_key_path(dispatch: dict[str, Any] | None, run_dir: str) -> str | None:
+def run_key_path(dispatch: Mapping[str, Any] | None, run_dir: str) -> str | None:
     """Where a node keeps the run's endpoint key, when the run's dispatch section asks for one."""
     return f"{run_dir}/{RUN_KEY_FILE}" if (dispatch or {}).get("endpoint_key") == PER_RUN_KEY else None
 
@@ -244,7 +256,7 @@ def private_store_script(path: str, size: int) -> str:
 
 def endpoint_key(spec: SplitRunSpec) -> bytes | None:
     """An external endpoint's key, from the controller's environment (checked when the campaign loaded)."""
-    name = (spec.extra.get("dispatch") or {}).get("external_key_env")
+    name = (spec.sections.dispatch or {}).get("external_key_env")
     if not name:
         return None
     value = os.environ.get(name)
@@ -317,7 +329,7 @@ def stage_run(inventory: Inventory, spec: SplitRunSpec, contexts: Mapping[str, N
                 if key is not None:  # readable by the node's user alone; the rank removes it once read
                     t.run(["sh", "-c", private_store_script(f"{run_dir}/{KEY_FILE}", len(key))], stdin=key,
                           timeout_s=60.0).check()  # fmt: skip
-            key_path = run_key_path(spec.extra.get("dispatch"), run_dir)
+            key_path = run_key_path(spec.sections.dispatch, run_dir)
             if key_path is not None:  # the run's endpoints ask for it; its ranks read it from here
                 t.run(["sh", "-c", private_store_script(key_path, len(run_key))], stdin=run_key, timeout_s=60.0).check()
             return info
@@ -627,7 +639,7 @@ def plan_mpiexec_search(lines: PlanLines, server: str, context: NodeContext) -> 
 def plan_stage(lines: PlanLines, spec: SplitRunSpec, contexts: Mapping[str, NodeContext]) -> None:
     """The stage phase's lines of :func:`stage_run`, node by node (a key's value comes on stdin: never
     in a plan, a manifest or a command line)."""
-    external = bool((spec.extra.get("dispatch") or {}).get("external_key_env"))
+    external = bool((spec.sections.dispatch or {}).get("external_key_env"))
     for name in (spec.server, *spec.devices):
         context = contexts[name]
         run_dir = run_dir_on(context, spec.run_id)
@@ -639,7 +651,7 @@ def plan_stage(lines: PlanLines, spec: SplitRunSpec, contexts: Mapping[str, Node
                 lines.add(name, "stage", "store the external endpoint's key, its user's alone (0600)",
                           normalised_line(sh(private_store_script(f"{run_dir}/{KEY_FILE}", 0))),
                           short=f"(store, 0600) {run_dir}/{KEY_FILE}")  # fmt: skip
-        key_path = run_key_path(spec.extra.get("dispatch"), run_dir)
+        key_path = run_key_path(spec.sections.dispatch, run_dir)
         if key_path is not None:
             stored = normalised_line(sh(private_store_script(key_path, 0)))
             lines.add(name, "stage", f"store the run's endpoint key, its user's alone (0600): {PER_RUN_KEY}", stored,

@@ -22,7 +22,7 @@ import pytest
 from testbed.campaign.dispatch_config import dispatch_config
 from testbed.campaign.load import load_campaign
 from testbed.campaign.plan import plan_run
-from testbed.split_run import PER_RUN_KEY, RUN_KEY_FILE, SplitRunSpec, run_config_for
+from testbed.split_run import PER_RUN_KEY, RUN_KEY_FILE, MethodSections, SplitRunSpec, run_config_for
 from tests.test_disco_campaign import campaign_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,12 +114,12 @@ def test_staging_hands_each_node_the_path_of_its_run_key_and_plans_show_a_placeh
     assert section["endpoint_key"] == PER_RUN_KEY  # what the plan holds: no key yet
     spec = SplitRunSpec(method="disco", model=str(TINY), server="server", devices=("orin",), device_layers=0,
                         schedule=({"prompt": "x", "max_new_tokens": 2},), run_id="r1-a1",
-                        extra={"dispatch": section})  # fmt: skip
+                        sections=MethodSections(dispatch=section))  # fmt: skip
     ranks = (RankSpec("stage", "server", 0), RankSpec("device", "orin", 0, schedule="/s"))
     config = run_config_for(spec, str(TINY), "/home/lab/hil-testbed/runs/r1-a1", ranks)
     assert config.dispatch.endpoint_key_file == f"/home/lab/hil-testbed/runs/r1-a1/{RUN_KEY_FILE}"
     assert parse(config.to_json()) == config and PER_RUN_KEY not in json.dumps(config.to_json())
-    assert run_config_for(replace(spec, extra={}), str(TINY), "/w", ranks).dispatch.endpoint_key_file is None
+    assert run_config_for(replace(spec, sections=MethodSections()), str(TINY), "/w", ranks).dispatch.endpoint_key_file is None
 
 
 def test_the_dry_run_of_a_disco_campaign_shows_the_key_as_a_placeholder(tmp_path: Path) -> None:

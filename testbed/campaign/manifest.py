@@ -104,7 +104,7 @@ def modeled_statements(lab: Inventory, names: list[str], state: Any) -> list[str
 def _target(state: Any) -> dict[str, Any] | None:
     """The run's target (model, dilation, each node's profile and mode), when it emulates one."""
     plan = getattr(state, "plan", None)
-    return plan.split.extra.get("target") if plan is not None else None
+    return plan.split.sections.target if plan is not None else None
 
 
 def model_config(directory: Path) -> dict[str, Any] | None:

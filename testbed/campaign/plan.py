@@ -368,7 +368,7 @@ def plan_commands(lab: Inventory, plan: RunPlan) -> list[PlannedCommand]:
     # configure: power modes (each set where the node is not in it already), CPU pacing of emulated
     # nodes in a target run (a quota that never holds their paced steps back), links
     plan_power_set(lines, plan.power, ctx)
-    paced = paceable(lab, plan.nodes) if settings.extra.get("target") else []
+    paced = paceable(lab, plan.nodes) if settings.sections.target else []
     plan_pacing(lines, paced, ctx, on=True)
     if shaping.tc_plans:
         plan_shaping(lines, shaping, plan.probes, ctx)

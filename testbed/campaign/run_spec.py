@@ -11,7 +11,7 @@ from typing import Any
 from nodes.contracts.draft import default_adapter_dir
 from nodes.contracts.methods import method_named
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, workload_spec
-from testbed.split_run import SplitRunSpec
+from testbed.split_run import MethodSections, SplitRunSpec
 
 
 def node_run_id(run: PlannedRun, attempt: int) -> str:
@@ -40,32 +40,34 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
             workload_spec(settings), devices, seed=run.seed, model_dir=campaign.resolve(settings.model),
             base_dir=campaign.base_dir,
         )  # fmt: skip
-    extra: dict[str, Any] = {"draft": draft_config(campaign, settings)}
+    method = method_named(settings.method)
     engine_endpoint = settings.dispatch is not None and settings.dispatch.server_endpoint == "engine"
-    if method_named(settings.method).streams or engine_endpoint:
+    serving = scaling = dispatch = target_section = None
+    if method.streams or engine_endpoint:
         from testbed.campaign.serving_budget import serving_config
 
-        extra["serving"] = serving_config(lab, campaign.base_dir, settings)
-    if method_named(settings.method).gpu_ranks:
+        serving = serving_config(lab, campaign.base_dir, settings)
+    if method.gpu_ranks:
         from testbed.campaign.scaling_config import scaling_config
 
-        extra["scaling"] = scaling_config(lab, campaign.base_dir, settings)
-    if method_named(settings.method).dispatches:
+        scaling = scaling_config(lab, campaign.base_dir, settings)
+    if method.dispatches:
         from testbed.campaign.dispatch_config import dispatch_config
 
-        extra["dispatch"] = dispatch_config(settings, lab)
+        dispatch = dispatch_config(settings, lab)
     if settings.target is not None:
         from testbed.target_emulation import paced_names, resolve_target
 
         target = resolve_target(lab, campaign.base_dir, settings, list(lab.select(paced_names(settings, devices))))
-        extra["target"] = target.to_json()
+        target_section = target.to_json()
         schedules = {d: dilated_schedule(rows, target.dilation) for d, rows in schedules.items()}
+    sections = MethodSections(draft_config(campaign, settings), serving, scaling, dispatch, target_section)
     return SplitRunSpec(
         method=settings.method, model=str(campaign.resolve(settings.model)), server=settings.server,
         devices=devices, stages=settings.partition.stages, device_layers=settings.partition.device_layers,
         chunk_tokens=settings.chunk_tokens, dtype=settings.dtype,
         schedules=tuple((d, tuple(schedules[d])) for d in devices), run_id=node_run_id(run, attempt),
-        timeout_s=campaign.spec.run_timeout_s, threads_per_rank=settings.threads_per_rank, extra=extra,
+        timeout_s=campaign.spec.run_timeout_s, threads_per_rank=settings.threads_per_rank, sections=sections,
         device_slots=settings.device_slots,
     )  # fmt: skip
 
