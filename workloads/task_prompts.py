@@ -31,7 +31,7 @@ from functools import lru_cache
 import numpy as np
 
 from foundation.errors import TestbedError
-from nodes.contracts.chat_template import ChatTemplate, ChatTemplateError
+from nodes.contracts.chat_template import ChatTemplate, ChatTemplateError, plain_chat
 
 CATEGORIES = ("multi-turn", "translation", "summarization", "question-answering", "math", "rag")
 PASSAGE_MARK = "\x00passage\x00"  # where a task's passage goes, in the rendered text
@@ -90,7 +90,7 @@ class _Task:
 
 class ChatRenderer:
     """The model's chat template (:mod:`nodes.contracts.chat_template`), or plain ``User:``/``Assistant:``
-    lines for a model without one."""
+    paragraphs for a model without one (``plain_chat``, as the chat route renders them)."""
 
     def __init__(self, template: str | None) -> None:
         try:
@@ -100,8 +100,7 @@ class ChatRenderer:
 
     def render(self, messages: list[dict[str, str]]) -> str:
         if self._template is None:
-            lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-            return "\n\n".join([*lines, "Assistant:"])
+            return plain_chat(messages)
         try:
             return self._template.render(messages)
         except ChatTemplateError as error:

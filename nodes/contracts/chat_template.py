@@ -15,6 +15,13 @@ class ChatTemplateError(ValueError):
     pass
 
 
+def plain_chat(messages: List[Dict[str, Any]]) -> str:
+    """The messages as plain "Role: content" paragraphs ending in "Assistant:", for a model without a
+    chat template (the tiny one): the one fallback of the task prompts and the chat route."""
+    lines = ["%s: %s" % (str(m["role"]).capitalize(), m["content"]) for m in messages]
+    return "\n\n".join(lines + ["Assistant:"])
+
+
 def read_chat_template(directory: str) -> Optional[str]:
     """The checkpoint's chat template, or None where it has none (the tiny model)."""
     try:

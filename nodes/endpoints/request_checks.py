@@ -8,10 +8,9 @@ refused."""
 import math
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
-from nodes.contracts.chat_template import ChatTemplate, ChatTemplateError
+from nodes.contracts.chat_template import ChatTemplate, ChatTemplateError, plain_chat
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-CHAT_TEMPLATE_SUFFIX = "assistant:"
 MAX_SEED = (1 << 63) - 1
 
 
@@ -126,8 +125,8 @@ def _encoded(encode: Callable[[str], List[int]], text: str, param: str) -> List[
 
 
 def chat_prompt(messages: Any, template: Optional[ChatTemplate] = None) -> str:
-    """The chat messages as one prompt: in the model's chat template, or in plain "role: content"
-    lines for a model without one (the tiny model)."""
+    """The chat messages as one prompt: in the model's chat template, or as plain paragraphs for a model
+    without one (the tiny model: :func:`nodes.contracts.chat_template.plain_chat`)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of objects", "messages")
     checked = []
@@ -143,7 +142,7 @@ def chat_prompt(messages: Any, template: Optional[ChatTemplate] = None) -> str:
             return template.render(checked)
         except ChatTemplateError as error:
             raise ApiError(400, str(error), "messages") from None
-    return "\n".join(["%s: %s" % (m["role"], m["content"]) for m in checked] + [CHAT_TEMPLATE_SUFFIX])
+    return plain_chat(checked)
 
 
 def _content(content: Any, index: int) -> str:
