@@ -161,13 +161,17 @@ def masked_loss(model, adapter, batch, ce_weight, ce_positions, generator, state
     return smooth_l1 + ce_weight * cross_entropy, smooth_l1, cross_entropy
 
 
+def top1_same(model, student, teacher):
+    """Per position, whether the draft's hidden state and the LLM's give the same argmax token."""
+    return head(model)(student).argmax(-1) == head(model)(teacher).argmax(-1)
+
+
 @torch.no_grad()
 def answer_agreement(model, adapter, items):
     """Top-1 agreement of draft and LLM on the answers' positions (where drafting happens), and on all."""
     agree = total = agree_all = total_all = 0
     for shallow, deep, prompt_tokens in items:
-        student = head(model)(adapter.forward_full(shallow.float()[None])[0]).argmax(-1)
-        same = student == head(model)(deep.float()).argmax(-1)
+        same = top1_same(model, adapter.forward_full(shallow.float()[None])[0], deep.float())
         agree += int(same[prompt_tokens:].sum())
         total += len(same) - prompt_tokens
         agree_all += int(same.sum())
@@ -185,7 +189,7 @@ def agreement(model, adapter, batches, device_layers):
         student = adapter.forward_full(shallow)
         loss, _, _ = distillation_loss(deep, student, head(model))
         losses.append(float(loss))
-        agree += int((head(model)(student).argmax(-1) == head(model)(deep).argmax(-1)).sum())
+        agree += int(top1_same(model, student, deep).sum())
         total += batch.numel()
     return agree / total, sum(losses) / len(losses)
 
