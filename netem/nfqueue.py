@@ -306,12 +306,6 @@ def iptables_commands_for(
     return commands
 
 
-def chains_by_node(chains: Sequence[NfqueueRules]) -> dict[str, tuple[NfqueueRules, ...]]:
-    by_node: dict[str, list[NfqueueRules]] = {}
-    for c in chains:
-        by_node.setdefault(c.node, []).append(c)
-    return {name: tuple(cs) for name, cs in by_node.items()}
-
 
 class NfqueuePath:
     """The NFQUEUE delay path as a :class:`netem.delay_path.DelayPath`: iptables chains of ours and a

@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan_as_real_labs(campaigns: list[Path], out: Path, delay_path: str) -> int:
-    import re as regex
     import tempfile
 
     from testbed.campaign.load import load_campaign
@@ -67,7 +66,7 @@ def plan_as_real_labs(campaigns: list[Path], out: Path, delay_path: str) -> int:
     failed = 0
     with tempfile.TemporaryDirectory() as scratch:
         for campaign_path in campaigns:
-            named = regex.search(r"^inventory: (\S+)", campaign_path.read_text(), regex.M)
+            named = re.search(r"^inventory: (\S+)", campaign_path.read_text(), re.M)
             try:
                 inventory = (campaign_path.parent / named[1]).resolve() if named else REPO / "inventory.yaml"
                 real = as_real_lab(inventory, Path(scratch) / f"{inventory.stem}-real.yaml", delay_path=delay_path)

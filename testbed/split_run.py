@@ -648,15 +648,18 @@ def plan_stage(lines: PlanLines, spec: SplitRunSpec, contexts: Mapping[str, Node
         if name in spec.devices:
             lines.store(name, "stage", "store the device's schedule", f"{run_dir}/schedule-{name}.jsonl")
             if external:
-                lines.add(name, "stage", "store the external endpoint's key, its user's alone (0600)",
-                          normalised_line(sh(private_store_script(f"{run_dir}/{KEY_FILE}", 0))),
-                          short=f"(store, 0600) {run_dir}/{KEY_FILE}")  # fmt: skip
+                _plan_private_store(lines, name, "store the external endpoint's key, its user's alone (0600)",
+                                    f"{run_dir}/{KEY_FILE}")  # fmt: skip
         key_path = run_key_path(spec.sections.dispatch, run_dir)
         if key_path is not None:
-            stored = normalised_line(sh(private_store_script(key_path, 0)))
-            lines.add(name, "stage", f"store the run's endpoint key, its user's alone (0600): {PER_RUN_KEY}", stored,
-                      short=f"(store, 0600) {key_path}")  # fmt: skip
+            _plan_private_store(lines, name, f"store the run's endpoint key, its user's alone (0600): {PER_RUN_KEY}",
+                                key_path)  # fmt: skip
         lines.store(name, "stage", "store the run config", f"{run_dir}/run.json")
+
+
+def _plan_private_store(lines: PlanLines, name: str, what: str, path: str) -> None:
+    """A key's store (:func:`private_store_script`; its value comes on stdin: never in a plan)."""
+    lines.add(name, "stage", what, normalised_line(sh(private_store_script(path, 0))), short=f"(store, 0600) {path}")
 
 
 def plan_served_counts(lines: PlanLines, spec: SplitRunSpec, contexts: Mapping[str, NodeContext]) -> None:

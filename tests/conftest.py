@@ -78,6 +78,11 @@ def run_cli(*args: str, cwd: Path | None = None, timeout_s: float = 120) -> subp
 DEFAULT_INVENTORY = (REPO / "inventory.yaml").read_text()
 
 
+def command_log_of(out: Path) -> Path:
+    """Where :func:`run_campaign` keeps the command log of a campaign run into ``out``."""
+    return out.with_name(out.name + ".commands.jsonl")
+
+
 def run_campaign(
     campaign: Path, out: Path, *, timeout_s: float = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -85,7 +90,7 @@ def run_campaign(
     in ``OUT.commands.jsonl`` (the transports' command log): :func:`assert_sent_as_planned` reads it."""
     from testbed.transport.command_log import ENV_VARIABLE
 
-    log = out.with_name(out.name + ".commands.jsonl")
+    log = command_log_of(out)
     return subprocess.run([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)], cwd=REPO,
                           env={**os.environ, **(env or {}), ENV_VARIABLE: str(log)}, capture_output=True, text=True,
                           timeout=timeout_s, check=False)  # fmt: skip
@@ -104,7 +109,7 @@ def assert_sent_as_planned(out: Path) -> int:
     for path in plans:
         for c in json.loads(path.read_text())["commands"]:
             planned.setdefault((c["host"], normalised_line(c["line"])), []).append(c)
-    sent = [(e["node"], normalised_line(e["line"])) for e in read(out.with_name(out.name + ".commands.jsonl"))]
+    sent = [(e["node"], normalised_line(e["line"])) for e in read(command_log_of(out))]
     unplanned = list(dict.fromkeys(s for s in sent if s not in planned))
     assert not unplanned, "sent but in no run's plan:\n" + "\n".join(f"{n}: {line[:300]}" for n, line in unplanned)
     once = {k for k, cs in planned.items() if any(c["when"] in ("once", "per-campaign") for c in cs)}

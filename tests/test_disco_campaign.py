@@ -27,7 +27,7 @@ from testbed.campaign.load import load_campaign
 from testbed.campaign.spec import RunSettings
 from testbed.split_run import PER_RUN_KEY, RUN_KEY_FILE
 from testbed.transport.command_log import ENV_VARIABLE
-from tests.conftest import REPO, assert_sent_as_planned, emulated_inventory, emulated_lab, run_campaign
+from tests.conftest import REPO, assert_sent_as_planned, command_log_of, emulated_inventory, emulated_lab, run_campaign
 
 TINY = REPO / "examples" / "models" / "tiny"
 
@@ -101,7 +101,7 @@ def test_devices_race_the_servers_endpoint_over_the_data_plane(tmp_path: Path) -
     campaign.write_text(campaign_text(inventory))
     out = tmp_path / "out"
     with emulated_lab(inventory):
-        log = {ENV_VARIABLE: str(out.with_name(out.name + ".commands.jsonl"))}  # as run_campaign keeps it
+        log = {ENV_VARIABLE: str(command_log_of(out))}
         done, command_lines = run_watching_ps([sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)],
                                               log)  # fmt: skip
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

@@ -13,6 +13,7 @@ from rich.table import Table
 from foundation.errors import NodeError, TestbedError
 from foundation.jsonable import jsonable
 from foundation.units import format_rate
+from netem.nfqueue import NfqueueRules
 from netem.tc_state import u32_destination
 from testbed.cli.app import (
     InventoryOption,
@@ -99,7 +100,7 @@ def link_apply(
         for column in ("node", "device", "direction", "peer", "profile", "rate", "queue", "delay/loss"):
             table.add_column(column, overflow="fold")
         held_on = {(d.sender, d.receiver): f"{c.delay_path} on {c.node}" for o in result.applied.outcomes if o.value
-                   for c in o.value.held for d in getattr(c, "directions", ())}  # fmt: skip (NFQUEUE's, per direction)
+                   for c in o.value.held if isinstance(c, NfqueueRules) for d in c.directions}  # fmt: skip
         for o in result.applied.outcomes:
             for plan in o.value.plans if o.value else ():
                 for p in plan.peers:

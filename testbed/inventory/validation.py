@@ -171,7 +171,7 @@ def cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
                     f"{host.name!r} is not emulated: an emulated phone's stand-in adb runs on an emulated node",
                     "name an emulated Jetson or server as its usb_host",
                 )
-        yield from _meter_problems(node, spec, src, ("nodes", i, "meter"))
+        yield from _meter_problems(node, src, ("nodes", i, "meter"))
     yield from _clash_problems(spec, src)
 
     for group, members in spec.groups.items():
@@ -369,7 +369,7 @@ def _power_mode_problems(spec: EmulatedSpec, src: YamlSource, at: tuple[str | in
         )
 
 
-def _meter_problems(node: NodeSpec, spec: InventorySpec, src: YamlSource, at: tuple) -> Iterable[InputProblem]:
+def _meter_problems(node: NodeSpec, src: YamlSource, at: tuple) -> Iterable[InputProblem]:
     if node.meter is not None and node.emulated is not None and not node_kind(node.kind).via_usb_host:
         yield src.problem(at, f"an emulated {node.kind} has no stand-in meter (the stand-in reads an emulated "
                           "phone's battery)", "put the meter on an emulated phone, or on a real node")  # fmt: skip

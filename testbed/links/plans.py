@@ -80,10 +80,6 @@ class LinkPlan:
         """Whether ``name`` runs a delay handler (it holds a rule that queues packets)."""
         return any(r.queues for r in self.held.get(name, ()))
 
-    @property
-    def traced(self) -> tuple[tuple[str, str], ...]:
-        return tuple(self.driven)
-
 
 def link_plan(
     inventory: Inventory,

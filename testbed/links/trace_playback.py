@@ -13,17 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from foundation.errors import NodeError
+from netem.nfqueue import NfqueueRules
 from netem.trace import BandwidthTrace, NodeSchedule, delay_timelines
 from testbed.inventory import Inventory
 from testbed.links import node_journal
 from testbed.links.apply import ApplyResult, apply_link_plan, clear_nodes
-from testbed.links.handler_lifecycle import node_directory, retime_delay_handler
+from testbed.links.handler_lifecycle import node_directory, node_directory_script, retime_delay_handler
 from testbed.links.plans import LinkPlan, compile_plan, traced_links
 from testbed.links.probe import NodeProbe
 from testbed.node_context import NodeContext, unresolved_context
 from testbed.planned_commands import PlanLines, sh
 from testbed.transport import open_transport
-from testbed.transport.base import background_stop_script, quote_path
+from testbed.transport.base import background_stop_script
 from testbed.transport.fanout import FanOutResult, NodeOutcome, fan_out
 
 Say = Callable[[str], None]
@@ -71,8 +72,8 @@ def apply_traced_plan(
     start_unix_s = time.time()
     node_schedules = plan.players
     # the delay handler plays the traced directions' delay rows itself (the NFQUEUE path's queues)
-    queued = [r for rules in plan.held.values() for r in rules if r.delay_path == "nfqueue"]
-    timelines = delay_timelines(queued, dict(plan.driven))  # type: ignore[arg-type]
+    queued = [r for rules in plan.held.values() for r in rules if isinstance(r, NfqueueRules)]
+    timelines = delay_timelines(queued, dict(plan.driven))
     workdir = inventory.spec.defaults.workdir
     player = PLAYER_SOURCE.read_bytes()
 
@@ -149,7 +150,7 @@ def plan_trace_players(lines: PlanLines, plan: LinkPlan, contexts: Mapping[str, 
         context = contexts.get(name) or unresolved_context(lab, lab.node(name))
         directory = context.path(tilde)
         player, schedule_file, pidfile, logfile = player_files(directory)
-        lines.add(name, "configure", "where the trace player lives", sh("echo " + quote_path(tilde)))
+        lines.add(name, "configure", "where the trace player lives", sh(node_directory_script(workdir)))
         lines.add(name, "configure", "read the link journal", sh(node_journal.read_script(workdir)))
         lines.store(name, "configure", "name the trace player in the journal", node_journal.journal_path(workdir))
         lines.store(name, "configure", "store the trace player", player)
