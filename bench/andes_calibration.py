@@ -49,7 +49,7 @@ from nodes.contracts.target_model import builtin
 from nodes.serving.closed_loop import run_closed_loop
 from nodes.serving.engine_state import EngineState, ServedRequest
 from nodes.serving.schedulers import SchedulerSettings
-from testbed.campaign.serving_budget import kv_capacity_tokens
+from testbed.campaign.families.andes import kv_capacity_tokens
 from testbed.compute_profiles import load_profile, profile_path
 from workloads.prompts import LENGTH_MODELS, OUTPUT_LENGTH_MODELS
 from workloads.qoe import draw_expected_tds

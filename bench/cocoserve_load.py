@@ -47,9 +47,9 @@ def run_instance(method: str, rate: float, gpus: int, clients: list[str], per_cl
     ``per_client`` requests each): its requests (the target's seconds), monitor ticks, module
     operations and paced steps."""
     from nodes.contracts.target_model import builtin
+    from testbed.campaign.families.cocoserve import target_bytes
     from testbed.campaign.results import read_requests, read_scaling, read_steps
     from testbed.campaign.run_spec import dilated_schedule
-    from testbed.campaign.scaling_config import target_bytes
     from testbed.compute_profiles import load_profile
     from workloads.schedule import WorkloadSpec, build_schedules
 

@@ -129,7 +129,7 @@ def service_plans(
     lifetime_s: float,
 ) -> tuple[ServicePlan, ...]:
     """The daemons of a run: one per device, with the memory method and sizes of ``context_service``."""
-    service = settings.context_service_or_default
+    service = settings.section("context_service")
     plans = []
     for name in devices:
         context = contexts[name]
@@ -170,7 +170,7 @@ def run_scales(
     the run's checkpoint, resolved against the campaign file."""
     from testbed.compute_profiles import load_profile
 
-    service = settings.context_service_or_default
+    service = settings.section("context_service")
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if settings.target is None:
         return {d: context_scale(config, service.chunk_tokens, service.budget_gb) for d in devices}

@@ -15,8 +15,8 @@ import pytest
 from analysis.report import build_report
 from foundation.errors import InputError
 from nodes.contracts.target_model import builtin
+from testbed.campaign.families.cocoserve import scaling_config
 from testbed.campaign.load import load_campaign
-from testbed.campaign.scaling_config import scaling_config
 from testbed.campaign.spec import RunSettings
 from testbed.inventory import load_inventory
 from tests.conftest import REPO, assert_sent_as_planned, emulated_inventory, emulated_lab, run_campaign

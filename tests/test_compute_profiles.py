@@ -373,7 +373,7 @@ def test_andes_server_decodes_a_memory_bound_batch_at_6_6_tokens_per_second():
     # Andes Fig. 3b: OPT-66B on 4 x A100-80GB under vLLM 0.2.7 generates >= 6.6 tokens/s a request;
     # the memory-bound batch fills the KV cache left after the weights with ShareGPT-like requests
     # (161 prompt tokens + half of 338 output tokens in flight, about 330)
-    from testbed.campaign.serving_budget import kv_capacity_tokens
+    from testbed.campaign.families.andes import kv_capacity_tokens
 
     opt66 = builtin("opt-66b")
     one = rates("a100-80gb-vllm", "default")

@@ -22,7 +22,7 @@ from foundation.errors import InputError
 from nodes.contracts.run_config import DISPATCH_POLICIES, DispatchSettings, parse
 from nodes.dispatch.controller import POLICIES
 from nodes.dispatch.policy import TokenCosts, constrained_endpoint
-from testbed.campaign.dispatch_config import dispatch_config
+from testbed.campaign.families.disco import dispatch_config
 from testbed.campaign.load import load_campaign
 from testbed.campaign.spec import RunSettings
 from testbed.split_run import PER_RUN_KEY, RUN_KEY_FILE
@@ -265,7 +265,7 @@ def test_the_controllers_lists_match_the_node_sides_catalogues() -> None:
     from analysis.cost_model import DEVICE_SPEED_MODELS
     from nodes.endpoints.device_speed import DEVICE_SPEEDS
     from nodes.endpoints.services import SERVICES
-    from testbed.campaign.spec import DispatchSettings as CampaignDispatch
+    from testbed.campaign.families.disco import DispatchSettings as CampaignDispatch
 
     fields = CampaignDispatch.model_fields
     assert set(typing.get_args(fields["service"].annotation)) == set(SERVICES)

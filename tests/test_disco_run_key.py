@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from testbed.campaign.dispatch_config import dispatch_config
+from testbed.campaign.families.disco import dispatch_config
 from testbed.campaign.load import load_campaign
 from testbed.campaign.plan import plan_run
 from testbed.split_run import PER_RUN_KEY, RUN_KEY_FILE, MethodSections, SplitRunSpec, run_config_for

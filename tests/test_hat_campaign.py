@@ -14,9 +14,9 @@ import pytest
 from analysis.report import ReportOptions, build_report
 from foundation.errors import InputError
 from netem.trace import load_trace, scale_trace
+from testbed.campaign.families import FamilyContext, family_named
 from testbed.campaign.load import load_campaign
 from testbed.campaign.plan import run_links
-from testbed.campaign.run_spec import draft_config as _draft_config
 from tests.conftest import REPO, run_cli
 
 INVENTORY = REPO / "inventory.yaml"
@@ -84,12 +84,19 @@ def test_an_adapter_named_in_the_campaign_is_found_relative_to_it_and_reaches_th
     path.write_text(campaign_text("hat", copy_model_without_adapter(tmp_path),
                                   extra="  draft: {adapter: adapters/mine, eta: 0.4, top_k: 2}\n"))  # fmt: skip
     campaign = load_campaign(path)
-    draft = _draft_config(campaign, campaign.runs[0].settings)
+    draft = draft_section(campaign)
     assert draft == {"adapter": str(tmp_path / "adapters" / "mine"), "eta": 0.4, "max_draft_tokens": 8, "top_k": 2,
                      "max_parallel_steps": 8}  # fmt: skip
     # without one, the run config points at the checkpoint's own draft/ (also when devices load a placed part)
     default = load_campaign(write_default(tmp_path))
-    assert _draft_config(default, default.runs[0].settings)["adapter"] == str(TINY / "draft")
+    assert draft_section(default)["adapter"] == str(TINY / "draft")
+
+
+def draft_section(campaign):
+    """The run config's draft section of the campaign's first run, as the drafting family makes it."""
+    family = family_named("draft")
+    assert family.in_run_config(campaign.runs[0].settings)
+    return family.run_section(FamilyContext(campaign.inventory, campaign.base_dir), campaign.runs[0].settings)
 
 
 def write_default(tmp_path: Path) -> Path:

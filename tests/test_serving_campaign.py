@@ -15,9 +15,9 @@ import pytest
 from analysis.report import build_report
 from foundation.errors import InputError, TestbedError
 from nodes.contracts.target_model import builtin
+from testbed.campaign.families.andes import ServingSettings, kv_capacity_tokens, serving_config
 from testbed.campaign.load import load_campaign
-from testbed.campaign.serving_budget import kv_capacity_tokens, serving_config
-from testbed.campaign.spec import RunSettings, ServingSettings, TargetSettings
+from testbed.campaign.spec import RunSettings, TargetSettings
 from testbed.inventory import load_inventory
 from tests.conftest import REPO, assert_sent_as_planned, emulated_inventory, emulated_lab, run_campaign
 

@@ -19,6 +19,7 @@ from foundation.errors import InputError, InputProblem, TestbedError
 from foundation.user_files import FieldPath, YamlSource, field_name
 from netem.profile import MAX_DELAY_S, MAX_RATE_BIT_S, MIN_RATE_BIT_S
 from nodes.contracts.methods import MethodCheck, method_named
+from testbed.campaign.families import FamilyContext, families
 from testbed.campaign.spec import CampaignSpec, RunSettings, workload_spec
 from testbed.inventory import DirectedLink, Inventory, links_from_file
 from testbed.inventory.node_kinds import kind_of
@@ -132,14 +133,9 @@ class SettingsChecker:
         yield from self._model_problems(s)
         if s.target is not None:
             yield from self._target_problems(s)
-        if method_named(s.method).streams or (s.dispatch is not None and s.dispatch.server_endpoint == "engine"):
-            yield from self._serving_problems(s)  # (the budgets the plan derives, as split_spec does)
-        if method_named(s.method).gpu_ranks:
-            yield from self._scaling_problems(s)
-        if s.dispatch is not None and s.dispatch.external is not None:
-            yield from self._external_problems(s.dispatch.external)
-        if method_named(s.method).serves_contexts:
-            yield from self._context_service_problems(s)
+        context = FamilyContext(self.lab, self.source.path.parent)
+        for family in families():
+            yield from family.problems(context, s)
         spec = workload_spec(s)
         for field, message in spec.problems():
             yield f"workload.{field}", message, ""
@@ -239,71 +235,6 @@ class SettingsChecker:
         yield from method_named(s.method).problems(check)
 
 
-    def _scaling_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
-        """The GPUs' budgets must hold the target's weights (checked now, not when the run is planned)."""
-        from testbed.campaign.scaling_config import scaling_config
-
-        if s.server not in self.names or not relative_path(self.source.path, s.model).is_dir():
-            return  # reported above
-        try:
-            scaling_config(self.lab, self.source.path.parent, s)
-        except (TestbedError, InputError) as exc:
-            given = s.scaling is not None and s.scaling.gpu_memory_gb is not None
-            yield ("scaling.gpu_memory_gb" if given else "target.model"), str(exc), \
-                "give a larger scaling.gpu_memory_gb, or a smaller target model"
-
-    def _external_problems(self, name: str) -> Iterable[tuple[str, str, str]]:
-        """An external endpoint must be in the inventory, and its key's variable set on the controller."""
-        endpoints = self.lab.spec.endpoints
-        if name not in endpoints:
-            known = ", ".join(endpoints) or "none"
-            yield ("dispatch.external", f"no endpoint {name!r} in the inventory (known: {known})",
-                   "add it under endpoints: in the inventory, with its url")  # fmt: skip
-            return
-        variable = endpoints[name].api_key_env
-        if variable and not os.environ.get(variable):
-            yield ("dispatch.external", f"endpoint {name!r} takes its key from ${variable}, which is not set",
-                   f"export {variable}=... on the controller before testbed run")  # fmt: skip
-
-    def _context_service_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
-        """The service's scale must be derivable (with a target: each device's profile and its disk), and
-        the contexts must fit the model's positions."""
-        from testbed.context_service import CONTEXT_SLACK_TOKENS, longest_context_bytes, run_scales
-
-        service = s.context_service_or_default
-        model_dir = relative_path(self.source.path, s.model)
-        if not model_dir.is_dir():
-            return  # reported above
-        try:
-            devices = [n.name for n in self.lab.select(list(s.devices))]
-            scales = run_scales(self.lab, self.source.path.parent, s, devices, model_dir)
-            positions = _model_positions(model_dir)
-            longest = longest_context_bytes(model_dir, service)
-        except (TestbedError, InputError, OSError, ValueError) as exc:
-            yield "context_service", str(exc), "give every device a compute_profile with a disk in the inventory"
-            return
-        smallest = min((scale.budget_bytes for scale in scales.values()), default=longest)
-        if longest > smallest:  # one context alone must fit (LLMS's budgets hold at least one 4K context)
-            need_gb = service.budget_gb * longest / smallest
-            yield ("context_service.budget_gb", f"one context of {service.max_context_tokens} tokens needs "
-                   f"{need_gb:.3g} GB with {service.memory}, over the budget of {service.budget_gb:g} GB",
-                   f"raise budget_gb to {need_gb:.3g} or lower max_context_tokens")  # fmt: skip
-        if service.max_context_tokens + CONTEXT_SLACK_TOKENS > positions:
-            yield ("context_service.max_context_tokens", f"{service.max_context_tokens} tokens do not fit the "
-                   f"model's {positions} positions", f"use at most {positions - CONTEXT_SLACK_TOKENS}")  # fmt: skip
-
-    def _serving_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
-        """The serving engine's budgets must be derivable: the server's profile must hold the target's
-        weights (the KV capacity is what is left)."""
-        from testbed.campaign.serving_budget import serving_config
-
-        if s.server not in self.names or (s.target is None and not relative_path(self.source.path, s.model).is_dir()):
-            return  # reported above
-        try:
-            serving_config(self.lab, self.source.path.parent, s)
-        except (TestbedError, InputError) as exc:
-            yield "serving", str(exc), "raise serving.tensor_parallel, or give serving.capacity_tokens"
-
     def _target_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
         """The target model must load and split like the run; every run node needs a profile with its mode."""
         from nodes.inference.partition import PartitionError, UShapePartition
@@ -371,47 +302,13 @@ def _written(settings: BaseModel, prefix: tuple[str, ...] = ()) -> Iterable[tupl
                 yield from _written(value, (*prefix, name))
 
 
-ANDES_ONLY = ("watermark", "preemption_cap", "lookahead_s", "batch_grid")
-AUTOSCALING_ONLY = ("t_up", "t_down", "cooldown_s", "calm_s", "delta_batch", "max_migrations")
-
-
 def ignored_settings(s: RunSettings) -> dict[str, str]:
     """The settings (dotted paths) run ``s`` does not use, each with the reason."""
-    from testbed.campaign.spec import DispatchSettings, ServingSettings
-
     m, out = method_named(s.method), {}
-    if not m.drafts:
-        out["draft"] = f"{s.method} does not draft"
     if m.prefill not in ("device_chunks", "server_chunks"):
         out["chunk_tokens"] = f"{s.method} does not prefill in chunks"
-    if m.serves_contexts:
-        out["workload"] = f"{s.method}'s apps replay the context trace of context_service, not a workload"
-    if not uses_serving_engine(s):
-        out["serving"] = f"{s.method} runs no serving engine" + (" (dispatch.external replaces it)" if m.dispatches
-                                                                 and s.dispatch and s.dispatch.external else "")
-    else:
-        serving = s.serving or ServingSettings()
-        scheduler = "static" if m.batching == "static" else serving.scheduler
-        if m.batching == "static":
-            out["serving.scheduler"] = f"{s.method} runs a fixed batch to its end, with no scheduler"
-        for name in ("rr_interval",) if scheduler != "rr" else ():
-            out[f"serving.{name}"] = f"the {scheduler} scheduler does not read it (rr does)"
-        for name in ANDES_ONLY if scheduler not in ("andes", "andes-dp") else ():
-            out[f"serving.{name}"] = f"the {scheduler} scheduler does not read it (andes and andes-dp do)"
-        if scheduler != "andes-dp":
-            out["serving.dp_block_tokens"] = f"the {scheduler} scheduler does not read it (andes-dp does)"
-    if m.dispatches:
-        d = s.dispatch or DispatchSettings()
-        if d.policy in ("server-only", "device-only"):
-            out["dispatch.budget"] = f"policy {d.policy} sends every request one way"
-        if d.policy != "disco-d":
-            out["dispatch.alpha"] = f"policy {d.policy} does not read it (disco-d does)"
-        if not d.migration:
-            out["dispatch.source_keeps_streaming"] = "dispatch.migration is false"
-        if d.external is not None:
-            out["dispatch.server_endpoint"] = "dispatch.external replaces the server's endpoint"
-    if m.gpu_ranks and not m.autoscales:
-        out.update({f"scaling.{name}": f"{s.method} does not scale" for name in AUTOSCALING_ONLY})
+    for family in families():
+        out.update(family.ignored(s))
     if not s.link.shaped:
         out.update({f"link.{name}": "link.shaped is false" for name in ("profile", "trace", "links", "verify_s",
                                                                         "rate_scale")})  # fmt: skip
@@ -421,13 +318,6 @@ def ignored_settings(s: RunSettings) -> dict[str, str]:
         out["workload.rate_per_s"] = f"{s.workload.arrival} arrivals take their rates from the " + \
             ("trace" if s.workload.arrival == "trace" else "rate_steps")
     return out
-
-
-def uses_serving_engine(s: RunSettings) -> bool:
-    """Whether the run has a serving engine (a streaming method, or DiSCo's engine endpoint)."""
-    method = method_named(s.method)
-    engine_endpoint = method.dispatches and s.dispatch is not None and s.dispatch.server_endpoint == "engine"
-    return method.streams or (engine_endpoint and s.dispatch is not None and s.dispatch.external is None)
 
 
 Scaled = tuple[str, float | None, float | None]  # what, its rate (bit/s), its longest delay or jitter (s)
@@ -469,5 +359,3 @@ def _with_role(lab: Inventory, role: str) -> str:
     return ", ".join(n.name for n in lab.nodes if role in n.roles) or "none has it"
 
 
-def _model_positions(model_dir: Path) -> int:
-    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])

@@ -16,14 +16,13 @@ own power driver or telemetry source, that module on the node side (``nodes/powe
 
 from __future__ import annotations
 
-import importlib
-import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from foundation.errors import TestbedError
+from foundation.lab_modules import import_lab_modules
 
 if TYPE_CHECKING:
     from testbed.inventory.schema import NodeSpec
@@ -92,21 +91,11 @@ class NodeKind:
 
 _KINDS: dict[str, NodeKind] = {}
 LAB_KINDS_VARIABLE = "TESTBED_NODE_KINDS"
-_lab_kinds_loaded = False
 
 
 def _load_lab_kinds() -> None:
     """Import the modules ``TESTBED_NODE_KINDS`` names (comma-separated), once: they register a lab's kinds."""
-    global _lab_kinds_loaded
-    if _lab_kinds_loaded:
-        return
-    _lab_kinds_loaded = True
-    for name in filter(None, (part.strip() for part in os.environ.get(LAB_KINDS_VARIABLE, "").split(","))):
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # a lab's module that fails is the user's problem to mend: say which
-            raise TestbedError(f"{LAB_KINDS_VARIABLE}: the node kinds module {name!r} cannot be imported "
-                               f"({type(exc).__name__}: {exc})") from None  # fmt: skip
+    import_lab_modules(LAB_KINDS_VARIABLE, "node kinds")
 
 
 def register(kind: NodeKind) -> NodeKind:
