@@ -50,7 +50,7 @@ from nodes.serving.closed_loop import run_closed_loop
 from nodes.serving.engine_state import EngineState, ServedRequest
 from nodes.serving.schedulers import SchedulerSettings
 from testbed.campaign.families.andes import kv_capacity_tokens
-from testbed.compute_profiles import load_profile, profile_path
+from testbed.target.compute_profiles import load_profile, profile_path
 from workloads.prompts import LENGTH_MODELS, OUTPUT_LENGTH_MODELS
 from workloads.qoe import draw_expected_tds
 

@@ -211,8 +211,8 @@ def our_processes() -> list[str]:
 def node_leftovers() -> dict[str, Any]:
     """What is shaped (our qdiscs, journals) or in a changed power mode on the lab's nodes."""
     from testbed.emulation.resolved import load_lab
+    from testbed.energy.power_modes import show_power
     from testbed.links.apply import show_nodes
-    from testbed.power import show_power
 
     lab = load_lab(INVENTORY)
     shaped = {o.node: (o.value.journal is not None or any(

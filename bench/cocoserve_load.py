@@ -50,7 +50,7 @@ def run_instance(method: str, rate: float, gpus: int, clients: list[str], per_cl
     from testbed.campaign.families.cocoserve import target_bytes
     from testbed.campaign.results import read_requests, read_scaling, read_steps
     from testbed.campaign.run_spec import dilated_schedule
-    from testbed.compute_profiles import load_profile
+    from testbed.target.compute_profiles import load_profile
     from workloads.schedule import WorkloadSpec, build_schedules
 
     target = builtin("llama-2-13b")

@@ -47,7 +47,7 @@ def ranks(settings: dict) -> None:
     from mpi4py import MPI
 
     from nodes.inference.checkpoint import load_whole
-    from nodes.workers.layer_ranks import CopyServer, RemoteGpu
+    from nodes.workers.engines.layer_ranks import CopyServer, RemoteGpu
 
     comm = MPI.COMM_WORLD
     if comm.Get_rank() == 1:

@@ -55,9 +55,9 @@ def ranks(settings: dict) -> None:
 
     from nodes.contracts.target_model import builtin
     from nodes.workers import mpi_link
-    from nodes.workers.layer_ranks import CopyServer
+    from nodes.workers.engines.layer_ranks import CopyServer
     from nodes.workers.pacing import Pacer
-    from testbed.compute_profiles import load_profile
+    from testbed.target.compute_profiles import load_profile
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -89,7 +89,7 @@ def instance(comm, settings: dict, pacer, pace, target) -> None:
 
     from nodes.inference.checkpoint import load_whole
     from nodes.inference.layer_copies import LayerCopies
-    from nodes.workers.layer_ranks import RemoteGpu
+    from nodes.workers.engines.layer_ranks import RemoteGpu
 
     dilation = settings["dilation"]
     torch.set_num_threads(1)

@@ -64,8 +64,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from testbed.emulation.resolved import load_lab, resolved_path
+    from testbed.energy.telemetry import finish_recording, start_recording
     from testbed.inventory import load_inventory
-    from testbed.telemetry import finish_recording, start_recording
     from testbed.transport import open_transport
 
     began = time.perf_counter()

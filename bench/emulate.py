@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emulated_inventory, emulated_node, summary, write
-from testbed.check import check_nodes
+from testbed.checks.inventory_check import check_nodes
 from testbed.emulation.lifecycle import down, up
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import load_inventory

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import machine_cpu_s, summary, write
-from testbed.check import check_node
+from testbed.checks.inventory_check import check_node
 from testbed.emulation.sshd_server import SshdServer, SshKeys, loopback_inventory_yaml
 from testbed.inventory import load_inventory
 from testbed.transport.fanout import fan_out

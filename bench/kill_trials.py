@@ -266,7 +266,7 @@ def node_problems(lab: Lab, settle_s: float = 15.0) -> list[str]:
 def power_problems(lab: Lab) -> list[str]:
     """Nodes whose power mode, read back through the testbed, is not the initial one (or has a journal)."""
     from testbed.emulation.resolved import load_lab
-    from testbed.power import show_power
+    from testbed.energy.power_modes import show_power
 
     shown = show_power(load_lab(lab.inventory), ["orin"])
     problems = [f"{o.node}: power mode unreadable: {o.error}" for o in shown.failed]

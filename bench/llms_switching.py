@@ -43,8 +43,8 @@ from nodes.contracts.target_model import builtin
 from nodes.inference.checkpoint import load_whole
 from nodes.inference.model import Segment
 from nodes.inference.tokenizer import Tokenizer
-from testbed.compute_profiles import load_profile
-from testbed.context_service import context_scale
+from testbed.target.compute_profiles import load_profile
+from testbed.workers.context_service import context_scale
 from workloads.context_traces import context_trace
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,7 +59,7 @@ def target_chunk_bytes(target, chunk_tokens: int) -> int:
 
 def scale_for(profile, target, budget_gb: float, chunk: int, disk_slowdown: float = 1.0) -> dict:
     """The daemon's scale in a campaign with this target, device, budget and chunk size
-    (testbed/context_service.py), and the read:recompute ratio of a chunk it keeps; ``disk_slowdown``
+    (testbed/workers/context_service.py), and the read:recompute ratio of a chunk it keeps; ``disk_slowdown``
     divides the disk's bandwidths and multiplies its per-I/O latency (a slower disk than the profile's:
     the brief's sweep of the read:recompute ratio)."""
     tiny_config = json.loads((TINY / "config.json").read_text())

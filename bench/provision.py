@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import emulated_lab, summary, write
-from testbed.provision import ProvisionOptions, load_record, provision
-from testbed.weights import default_cache_dir
+from testbed.provisioning.provision import ProvisionOptions, load_record, provision
+from testbed.provisioning.weights import default_cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "models" / "tiny"

@@ -3,7 +3,7 @@ program the suite runs as root for that path. One file on purpose (over 500 line
 root-owned as a single, self-contained program that imports nothing of the suite, so that root never
 runs code a user can change.
 
-Usage (as root, through sudo; installed root-owned, see testbed/delay_handler.py)::
+Usage (as root, through sudo; installed root-owned, see testbed/provisioning/delay_handler.py)::
 
     link_delay_handler.py start DIR      # the config (JSON) on stdin; returns once every queue is bound
     link_delay_handler.py retime DIR     # {"start_unix_s": ..., "timelines": {queue: rows}} on stdin; SIGHUP
@@ -267,7 +267,7 @@ def _log(out, record):
     os.fsync(out.fileno())
 
 
-RUN_ROOT = "/run/hil-testbed-delay"  # testbed/delay_handler.py RUN_ROOT
+RUN_ROOT = "/run/hil-testbed-delay"  # testbed/provisioning/delay_handler.py RUN_ROOT
 READY_S = 10.0
 STOP_GRACE_S = 5.0
 MAX_INPUT_BYTES = 64 << 20
@@ -280,7 +280,7 @@ class Refused(Exception):
 
 
 def run_dir(directory):
-    """Where the handler named by ``directory`` keeps its files (testbed/delay_handler.run_dir)."""
+    """Where the handler named by ``directory`` keeps its files (testbed/provisioning/delay_handler.run_dir)."""
     return "%s/%s" % (RUN_ROOT, hashlib.sha256(directory.encode()).hexdigest()[:16])
 
 

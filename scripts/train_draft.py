@@ -57,7 +57,7 @@ from nodes.inference.draft import (
 from nodes.inference.generate import greedy_generate_batch
 from nodes.inference.tokenizer import Tokenizer
 from scripts.train_tiny import learning_rate, read_corpus, windows
-from testbed.weights import file_sha256
+from testbed.provisioning.weights import file_sha256
 from workloads.prompts import draw_prompts
 from workloads.task_prompts import prose_corpus
 

@@ -100,7 +100,7 @@ def assert_sent_as_planned(out: Path) -> int:
     """The plans are what ran: every shell line the campaign of :func:`run_campaign` sent to a node is
     a line of one of its runs' ``plan.json`` (made when the run started, from the nodes as they were),
     and every line a plan sends unconditionally (``once``, ``per-campaign``) was sent. The lines sent."""
-    from testbed.planned_commands import normalised_line
+    from testbed.commands.planned import normalised_line
     from testbed.transport.command_log import read
 
     planned: dict[tuple[str, str], list[dict]] = {}

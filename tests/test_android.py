@@ -23,9 +23,9 @@ from nodes.contracts.telemetry_rows import TelemetryRow
 from nodes.contracts.tool_answers import SensorStatus
 from nodes.power.android import AndroidPower
 from nodes.telemetry.battery import BatterySource
+from testbed.energy.power_modes import restore_power, set_power, show_power
+from testbed.energy.telemetry import record_telemetry
 from testbed.inventory import Inventory, load_inventory
-from testbed.power import restore_power, set_power, show_power
-from testbed.telemetry import record_telemetry
 from tests.conftest import REPO, run_cli
 
 STANDINS = REPO / "tests" / "standins"

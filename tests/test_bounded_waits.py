@@ -373,7 +373,7 @@ def node_state(lab: Path) -> dict[str, Any]:
     """Per node: the qdiscs of every interface, our iptables rules, the power mode and whether a
     journal (links or power) is there; what a run must leave as it found it."""
     from testbed.emulation.resolved import load_lab
-    from testbed.power import show_power
+    from testbed.energy.power_modes import show_power
 
     inventory = load_lab(lab)
     power = show_power(inventory).require("reading power modes")

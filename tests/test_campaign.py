@@ -178,7 +178,7 @@ def test_random_order_makes_runs_of_one_worker_shape_adjacent(tmp_path: Path) ->
 
 def test_device_slots_make_runs_of_their_own_served_by_pools_of_their_own(tmp_path: Path) -> None:
     from testbed.campaign.run_spec import split_spec
-    from testbed.worker_pool import pool_name
+    from testbed.workers.pool import pool_name
 
     text = BASE + "matrix:\n  device_slots: [1, 3]\n  partition.stages: [1, 2]\nrepetitions: 2\nseed: 5\n"
     slotted = load_campaign(write(tmp_path, text, "slots.yaml"))

@@ -53,7 +53,7 @@ def test_one_alignment_corrects_offset_and_drift_for_samples_and_requests():
 
     from analysis.load import _aligned_requests
     from foundation.clock_alignment import ClockAlignment
-    from testbed.telemetry import alignment_of
+    from testbed.energy.telemetry import alignment_of
     from testbed.transport.clock import ClockOffset
 
     alignment = ClockAlignment(1000.0, 2.0, 1100.0, 2.010)

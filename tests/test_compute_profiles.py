@@ -19,7 +19,7 @@ from nodes.contracts.target_model import BUILTIN, builtin, from_hf_config
 from nodes.inference.partition import UShapePartition
 from nodes.workers import wire
 from nodes.workers.pacing import Pacer
-from testbed.compute_profiles import PROFILES_DIR, known_profiles, load_profile
+from testbed.target.compute_profiles import PROFILES_DIR, known_profiles, load_profile
 from tests.conftest import REPO
 
 VICUNA_7B, LLAMA_2_7B = builtin("vicuna-7b"), builtin("llama-2-7b")
@@ -265,7 +265,7 @@ def test_the_pacing_thread_asks_linux_for_prompt_wake_ups(tmp_path):
         "import ctypes, json, struct, time\n"
         "from nodes.contracts.target_model import BUILTIN\n"
         "from nodes.workers.pacing import Pacer\n"
-        "from testbed.compute_profiles import load_profile, PROFILES_DIR\n"
+        "from testbed.target.compute_profiles import load_profile, PROFILES_DIR\n"
         "def state():\n"
         "    sched = open('/proc/thread-self/sched').read().splitlines()\n"
         "    slices = [int(l.split(':')[1]) for l in sched if l.startswith('se.slice')]\n"
@@ -302,7 +302,7 @@ def test_padded_frames_weigh_the_targets_bytes_and_decode_unchanged():
 
 
 def test_fitting_measurements_of_a_known_profile_gives_it_back():
-    from testbed.profiling import FULL_GRID, Measurement, agreement, fit_profile
+    from testbed.target.profiling import FULL_GRID, Measurement, agreement, fit_profile
 
     truth = rates("agx-orin", "MAXN")
     ints = {k: [int(v) for v in FULL_GRID[k].split(",")] for k in FULL_GRID}
@@ -357,7 +357,7 @@ def test_a_paced_point_is_its_fastest_clean_repetition_and_an_unpaced_one_its_me
 
 def test_hats_full_lab_has_30_boards_each_with_a_profile_for_every_mode():
     from testbed.inventory import load_inventory
-    from testbed.target_emulation import node_profile, resolve_node
+    from testbed.target.emulation import node_profile, resolve_node
 
     lab = load_inventory(REPO / "examples" / "inventories" / "hat-lab.yaml")
     boards = [n for n in lab.nodes if n.kind == "jetson"]

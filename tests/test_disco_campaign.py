@@ -25,8 +25,8 @@ from nodes.dispatch.policy import TokenCosts, constrained_endpoint
 from testbed.campaign.families.disco import dispatch_config
 from testbed.campaign.load import load_campaign
 from testbed.campaign.spec import RunSettings
-from testbed.split_run import PER_RUN_KEY, RUN_KEY_FILE
 from testbed.transport.command_log import ENV_VARIABLE
+from testbed.workers.split_run import PER_RUN_KEY, RUN_KEY_FILE
 from tests.conftest import REPO, assert_sent_as_planned, command_log_of, emulated_inventory, emulated_lab, run_campaign
 
 TINY = REPO / "examples" / "models" / "tiny"

@@ -19,7 +19,7 @@ from nodes.endpoints.pace import EnginePace
 from nodes.inference.checkpoint import load_whole
 from nodes.inference.generate import greedy_generate
 from nodes.inference.tokenizer import Tokenizer
-from nodes.workers.engine_endpoint import EngineEndpoint
+from nodes.workers.engines.engine_endpoint import EngineEndpoint
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "examples" / "models" / "tiny")

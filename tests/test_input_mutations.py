@@ -43,11 +43,11 @@ from nodes.contracts.compute_profile import step_seconds
 from nodes.contracts.target_model import builtin
 from testbed.campaign.load import load_campaign
 from testbed.campaign.plan import plan_run
-from testbed.compute_profiles import load_profile
 from testbed.emulation.plan import plan_emulation
 from testbed.inventory import DataPlane, Inventory, links_from_file, load_inventory
 from testbed.inventory.ansible_export import ansible_inventory
 from testbed.links.plans import compile_plan, link_topology, traced_links
+from testbed.target.compute_profiles import load_profile
 from tests.conftest import REPO, run_cli
 
 EXAMPLES = REPO / "examples"

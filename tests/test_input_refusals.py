@@ -20,8 +20,8 @@ from foundation.errors import InputError, InputProblem
 from netem.mahimahi import import_mahimahi, load_opportunities
 from netem.trace import load_trace
 from testbed.campaign.load import load_campaign
-from testbed.compute_profiles import load_profile
 from testbed.inventory import links_from_file, load_inventory
+from testbed.target.compute_profiles import load_profile
 from tests.conftest import REPO, run_cli
 
 EXAMPLES = REPO / "examples"

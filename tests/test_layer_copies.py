@@ -161,7 +161,7 @@ from mpi4py import MPI
 from nodes.inference.checkpoint import load_whole
 from nodes.inference.layer_copies import LayerCopies
 from nodes.inference.tokenizer import Tokenizer
-from nodes.workers.layer_ranks import CopyServer, RemoteGpu
+from nodes.workers.engines.layer_ranks import CopyServer, RemoteGpu
 from tests.test_layer_copies import PROMPTS, TINY, reference, with_copies
 
 comm = MPI.COMM_WORLD

@@ -292,8 +292,8 @@ def test_the_handler_runs_only_our_chains_iptables_commands_as_root():
 
 
 def test_the_handlers_files_are_roots_and_named_alike_by_the_controller_the_node_shell_and_the_handler():
-    from testbed.delay_handler import RUN_ROOT, run_dir, run_dir_script
     from testbed.links.handler_lifecycle import handler_files
+    from testbed.provisioning.delay_handler import RUN_ROOT, run_dir, run_dir_script
 
     directory = "/home/lab/hil-testbed/netem"
     assert handler.RUN_ROOT == RUN_ROOT and handler.run_dir(directory) == run_dir(directory)

@@ -23,8 +23,8 @@ from nodes.contracts.service_files import service_files
 from nodes.contracts.target_model import builtin
 from testbed.campaign.load import load_campaign
 from testbed.campaign.plan import plan_run
-from testbed.compute_profiles import load_profile
-from testbed.context_service import context_scale
+from testbed.target.compute_profiles import load_profile
+from testbed.workers.context_service import context_scale
 from tests.conftest import REPO, assert_sent_as_planned, emulated_inventory, emulated_lab, run_campaign
 from workloads.context_traces import context_schedule, context_trace
 

@@ -1,4 +1,4 @@
-"""A decoder layer on the wire (CoCoServe's replicate and migrate, nodes/workers/module_transfer.py):
+"""A decoder layer on the wire (CoCoServe's replicate and migrate, nodes/workers/engines/module_transfer.py):
 bit-exact weights and KV through encode/decode, and between two real MPI ranks under mpiexec, with
 the bytes on the wire the layer's weights, its KV, a header and the padding asked for."""
 

@@ -20,8 +20,8 @@ import pytest
 from foundation.errors import TestbedError
 from nodes.emulated.cgroup import CpuCgroup
 from testbed.emulation.resolved import load_lab
-from testbed.power import restore_power, set_power, show_power
-from testbed.telemetry import finish_recording, probe_telemetry, record_telemetry, start_recording
+from testbed.energy.power_modes import restore_power, set_power, show_power
+from testbed.energy.telemetry import finish_recording, probe_telemetry, record_telemetry, start_recording
 from testbed.transport import open_transport
 from tests.conftest import emulated_inventory, emulated_lab, first_in_line, run_cli
 
@@ -87,7 +87,7 @@ def test_set_mode_reads_back_changes_the_quota_and_restore_undoes_it(lab: Path) 
 
 
 def test_converging_leaves_a_node_in_its_mode_alone_and_sets_the_others(lab: Path) -> None:
-    from testbed.power import converge_power
+    from testbed.energy.power_modes import converge_power
 
     inv = load_lab(lab)
     result = converge_power(inv, {"orin": "MAXN", "xavier": "MODE_15W"})  # orin is in MAXN already

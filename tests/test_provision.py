@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from testbed.emulation.resolved import load_lab
-from testbed.node_wheel import node_wheel
+from testbed.provisioning.node_wheel import node_wheel
+from testbed.provisioning.weights import ModelSource, file_sha256, read_safetensors_header
 from testbed.transport import open_transport
-from testbed.weights import ModelSource, file_sha256, read_safetensors_header
 from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 
 pytestmark = [
@@ -240,7 +240,7 @@ def test_a_run_sends_exactly_the_commands_its_dry_run_printed(lab: Path) -> None
     by the transports' command log) is a line of the plan ``--dry-run --json`` printed for the same
     run, and every line the plan sends once is sent. The campaign has a bandwidth trace with
     ``rate_scale``, a power mode and provisioned nodes (the workers' Python is each node's venv)."""
-    from testbed.planned_commands import normalised_line
+    from testbed.commands.planned import normalised_line
     from testbed.transport.command_log import ENV_VARIABLE, read
 
     directory = lab.parent / "plan-equals-run"

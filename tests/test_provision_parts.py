@@ -32,10 +32,10 @@ from nodes.inference.checkpoint import load_part, save_checkpoint
 from nodes.inference.config import LlamaConfig
 from nodes.inference.model import ModelPart
 from nodes.inference.partition import UShapePartition, checkpoint_tensor_names
-from testbed import node_code as node_code_module
 from testbed.inventory import Inventory, load_inventory
-from testbed.node_wheel import node_wheel
-from testbed.provision import (
+from testbed.provisioning import node_code as node_code_module
+from testbed.provisioning.node_wheel import node_wheel
+from testbed.provisioning.provision import (
     compare_records,
     judge_readiness,
     missing_requirements,
@@ -43,9 +43,7 @@ from testbed.provision import (
     pip_install_argv,
     venv_create_command,
 )
-from testbed.transport import LocalTransport
-from testbed.transport.facts import NodeFacts
-from testbed.weights import (
+from testbed.provisioning.weights import (
     ModelSource,
     _progress,
     ensure_file,
@@ -56,6 +54,8 @@ from testbed.weights import (
     weight_parts,
     write_part,
 )
+from testbed.transport import LocalTransport
+from testbed.transport.facts import NodeFacts
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "models" / "tiny"
@@ -864,7 +864,7 @@ def test_a_differing_node_code_version_is_a_problem():
 
 
 def test_a_nodes_changes_are_summed_up_by_kind_not_by_reading_their_words():
-    from testbed.provision import NodeProvision
+    from testbed.provisioning.provision import NodeProvision
 
     changes = ("made the venv /v", "installed w.whl[jetson]", "sent a (1.0 MiB)", "resumed b (2.0 MiB)")
     done = NodeProvision("orin", changes, (), (), {}, ("venv", "wheel", "weights", "weights"))

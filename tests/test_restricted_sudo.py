@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from testbed.delay_handler import RUN_ROOT
+from testbed.provisioning.delay_handler import RUN_ROOT
 from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 
 pytestmark = [
@@ -228,7 +228,7 @@ def test_a_privileged_command_outside_the_rules_is_refused(user_lab):
         assert refused.returncode != 0, argv
         assert "password is required" in refused.stderr or "not allowed" in refused.stderr, refused.stderr
     # the delay handler is allowed, and checks its own arguments as root: only our chains in mangle
-    from testbed.delay_handler import launcher_path
+    from testbed.provisioning.delay_handler import launcher_path
 
     handler = as_user(user_lab, "orin", "sudo", "-n", "--", launcher_path(), "iptables", "-w", "-t", "filter", "-S")
     assert handler.returncode == 2, handler.stdout + handler.stderr

@@ -17,9 +17,9 @@ from pathlib import Path
 import pandas as pd
 
 from nodes.contracts.telemetry_rows import read_header, read_rows
+from testbed.energy.telemetry import record_telemetry
 from testbed.inventory import load_inventory
-from testbed.node_code import node_code
-from testbed.telemetry import record_telemetry
+from testbed.provisioning.node_code import node_code
 from tests.conftest import REPO, run_cli
 
 

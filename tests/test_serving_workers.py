@@ -167,7 +167,7 @@ def test_a_request_that_cannot_fit_is_refused_and_one_that_fills_the_memory_ends
 def test_a_paced_engine_takes_one_target_step_an_iteration(tmp_path, reference):
     from nodes.contracts.compute_profile import step_seconds
     from nodes.contracts.target_model import builtin
-    from testbed.compute_profiles import load_profile
+    from testbed.target.compute_profiles import load_profile
 
     rates = load_profile(REPO / "examples" / "profiles" / "a100-80gb-vllm.yaml").rates()
     opt13 = builtin("opt-13b")

@@ -51,14 +51,14 @@ from nodes.inference.speculative import (
 )
 from nodes.inference.tokenizer import Tokenizer
 from nodes.workers import wire
-from nodes.workers.hat_sizing import (
+from nodes.workers.split.hat_sizing import (
     MIN_MEASURED_BYTES,
     LinkEstimator,
     MovingAverage,
     chunk_tokens_eq3,
     parallel_steps_eq6,
 )
-from nodes.workers.state_monitor import ServerState, StateMonitor
+from nodes.workers.split.state_monitor import ServerState, StateMonitor
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "examples" / "models" / "tiny")

@@ -24,7 +24,7 @@ from testbed.campaign.load import load_campaign
 from testbed.campaign.plan import plan_run
 from testbed.emulation.resolved import as_real_lab
 from testbed.inventory import load_inventory
-from testbed.provision import judge_readiness
+from testbed.provisioning.provision import judge_readiness
 from testbed.transport.facts import NodeFacts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -302,7 +302,7 @@ def test_the_installer_puts_the_handler_root_owned_and_refuses_a_python_others_m
     """The delay handler runs as root: the installer copies it (verified by its digest) into root's
     directory, 0755/0644, and refuses a Python whose code others may change (a venv in a directory
     anyone may write, that sees this machine's packages through a .pth file)."""
-    from testbed.delay_handler import HANDLER_SOURCE, LAUNCHER, handler_digest, install_script
+    from testbed.provisioning.delay_handler import HANDLER_SOURCE, LAUNCHER, handler_digest, install_script
 
     lib = tmp_path / "lib"
     venv = tmp_path / "open-venv"

@@ -20,7 +20,7 @@ from analysis.load import load
 from analysis.report import build_report
 from nodes.contracts.compute_profile import step_seconds
 from nodes.contracts.target_model import builtin
-from testbed.compute_profiles import PROFILES_DIR, load_profile
+from testbed.target.compute_profiles import PROFILES_DIR, load_profile
 from tests.conftest import REPO, emulated_inventory, emulated_lab
 
 pytestmark = [
@@ -70,8 +70,8 @@ run_timeout_s: 120
 
 def _pacing(inventory: Path, node: str) -> dict:
     """What the node's CPU pacing tool says of it (over the node's real SSH)."""
+    from testbed.commands.node_context import resolve_context
     from testbed.emulation.resolved import load_lab
-    from testbed.node_context import resolve_context
     from testbed.transport import open_transport
 
     lab = load_lab(inventory)
@@ -168,7 +168,7 @@ def test_an_unknown_target_or_a_node_without_a_profile_is_refused_at_its_line(la
 
 
 def test_profile_gives_back_the_profile_a_node_is_paced_with_and_fits_the_real_engine(lab, tmp_path):
-    from testbed.compute_profiles import load_profile as load
+    from testbed.target.compute_profiles import load_profile as load
 
     paced = run("profile", "orin", "-i", str(lab), "--target", "vicuna-7b", "--mode", "MAXN", "--dilation", "2",
                 "--reps", "2", "--out", str(tmp_path / "paced.yaml"), "--json")  # fmt: skip

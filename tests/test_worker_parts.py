@@ -25,10 +25,17 @@ from nodes.contracts.run_config import RunConfigError, load_schedule
 from nodes.inference.kv_cache import KVCache
 from nodes.inference.partition import PartitionError, UShapePartition
 from nodes.workers import wire
-from nodes.workers.state_monitor import StateMonitor, bucket_of
+from nodes.workers.split.state_monitor import StateMonitor, bucket_of
 from nodes.workers.wire import DATA, DECODE, PREFILL, RELEASE, STOP, Segment, WireError, decode, encode
 from testbed.inventory import Inventory, load_inventory
-from testbed.split_run import MpiLaunchPlan, RankGroup, SplitRunSpec, check_spec, data_plane_env, device_schedule
+from testbed.workers.split_run import (
+    MpiLaunchPlan,
+    RankGroup,
+    SplitRunSpec,
+    check_spec,
+    data_plane_env,
+    device_schedule,
+)
 
 # --------------------------------------------------------------------------------------------
 # wire

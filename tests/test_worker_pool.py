@@ -18,7 +18,7 @@ import pytest
 
 from nodes.contracts.run_config import DraftSettings, RankSpec, RunConfig
 from nodes.workers.part_cache import PartCache
-from testbed.split_run import data_plane_env
+from testbed.workers.split_run import data_plane_env
 from tests.conftest import REPO
 
 TINY = REPO / "examples" / "models" / "tiny"
@@ -236,7 +236,7 @@ def _pool_rank(proc: Path, base: bytes) -> bool:
 
 
 def test_a_pool_counts_as_ended_when_its_status_is_there_or_its_process_is_gone(tmp_path):
-    from testbed.worker_pool import PoolFiles, alive_check
+    from testbed.workers.pool import PoolFiles, alive_check
 
     files = PoolFiles(str(tmp_path))
 

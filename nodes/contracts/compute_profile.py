@@ -12,7 +12,7 @@ do (Vidur's A40/A100 linear-op profiles: flat to batch 64, then rising). Weight 
 step whatever the batch; FLOPs are 2 per parameter per token plus attention (4 x hidden per token and
 context position, QK^T and AV); the LM head counts only for the tokens whose logits are taken.
 
-The controller loads profile files (``testbed/compute_profiles.py``, YAML with a source for every
+The controller loads profile files (``testbed/target/compute_profiles.py``, YAML with a source for every
 number) and hands each rank its mode's :class:`ModeRates` in the run config; this module, standard
 library only, is what both sides compute with.
 """

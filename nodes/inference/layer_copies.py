@@ -10,7 +10,7 @@ packed batch: the rows of each copy's sequences go to it (scatter), and come bac
 The tokens are those of the model without copies, whatever the placement and whenever it changed.
 
 A GPU is a torch device of this process (copies on the same device on a machine without GPUs), or
-another rank (:meth:`LayerCopies.add_remote`: ``nodes.workers.layer_ranks``), which holds its copies and
+another rank (:meth:`LayerCopies.add_remote`: ``nodes.workers.engines.layer_ranks``), which holds its copies and
 the KV of the sequences they serve, and runs its rows when sent them.
 """
 
@@ -51,7 +51,7 @@ class LayerCopies(object):
         self.devices.setdefault(gpu, part.device)
         self.hosts: Dict[int, List[str]] = {i: [gpu] for i in part.layer_ids}  # primary first
         self.copies: Dict[Tuple[int, str], DecoderLayer] = {(i, gpu): part.layers[str(i)] for i in part.layer_ids}
-        self.remote: Dict[str, Any] = {}  # GPUs that are other ranks (nodes.workers.layer_ranks.RemoteGpu)
+        self.remote: Dict[str, Any] = {}  # GPUs that are other ranks (nodes.workers.engines.layer_ranks.RemoteGpu)
         # optional: pace(gpu, layer, [(tokens, context)], started) after a local copy computed its rows (a
         # target's time); transfer_s(gpu, tokens) the modeled time to move that many rows' hidden states
         self.pace: Optional[Callable[[str, int, List[Tuple[int, int]], float], None]] = None

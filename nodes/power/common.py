@@ -37,7 +37,7 @@ class PowerState(NamedTuple):
 
 class Runner(object):
     """Runs the node's tools, adding ``sudo -n`` to privileged ones when asked to (with the tool's
-    absolute path: sudo's rules name programs by path, testbed/sudo_rules.py)."""
+    absolute path: sudo's rules name programs by path, testbed/provisioning/sudo_rules.py)."""
 
     def __init__(self, sudo: bool = False, timeout_s: float = 60.0) -> None:
         self.sudo = sudo

@@ -55,31 +55,31 @@ def run_one(config: RunConfig, comm: Any, rank: int, parts: Any) -> Dict[str, An
     started = time.monotonic()
     streams = config.method_spec.streams  # a serving engine and its clients, not a split pipeline
     if config.method_spec.dispatches:  # endpoints over HTTP, and the devices' dispatchers
-        from .dispatch_worker import DispatchClient, DispatchServer
+        from .clients.dispatch_worker import DispatchClient, DispatchServer
 
         worker = (DispatchServer if spec.role == "stage" else DispatchClient)(config, comm, rank, parts)
     elif config.method_spec.serves_contexts:  # the device's LLM service and its apps; the server idles
-        from .context_apps import ContextApps, IdleServer
+        from .clients.context_apps import ContextApps, IdleServer
 
         worker = (IdleServer if spec.role == "stage" else ContextApps)(config, comm, rank, parts)
     elif spec.role == "stage" and config.method_spec.gpu_ranks:  # the instance on the first GPU, copies on the rest
-        from .scaling_engine import GpuRank, ScalingEngine
+        from .engines.scaling_engine import GpuRank, ScalingEngine
 
         worker = (ScalingEngine if spec.index == 0 else GpuRank)(config, comm, rank, parts)
     elif spec.role == "stage" and streams:
-        from .serving_engine import ServingEngine
+        from .engines.serving_engine import ServingEngine
 
         worker = ServingEngine(config, comm, rank, parts)
     elif spec.role == "stage":
-        from .server_stage import ServerStage
+        from .split.server_stage import ServerStage
 
         worker = ServerStage(config, comm, rank, parts)
     elif streams:
-        from .serving_client import ServingClient
+        from .clients.serving_client import ServingClient
 
         worker = ServingClient(config, comm, rank, parts)
     else:
-        from .device import DeviceWorker
+        from .split.device import DeviceWorker
 
         worker = DeviceWorker(config, comm, rank, parts)
     parts.settle()

@@ -1,5 +1,5 @@
 """What a run of a campaign takes over from the run just before it in the same invocation: the warm
-worker pool (:mod:`testbed.worker_pool`), what planning read from the nodes that does not change
+worker pool (:mod:`testbed.workers.pool`), what planning read from the nodes that does not change
 between runs (home directories, the node code's Python, ``mpiexec``; tc state is read again for
 every run), and sensor probes that the last run's samplers bore out.
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.campaign.plan import NodeReads
-from testbed.telemetry import ProbeResult
-from testbed.worker_pool import PoolKeeper
+from testbed.energy.telemetry import ProbeResult
+from testbed.workers.pool import PoolKeeper
 
 GAP_INTERVALS = 5.0  # a sampler whose longest gap exceeds this many intervals (or 1 s) proves nothing
 

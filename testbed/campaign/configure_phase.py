@@ -44,7 +44,7 @@ def configure(campaign: Campaign, settings: RunSettings, state: RunState, events
 def pace_cpus(campaign: Campaign, state: RunState, events: EventLog) -> None:
     """Emulated nodes of a target run: a quota that never holds the real work back, in 10 ms periods
     (the profile decides the steps' times; power modes' 100 ms periods make them bimodal)."""
-    from testbed.target_emulation import pace_nodes, paceable
+    from testbed.target.emulation import pace_nodes, paceable
 
     plan = plan_of(state)
     names = paceable(campaign.inventory, plan.nodes)
@@ -56,7 +56,7 @@ def pace_cpus(campaign: Campaign, state: RunState, events: EventLog) -> None:
 
 
 def set_power(campaign: Campaign, state: RunState, events: EventLog) -> None:
-    from testbed.power import converge_power
+    from testbed.energy.power_modes import converge_power
 
     plan = plan_of(state)
     if not plan.power:

@@ -8,9 +8,9 @@ executes it) and writes the device schedules; ``configure`` sets the power modes
 that do not hold the run's values already (read back; links measured with iperf3 when
 ``link.verify_s`` > 0); ``telemetry`` starts the samplers (probing the sensors and measuring clock
 offsets); ``stage`` puts the run's files on its nodes and starts the warm worker pool of its shape
-when none is up (:mod:`testbed.worker_pool`); these three touch different things and run side by
+when none is up (:mod:`testbed.workers.pool`); these three touch different things and run side by
 side. ``services`` starts the devices' LLM service daemons of a context-serving method and waits
-until they answer (:mod:`testbed.context_service`). ``workers`` orders the run from the pool and
+until they answer (:mod:`testbed.workers.context_service`). ``workers`` orders the run from the pool and
 waits for it; ``drain`` keeps telemetry running for ``drain_s``; ``collect`` stops the samplers and
 turns the rank files into parquet; ``restore`` stops the LLM services and the run's trace players and
 undoes shaping and power modes from the nodes' journals, except on the nodes the next run sets again
@@ -57,11 +57,11 @@ from testbed.campaign.run_state import (
 )
 from testbed.campaign.spec import Campaign, PlannedRun, run_nodes
 from testbed.inventory import Inventory
-from testbed.provision import compare_records, load_record
-from testbed.split_run import served_count_script
+from testbed.provisioning.provision import compare_records, load_record
 from testbed.transport import open_transport
 from testbed.transport.fanout import fan_out
-from testbed.worker_pool import PoolKeeper, WorkerPool
+from testbed.workers.pool import PoolKeeper, WorkerPool
+from testbed.workers.split_run import served_count_script
 from workloads.schedule import write_schedule
 
 PHASES = ("preflight", "configure", "telemetry", "stage", "services", "workers", "drain", "collect", "restore",
@@ -218,7 +218,7 @@ def _start_telemetry(campaign: Campaign, directory: Path, state: RunState, carry
     plan = plan_of(state)
     if plan.telemetry is None:
         return
-    from testbed.telemetry import start_recording
+    from testbed.energy.telemetry import start_recording
 
     tel = plan.telemetry
     proven = carry.proven_probes(tel.jetson_source)
@@ -251,7 +251,7 @@ def _start_services(campaign: Campaign, directory: Path, state: RunState) -> Non
     plan = plan_of(state)
     if not plan.services:
         return
-    from testbed.context_service import start_services
+    from testbed.workers.context_service import start_services
 
     note_processes(directory, [{"node": p.node, "host": p.node, "pidfile": p.files.pidfile} for p in plan.services])
     state.services = plan.services  # before they start: restore stops whatever did
@@ -299,7 +299,7 @@ def _collect(campaign: Campaign, run: PlannedRun, directory: Path, state: RunSta
     errors = []
     failed_nodes: list[str] = []
     if state.recording is not None:
-        from testbed.telemetry import finish_recording
+        from testbed.energy.telemetry import finish_recording
 
         try:
             result = finish_recording(campaign.inventory, state.recording, directory / "telemetry")

@@ -35,7 +35,27 @@ from netem.trace import BandwidthTrace
 from nodes.contracts.methods import method_named
 from testbed.campaign.run_spec import dilation_of, node_run_id, split_spec
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, run_nodes
-from testbed.context_service import (
+from testbed.commands.node_context import (
+    HOME_SCRIPT,
+    NodeContext,
+    resolve_context,
+    transport_for,
+    unresolved_context,
+)
+from testbed.commands.planned import PlanLines, PlannedCommand, normalised_line, sh
+from testbed.energy.power_modes import PowerStep, plan_power_restore, plan_power_set
+from testbed.energy.telemetry import TelemetryStep, plan_recording_start, plan_recording_stop, sampler_plan
+from testbed.inventory import DirectedLink, Inventory, links_from_file
+from testbed.links.apply import plan_shaping, plan_unshaping
+from testbed.links.handler_lifecycle import plan_handler_reports
+from testbed.links.plans import Driven, LinkPlan, link_plan
+from testbed.links.probe import NodeProbe, plan_probe, probe_nodes
+from testbed.links.trace_playback import plan_trace_players, plan_trace_stop
+from testbed.target.emulation import paceable, plan_pacing
+from testbed.transport.base import command_line
+from testbed.transport.facts import facts_script
+from testbed.transport.fanout import fan_out
+from testbed.workers.context_service import (
     LIFETIME_MARGIN_S,
     ServicePlan,
     plan_services_start,
@@ -43,35 +63,7 @@ from testbed.context_service import (
     run_scales,
     service_plans,
 )
-from testbed.inventory import DirectedLink, Inventory, links_from_file
-from testbed.links.apply import plan_shaping, plan_unshaping
-from testbed.links.handler_lifecycle import plan_handler_reports
-from testbed.links.plans import Driven, LinkPlan, link_plan
-from testbed.links.probe import NodeProbe, plan_probe, probe_nodes
-from testbed.links.trace_playback import plan_trace_players, plan_trace_stop
-from testbed.node_context import (
-    HOME_SCRIPT,
-    NodeContext,
-    resolve_context,
-    transport_for,
-    unresolved_context,
-)
-from testbed.planned_commands import PlanLines, PlannedCommand, normalised_line, sh
-from testbed.power import PowerStep, plan_power_restore, plan_power_set
-from testbed.split_run import (
-    MpiLaunchPlan,
-    SplitRunSpec,
-    find_mpiexec,
-    launch_plan,
-    plan_mpiexec_search,
-    plan_stage,
-)
-from testbed.target_emulation import paceable, plan_pacing
-from testbed.telemetry import TelemetryStep, plan_recording_start, plan_recording_stop, sampler_plan
-from testbed.transport.base import command_line
-from testbed.transport.facts import facts_script
-from testbed.transport.fanout import fan_out
-from testbed.worker_pool import (
+from testbed.workers.pool import (
     IDLE_TIMEOUT_S,
     plan_pool_release,
     plan_pool_serve,
@@ -79,6 +71,14 @@ from testbed.worker_pool import (
     pool_files,
     pool_launch,
     pool_name,
+)
+from testbed.workers.split_run import (
+    MpiLaunchPlan,
+    SplitRunSpec,
+    find_mpiexec,
+    launch_plan,
+    plan_mpiexec_search,
+    plan_stage,
 )
 
 TELEMETRY_MARGIN_S = 60.0  # samplers stop themselves this long after the run's timeout at the latest
@@ -159,7 +159,7 @@ class RunPlan:
     telemetry: TelemetryStep | None
     split: SplitRunSpec
     mpiexec: str | None  # beside the workers' Python on the launch node; None: looked up at launch
-    launch: MpiLaunchPlan  # the warm pool's mpiexec (testbed.worker_pool), started when none of its shape is up
+    launch: MpiLaunchPlan  # the warm pool's mpiexec (testbed.workers.pool), started when none of its shape is up
     commands: tuple[PlannedCommand, ...] = field(default=())
     probes: dict[str, NodeProbe] = field(default_factory=dict)  # tc state read when planning; apply reuses it
     services: tuple[ServicePlan, ...] = ()  # the devices' LLM service daemons (a context-serving method)

@@ -16,7 +16,7 @@ def restore_run(lab: Inventory, state: RunState, keep: tuple[frozenset[str], fro
     power modes except where ``keep`` says the next run sets them again."""
     problems = []
     if state.recording is not None:  # a run that failed before collect: stop its samplers
-        from testbed.telemetry import stop_sampler
+        from testbed.energy.telemetry import stop_sampler
 
         for rec in state.recording.nodes:
             try:
@@ -25,7 +25,7 @@ def restore_run(lab: Inventory, state: RunState, keep: tuple[frozenset[str], fro
                 problems.append(f"{rec.node}: sampler: {exc}")
         state.recording = None
     if state.services:  # the devices' LLM services end with their run
-        from testbed.context_service import stop_services
+        from testbed.workers.context_service import stop_services
 
         stopped = stop_services(lab, state.services)
         state.restore["llm_services"] = {o.node: o.value if o.ok else f"failed: {o.error}" for o in stopped.outcomes}
@@ -43,7 +43,7 @@ def restore_run(lab: Inventory, state: RunState, keep: tuple[frozenset[str], fro
     problems += release_nodes(lab, Kept(frozenset(power - kept.power), frozenset(shaped - kept.links),
                                         kept.contexts), state.restore)  # fmt: skip
     if state.paced_nodes:  # every run paces its own nodes: never kept
-        from testbed.target_emulation import pace_nodes
+        from testbed.target.emulation import pace_nodes
 
         ended = pace_nodes(lab, state.paced_nodes, False, kept.contexts)
         state.restore["cpu_pacing_ended"] = sorted(o.node for o in ended.outcomes if o.ok)
@@ -60,8 +60,8 @@ def restore_run(lab: Inventory, state: RunState, keep: tuple[frozenset[str], fro
 def release_nodes(lab: Inventory, nodes: Kept, into: dict[str, Any]) -> list[str]:
     """Undo the shaping and power modes of ``nodes`` from their journals (what a run or the runs
     before it set); the outcomes go into ``into``; returns the problems."""
+    from testbed.energy.power_modes import restore_power
     from testbed.links.apply import clear_nodes
-    from testbed.power import restore_power
 
     problems = []
     if nodes.links:

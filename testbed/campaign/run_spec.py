@@ -10,7 +10,7 @@ from typing import Any
 
 from testbed.campaign.families import FamilyContext, families
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, workload_spec
-from testbed.split_run import MethodSections, SplitRunSpec
+from testbed.workers.split_run import MethodSections, SplitRunSpec
 
 
 def node_run_id(run: PlannedRun, attempt: int) -> str:
@@ -35,7 +35,7 @@ def split_spec(campaign: Campaign, run: PlannedRun, attempt: int) -> SplitRunSpe
     sections: dict[str, Any] = {family.section: family.run_section(context, settings)
                                 for family in families() if family.in_run_config(settings)}  # fmt: skip
     if settings.target is not None:
-        from testbed.target_emulation import paced_names, resolve_target
+        from testbed.target.emulation import paced_names, resolve_target
 
         target = resolve_target(lab, campaign.base_dir, settings, list(lab.select(paced_names(settings, devices))))
         sections["target"] = target.to_json()

@@ -17,7 +17,7 @@ from typing import Any
 from foundation.errors import NodeError, TestbedError
 from nodes.contracts.durable import SyncedLines, write_json_atomic
 from testbed.campaign.plan import RunPlan
-from testbed.worker_pool import PreparedRun
+from testbed.workers.pool import PreparedRun
 
 
 class EventLog:
@@ -83,7 +83,7 @@ class RunState:
     fidelity: dict[str, Any] = field(default_factory=dict)  # per node: paced steps that overran their target
     paced_nodes: tuple[str, ...] = ()  # emulated nodes whose CPU quota is paced for this run
     flag: str | None = None  # said of a run that is done but not faithful (over the violation limit)
-    services: tuple[Any, ...] = ()  # LLM service daemons started (testbed.context_service.ServicePlan)
+    services: tuple[Any, ...] = ()  # LLM service daemons started (testbed.workers.context_service.ServicePlan)
     _failing: threading.Lock = field(default_factory=threading.Lock)  # phases side by side may fail at once
 
     def fail(self, phase: str, reason: str, node: str | None) -> None:

@@ -11,7 +11,7 @@ Layout of a campaign directory::
 
     pools.json                     every warm worker pool started (ended on --resume after a crash)
 
-Runs are served by warm worker pools (:mod:`testbed.worker_pool`): consecutive runs of one shape
+Runs are served by warm worker pools (:mod:`testbed.workers.pool`): consecutive runs of one shape
 share the ranks, and a run leaves power modes and shaping in place on the nodes the next run sets
 again; they are restored after the last run that needs them, when a run fails, and when the
 campaign ends (also on Ctrl-C).
@@ -45,11 +45,11 @@ from testbed.campaign.plan import configured_nodes
 from testbed.campaign.restore_phase import release_nodes
 from testbed.campaign.run_state import Kept
 from testbed.campaign.spec import Campaign, PlannedRun, run_nodes
+from testbed.commands.node_context import host_of, transport_for
 from testbed.inventory import Inventory, NodeSpec, kind_of
-from testbed.node_context import host_of, transport_for
 from testbed.transport import open_transport
 from testbed.transport.fanout import fan_out
-from testbed.worker_pool import PoolKeeper, end_registered_pools
+from testbed.workers.pool import PoolKeeper, end_registered_pools
 
 LEDGER = "ledger.sqlite"
 POOLS = "pools.json"
@@ -225,8 +225,8 @@ def _end_processes(lab: Inventory, noted: list[NotedProcess], say: Callable[[str
 def restore_nodes(campaign: Campaign, names: list[str], say: Callable[[str], None]) -> None:
     """Undo shaping and power modes on ``names`` from their journals (nothing where none is kept), and
     end the CPU pacing of emulated nodes."""
+    from testbed.energy.power_modes import restore_power
     from testbed.links.apply import clear_nodes
-    from testbed.power import restore_power
 
     lab = campaign.inventory
     linux = [n for n in names if kind_of(lab.node(n)).shapes_links and lab.node(n).data is not None]
@@ -241,7 +241,7 @@ def restore_nodes(campaign: Campaign, names: list[str], say: Callable[[str], Non
         if o.value is not None:
             say(f"{o.node}: power mode restored to {o.value.mode_name}")
     if any(lab.node(n).emulated is not None for n in names):  # a target run's CPU pacing, if one was left
-        from testbed.target_emulation import pace_nodes
+        from testbed.target.emulation import pace_nodes
 
         for o in pace_nodes(lab, names, False).failed:
             say(f"{o.node}: could not end CPU pacing: {o.error}")

@@ -105,7 +105,7 @@ class TelemetrySettings(_Strict):
 
 
 class TargetSettings(_Strict):
-    """What the emulated testbed stands for (``testbed/target_emulation.py``): the target model, whose
+    """What the emulated testbed stands for (``testbed/target/emulation.py``): the target model, whose
     shape decides step times with each node's compute profile and the bytes of hidden states on the
     wire; ``dilation`` slows every modeled duration, trace and arrival and divides every link rate by
     one factor (analysis divides times back), so that this machine can keep up with a faster target."""

@@ -238,7 +238,7 @@ class SettingsChecker:
     def _target_problems(self, s: RunSettings) -> Iterable[tuple[str, str, str]]:
         """The target model must load and split like the run; every run node needs a profile with its mode."""
         from nodes.inference.partition import PartitionError, UShapePartition
-        from testbed.target_emulation import load_target_model, paced_names, resolve_target
+        from testbed.target.emulation import load_target_model, paced_names, resolve_target
 
         target = s.target
         if target is None:
@@ -259,7 +259,7 @@ class SettingsChecker:
         try:
             resolve_target(self.lab, self.source.path.parent, s, list(self.lab.select(names)))
         except (TestbedError, InputError) as exc:
-            yield "target", str(exc), "compute profiles live in examples/profiles (testbed/compute_profiles.py)"
+            yield "target", str(exc), "compute profiles live in examples/profiles (testbed/target/compute_profiles.py)"
 
 
 def unused_setting_problems(spec: CampaignSpec, source: YamlSource, runs: Sequence[RunSettings]) -> list[InputProblem]:

@@ -29,7 +29,7 @@ def doctor(
     trying each in a scratch namespace. Exits 1 if something the emulated testbed needs is missing.
     netem and NFQUEUE are optional: delay, jitter and loss take netem where the kernel has it, else
     the NFQUEUE path (the 'delay-path' row says which); without either, rate shaping still works."""
-    from testbed.doctor import check_host
+    from testbed.checks.doctor import check_host
 
     if inventory.exists():
         load_inventory(inventory)  # a broken inventory is worth knowing about here too

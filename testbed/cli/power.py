@@ -39,7 +39,7 @@ def power_show(inventory: InventoryOption = Path("inventory.yaml"), nodes: Nodes
                as_json: JsonOption = False) -> None:
     """Show each node's current power mode (as its tool reads it back), whether clocks are locked,
     the modes it offers, and whether it was changed since the last restore (its journal)."""
-    from testbed.power import show_power
+    from testbed.energy.power_modes import show_power
 
     inv = load_lab(inventory)
     result = show_power(inv, nodes)
@@ -64,7 +64,7 @@ def power_set(
 ) -> None:
     """Set a power mode on a node or group and read it back; exits 1 if any node reads back
     something else. The state before the first change is journaled on the node."""
-    from testbed.power import set_power
+    from testbed.energy.power_modes import set_power
 
     inv = load_lab(inventory)
     result = set_power(inv, [target], mode, lock_clocks=lock_clocks)
@@ -80,7 +80,7 @@ def power_set(
 def power_restore(inventory: InventoryOption = Path("inventory.yaml"), nodes: NodesOption = None) -> None:
     """Put every node back to the power mode and clocks its journal recorded before the first
     change, read it back, and drop the journal. Nodes without a journal are left alone."""
-    from testbed.power import restore_power
+    from testbed.energy.power_modes import restore_power
 
     inv = load_lab(inventory)
     result = restore_power(inv, nodes)

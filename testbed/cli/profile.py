@@ -14,9 +14,9 @@ from rich.table import Table
 
 from foundation.errors import TestbedError
 from testbed.cli.app import InventoryOption, JsonOption, app, err, out
-from testbed.compute_profiles import MAX_RATE
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import Inventory
+from testbed.target.compute_profiles import MAX_RATE
 
 TINY = "examples/models/tiny"
 
@@ -27,7 +27,7 @@ def cpu_paced(lab: Inventory, names: list[str]) -> Iterator[None]:
     a quota that never holds the real work back, in short periods. Under the power mode's quota (100 ms
     periods) the profiler's untimed setup used up a period's time and the timed step after it waited
     for the next period: an overrun that measured the quota, not the profile."""
-    from testbed.target_emulation import pace_nodes
+    from testbed.target.emulation import pace_nodes
 
     if not names:
         yield
@@ -69,8 +69,8 @@ def profile(
     On the emulated testbed, --target measures the paced steps instead and checks that the fit gives
     back the profile they were paced with (exit status 1 when it does not, within 5%)."""
     from nodes.contracts.target_model import from_hf_config
-    from testbed.profiling import FULL_GRID, QUICK_GRID, agreement, fit_profile, measure, profile_yaml
-    from testbed.target_emulation import load_target_model, node_mode, node_profile
+    from testbed.target.emulation import load_target_model, node_mode, node_profile
+    from testbed.target.profiling import FULL_GRID, QUICK_GRID, agreement, fit_profile, measure, profile_yaml
 
     if grid not in ("quick", "full"):
         raise TestbedError(f"--grid {grid!r}: choose quick or full")

@@ -45,8 +45,8 @@ def provision_command(
     versions (packages, torch, CUDA, MPI and its ABI, the wheel's hash) go to the state directory's
     provisioned/<node>.json. Exits 1 when a node failed or has a problem, or when nodes differ in MPI
     ABI or node code version."""
-    from testbed.provision import ProvisionOptions, provision
-    from testbed.weights import parse_partition
+    from testbed.provisioning.provision import ProvisionOptions, provision
+    from testbed.provisioning.weights import parse_partition
 
     inv = load_lab(inventory)
     if partition is not None and model is None:

@@ -36,7 +36,7 @@ def telemetry_probe(
 ) -> None:
     """Take two samples from every node's telemetry source and list each sensor with its reading,
     or why it gave none (NVML NotSupported, RAPL root-only, a charging phone...)."""
-    from testbed.telemetry import probe_telemetry
+    from testbed.energy.telemetry import probe_telemetry
 
     inv = load_lab(inventory)
     result = probe_telemetry(inv, nodes, require_energy=require_energy, jetson_source=jetson_source)
@@ -77,7 +77,7 @@ def telemetry_record(
     """Record telemetry outside a campaign: start a detached sampler on every node, wait, measure
     clock offsets at both ends, then collect telemetry/<node>.parquet in long format (ts_s on the
     controller's clock, node_ts_s, metric, value, unit, sensor, kind, period_s)."""
-    from testbed.telemetry import record_telemetry
+    from testbed.energy.telemetry import record_telemetry
 
     inv = load_lab(inventory)
     result = record_telemetry(inv, nodes, seconds, out_dir, interval_s=interval_ms / 1000.0,
@@ -107,7 +107,7 @@ def telemetry_import_tegrastats(
                                                 "(its timestamps) and UTC.")] = 0.0,
 ) -> None:
     """Convert an existing tegrastats log (JetPack 4 to 7) into our telemetry format."""
-    from testbed.telemetry_import import import_tegrastats
+    from testbed.energy.board_logs import import_tegrastats
 
     if not log.is_file():
         raise TestbedError(f"{log}: no such file")

@@ -27,7 +27,6 @@ from nodes.contracts.durable import write_json_atomic
 from nodes.contracts.root_paths import ROOT_STATE
 from nodes.emulated import phones as phones_catalogue
 from nodes.emulated.cgroup import CpuCgroup, cgroup_version
-from testbed.delay_handler import HANDLER_SOURCE, install_script
 from testbed.emulation import host
 from testbed.emulation.journal import Journal
 from testbed.emulation.node_files import ADB_DEVICES_FILE, REPO, NodeFiles, write_node_tools
@@ -43,7 +42,8 @@ from testbed.emulation.sshd_server import (
     reach_script,
 )
 from testbed.inventory import Inventory, load_inventory, node_kind
-from testbed.sudo_rules import sudoers_text
+from testbed.provisioning.delay_handler import HANDLER_SOURCE, install_script
+from testbed.provisioning.sudo_rules import sudoers_text
 
 MODES = ("netns", "local")
 SSHD_READY_S = 20.0
@@ -251,7 +251,7 @@ def _standins(plan: EmulationPlan) -> dict[str, list[str]]:
 
 
 def _install_delay_handler(say: Say) -> None:
-    """The NFQUEUE delay handler, root-owned in its place (testbed.delay_handler), to run with this
+    """The NFQUEUE delay handler, root-owned in its place (testbed.provisioning.delay_handler), to run with this
     Python, where this Python has the binding (else the delay path says what it lacks)."""
     if importlib.util.find_spec("netfilterqueue") is None:
         return

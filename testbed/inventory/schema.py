@@ -236,7 +236,7 @@ class EmulationSettings(_Strict):
     name_prefix: Annotated[str, Field(pattern=r"^[a-z][a-z0-9]{0,5}$")] = "tb"
     state_dir: SafePath | None = None  # default: /run/hil-testbed/<prefix> (root), else per user
     # Reach the nodes as a real lab is reached: as this non-root user (made by `up`, removed by `down`),
-    # whose sudo allows only the rules the suite prints (testbed.sudo_rules); netns mode only.
+    # whose sudo allows only the rules the suite prints (testbed.provisioning.sudo_rules); netns mode only.
     ssh_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,30}$")] | None = None
     sudo_rules: Literal["printed"] = "printed"
     instance: EmulationInstance | None = None

@@ -7,8 +7,8 @@ way) and refuses, changing nothing, when any problem is found. The delay path is
 from the probe when the plan is made (``defaults.delay_path``; auto: netem where the kernel has it,
 else the NFQUEUE path of :mod:`netem.nfqueue`). Then, on each node: the journal is written (snapshot
 of the interfaces before the first apply, the iptables chains and the delay handler about to exist),
-the plan's commands run (each with sudo, as one fixed program: :mod:`testbed.sudo_rules`), the delay
-handler installed root-owned starts (:mod:`testbed.delay_handler`), and tc and iptables are read
+the plan's commands run (each with sudo, as one fixed program: :mod:`testbed.provisioning.sudo_rules`), the delay
+handler installed root-owned starts (:mod:`testbed.provisioning.delay_handler`), and tc and iptables are read
 back and compared with the plan. When any node fails, every node already touched is undone.
 ``clear_nodes`` undoes from the nodes' journals alone, so it also works after the controller was
 killed. ``plan_shaping`` and ``plan_unshaping`` write a run plan's lines of the same steps.
@@ -34,7 +34,8 @@ from netem import nfqueue
 from netem.delay_path import DelayPath, HeldRules, by_path, delay_path
 from netem.plan import TcPlan, plan_devices
 from netem.tc_state import InterfaceState, commands_for, differences, read_script
-from testbed.delay_handler import RUN_ROOT
+from testbed.commands.node_context import NodeContext
+from testbed.commands.planned import PlanLines, sh
 from testbed.inventory import Inventory, kind_of
 from testbed.links import node_journal
 from testbed.links.handler_lifecycle import (
@@ -57,8 +58,7 @@ from testbed.links.probe import (
     read_states,
     refusals,
 )
-from testbed.node_context import NodeContext
-from testbed.planned_commands import PlanLines, sh
+from testbed.provisioning.delay_handler import RUN_ROOT
 from testbed.transport import Transport, open_transport
 from testbed.transport.base import background_alive_test, command_line, quote_path
 from testbed.transport.fanout import FanOutResult, fan_out

@@ -1,7 +1,8 @@
 """The NFQUEUE delay handler's life on a node: where it keeps its files, starting it with a config (it
 returns once its queues are bound), giving it a trace's delays, stopping it (also one an earlier version
 of the suite left in the user's directory), and reading back what it did (how late its releases were).
-The handler itself is ``nodes/link_delay_handler.py``, installed root-owned by :mod:`testbed.delay_handler`.
+The handler itself is ``nodes/link_delay_handler.py``, installed root-owned by
+:mod:`testbed.provisioning.delay_handler`.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from foundation.errors import NodeError
-from testbed.delay_handler import RUN_ROOT, launcher_path, run_dir, run_dir_script
+from testbed.commands.node_context import NodeContext
+from testbed.commands.planned import PlanLines, sh
 from testbed.inventory import Inventory
 from testbed.links import node_journal
-from testbed.node_context import NodeContext
-from testbed.planned_commands import PlanLines, sh
-from testbed.sudo_rules import privileged
+from testbed.provisioning.delay_handler import RUN_ROOT, launcher_path, run_dir, run_dir_script
+from testbed.provisioning.sudo_rules import privileged
 from testbed.transport import Transport, open_transport
 from testbed.transport.base import background_alive_test, quote_path
 from testbed.transport.fanout import FanOutResult, fan_out

@@ -17,7 +17,7 @@ from netem.delay_path import names as delay_path_names
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE
 from netem.tc_state import InterfaceState, split_sections
 from nodes.contracts.journal_values import INTERFACE, JournalValueError, checked, checked_path
-from testbed.sudo_rules import privileged
+from testbed.provisioning.sudo_rules import privileged
 from testbed.transport.base import Transport, quote_path
 
 JOURNAL_FORMAT = 2  # 2: ``held`` per delay path; 1 (read too) named the NFQUEUE chains as ``chains``
@@ -204,7 +204,7 @@ def remove_script(workdir: str) -> str:
 
 def commands_script(commands: Sequence[Sequence[str]], sudo: bool) -> str:
     """sh that runs tc, ip and iptables commands in order (each with sudo, as the one fixed program
-    :func:`testbed.sudo_rules.privileged` makes it) and stops at the first failure, saying which."""
+    :func:`testbed.provisioning.sudo_rules.privileged` makes it) and stops at the first failure, saying which."""
     lines = []
     for i, cmd in enumerate(commands):
         line = shlex.join(privileged(cmd, sudo=sudo))

@@ -23,7 +23,7 @@ from netem.topology import LinkNode, LinkTopology
 from netem.trace import BandwidthTrace, NodeSchedule, schedules
 from testbed.inventory import Inventory, kind_of
 from testbed.links.probe import NodeProbe, assign_delay_paths
-from testbed.sudo_rules import privileged
+from testbed.provisioning.sudo_rules import privileged
 
 Driven = Mapping[tuple[str, str], tuple[BandwidthTrace, str]]  # (sender, receiver) -> (trace, its rate column)
 
@@ -106,7 +106,7 @@ def link_plan(
 
 def player_schedules(plans: Sequence[TcPlan], driven: Driven, *, sudo: bool) -> tuple[NodeSchedule, ...]:
     """The trace players' schedules, each step's tc commands as the player runs them (as the user,
-    each tc with sudo: :func:`testbed.sudo_rules.privileged`)."""
+    each tc with sudo: :func:`testbed.provisioning.sudo_rules.privileged`)."""
     return tuple(
         dataclasses.replace(s, steps=tuple({**step, "commands": [privileged(c, sudo=sudo) for c in step["commands"]]}
                                            for step in s.steps))

@@ -21,13 +21,13 @@ from netem.delay_path import DelayPath, HeldRules, by_path, choose, delay_path
 from netem.delay_path import names as delay_path_names
 from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan, plan_devices, plans_by_node
 from netem.tc_state import InterfaceState, parse_read, read_script, split_sections
-from testbed.delay_handler import installed_test, launcher_path
+from testbed.commands.planned import PlanLines, sh
 from testbed.inventory import Inventory, NodeSpec
 from testbed.links import node_journal
 from testbed.links.handler_lifecycle import handler_read_script, json_or_none
 from testbed.links.node_journal import LinkJournal
-from testbed.planned_commands import PlanLines, sh
-from testbed.sudo_rules import privileged
+from testbed.provisioning.delay_handler import installed_test, launcher_path
+from testbed.provisioning.sudo_rules import privileged
 from testbed.transport import Transport, open_transport
 from testbed.transport.fanout import FanOutResult, fan_out
 

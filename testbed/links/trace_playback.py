@@ -15,14 +15,14 @@ from pathlib import Path
 from foundation.errors import NodeError
 from netem.nfqueue import NfqueueRules
 from netem.trace import BandwidthTrace, NodeSchedule, delay_timelines
+from testbed.commands.node_context import NodeContext, unresolved_context
+from testbed.commands.planned import PlanLines, sh
 from testbed.inventory import Inventory
 from testbed.links import node_journal
 from testbed.links.apply import ApplyResult, apply_link_plan, clear_nodes
 from testbed.links.handler_lifecycle import node_directory, node_directory_script, retime_delay_handler
 from testbed.links.plans import LinkPlan, compile_plan, traced_links
 from testbed.links.probe import NodeProbe
-from testbed.node_context import NodeContext, unresolved_context
-from testbed.planned_commands import PlanLines, sh
 from testbed.transport import open_transport
 from testbed.transport.base import background_stop_script
 from testbed.transport.fanout import FanOutResult, NodeOutcome, fan_out

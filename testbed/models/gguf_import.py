@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import TestbedError
-from testbed.weights import file_sha256
+from testbed.provisioning.weights import file_sha256
 
 CONVERTER_VERSION = 1  # bump when the files written for the same GGUF change
 

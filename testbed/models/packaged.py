@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from foundation.errors import TestbedError
-from testbed.weights import file_sha256
+from testbed.provisioning.weights import file_sha256
 
 REPO = Path(__file__).resolve().parents[2]
 

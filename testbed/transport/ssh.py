@@ -397,7 +397,7 @@ class SshTransport(Transport):
         """TERM, then KILL, the process group of the timed-out command's shell, as the SSH user even
         for a privileged command: its ``sudo`` runs with the user's real uid, so the user may signal
         it, and sudo relays the TERM to the command it runs as root. No shell runs under sudo, which the
-        printed sudoers rules would refuse (testbed/sudo_rules.py). Nothing is signalled when ``pid``
+        printed sudoers rules would refuse (testbed/provisioning/sudo_rules.py). Nothing is signalled when ``pid``
         is no longer the shell that started at ``started`` (it ended, and its pid may be another's)."""
         steps = int(KILL_GRACE_S / 0.1)
         stat = f"sed 's/.*) //' /proc/{pid}/stat 2>/dev/null"

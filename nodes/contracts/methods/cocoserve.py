@@ -1,7 +1,7 @@
 """CoCoServe (module-level scaling of LLM serving) and its two baselines, as streaming methods whose
 server stages are GPUs: the engine on the first GPU runs every decoder layer, under each GPU's memory
 budget (weights + KV, ``scaling.gpu_memory_bytes``), and the other GPUs' ranks hold the layer copies
-it places there (``nodes.workers.scaling_engine``).
+it places there (``nodes.workers.engines.scaling_engine``).
 
 - ``cocoserve``: continuous batching with the scaling controller: replicas added by Algorithm 1 when
   GPUs are idle, Algorithm 2's migrate / evict / reduce-and-offload when requests miss their SLO;

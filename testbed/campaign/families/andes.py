@@ -72,7 +72,7 @@ def kv_capacity_tokens(model: TargetModel, memory_gb: float, gpus: int, utilizat
 
 def serving_config(inventory: Inventory, base_dir: Path, settings: Any) -> dict[str, Any]:
     """The run config's ``serving`` section (``nodes/contracts/run_config.ServingSettings``) for ``settings``."""
-    from testbed.target_emulation import load_target_model, node_profile
+    from testbed.target.emulation import load_target_model, node_profile
 
     serving = settings.serving or ServingSettings()
     # the settings the campaign writes as the engine reads them; the budgets below are derived

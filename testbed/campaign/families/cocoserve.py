@@ -67,7 +67,7 @@ def target_bytes(target: TargetModel, real_layers: int) -> dict[str, int]:
 
 
 def scaling_config(inventory: Inventory, base_dir: Path, settings: Any) -> dict[str, Any]:
-    from testbed.target_emulation import load_target_model, node_profile
+    from testbed.target.emulation import load_target_model, node_profile
 
     scaling = settings.scaling or ScalingSettings()
     shared = [f for f in RunScalingSettings._fields if f in type(scaling).model_fields]  # the rest are derived

@@ -1,7 +1,7 @@
 """LLMS' on-device LLM service (``context_service``) of method ``llms``: which memory method the daemon
 runs (LLMS, a baseline or an ablation), its budget for contexts' chunks, and the context-switching trace
 its apps replay instead of a workload (LLMS Sec. 4). The daemon's command lines are planned by
-:mod:`testbed.context_service`; this family makes the devices' schedules and checks the section.
+:mod:`testbed.workers.context_service`; this family makes the devices' schedules and checks the section.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class ContextService(MethodFamily):
                 "or remove the context_service section")  # fmt: skip
 
     def in_run_config(self, settings: Any) -> bool:
-        return False  # the daemon's own command line carries it (testbed.context_service)
+        return False  # the daemon's own command line carries it (testbed.workers.context_service)
 
     def schedules(
         self, context: FamilyContext, settings: Any, devices: tuple[str, ...], seed: int
@@ -78,7 +78,7 @@ class ContextService(MethodFamily):
     def problems(self, context: FamilyContext, settings: Any) -> Iterable[Problem]:
         """The service's scale must be derivable (with a target: each device's profile and its disk), and
         the contexts must fit the model's positions."""
-        from testbed.context_service import CONTEXT_SLACK_TOKENS, longest_context_bytes, run_scales
+        from testbed.workers.context_service import CONTEXT_SLACK_TOKENS, longest_context_bytes, run_scales
 
         if not self.applies(method_named(settings.method)):
             return

@@ -1,0 +1,57 @@
+"""``testbed inventory check``: reach every node in parallel and gather its facts (and, where sudo is
+used, whether it allows the suite's commands: else the sudoers rules to install)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from foundation.errors import NodeError
+from testbed.inventory import Inventory, NodeSpec, kind_of
+from testbed.provisioning.sudo_rules import install_hint, lacking_rules, sudo_probe_script
+from testbed.transport import Transport, open_transport, usb_host_transport
+from testbed.transport.facts import NodeFacts, gather_facts, gather_phone_facts, parse_key_values
+from testbed.transport.fanout import DEFAULT_PARALLEL, FanOutResult, fan_out
+
+
+def check_node(inventory: Inventory, node: NodeSpec) -> NodeFacts:
+    if node.emulated is not None and node.address is None:
+        raise NodeError(node.name, "the emulated testbed is not running; start it with `testbed emulate up`")
+    if kind_of(node).via_usb_host:
+        with usb_host_transport(inventory, node) as host:
+            return gather_phone_facts(inventory, node, host)
+    with open_transport(inventory, node) as transport:
+        facts = gather_facts(inventory, node, transport)
+        if inventory.spec.defaults.sudo and facts.sudo != "root":
+            facts = _with_sudo_rules(facts, transport)
+        return facts
+
+
+def _with_sudo_rules(facts: NodeFacts, transport: Transport) -> NodeFacts:
+    """``facts`` with a problem, and the sudoers text to install, where the login's sudo lacks rules the
+    suite needs on this node (:mod:`testbed.provisioning.sudo_rules`)."""
+    values = parse_key_values(transport.run_script(sudo_probe_script(), timeout_s=30.0).stdout)
+    lacking = lacking_rules(values)
+    if not lacking:
+        return facts
+    problem = f"sudo does not allow {', '.join(lacking)} without a password; " + install_hint(facts.user, values)
+    return dataclasses.replace(facts, problems=(*facts.problems, problem))
+
+
+def check_nodes(
+    inventory: Inventory,
+    nodes: Sequence[NodeSpec],
+    *,
+    max_parallel: int = DEFAULT_PARALLEL,
+    console: Console | None = None,
+) -> FanOutResult[NodeFacts]:
+    by_name = {n.name: n for n in nodes}
+    return fan_out(
+        list(by_name),
+        lambda name: check_node(inventory, by_name[name]),
+        max_parallel=max_parallel,
+        description="checking nodes",
+        console=console,
+    )
