@@ -15,7 +15,7 @@ import torch
 
 from nodes.inference.checkpoint import load_part
 from nodes.inference.config import LlamaConfig
-from nodes.workers import module_transfer
+from nodes.workers.engines import module_transfer
 from tests.test_mpi_link import LOOPBACK_TCP, MPIEXEC, REPO
 
 TINY = str(REPO / "examples" / "models" / "tiny")
@@ -54,7 +54,7 @@ RANKS = textwrap.dedent(
     from mpi4py import MPI
     from nodes.inference.checkpoint import load_part
     from nodes.inference.config import LlamaConfig
-    from nodes.workers import module_transfer
+    from nodes.workers.engines import module_transfer
     from tests.test_module_transfer import kv_of
 
     tiny = sys.argv[2]
