@@ -24,7 +24,8 @@ from bench._common import emulated_inventory, emulated_lab, emulated_node, write
 from netem.profile import DirectedLink, LinkProfile
 from testbed.links.apply import apply_plans, clear_nodes
 from testbed.links.plans import compile_plan
-from testbed.workers.split_run import SplitRunSpec, run_split
+from testbed.workers.split_run import run_split
+from testbed.workers.split_spec import SplitRunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "models" / "tiny"

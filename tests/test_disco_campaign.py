@@ -26,7 +26,7 @@ from testbed.campaign.families.disco import dispatch_config
 from testbed.campaign.load import load_campaign
 from testbed.campaign.spec import RunSettings
 from testbed.transport.command_log import ENV_VARIABLE
-from testbed.workers.split_run import PER_RUN_KEY, RUN_KEY_FILE
+from testbed.workers.split_spec import PER_RUN_KEY, RUN_KEY_FILE
 from tests.conftest import REPO, assert_sent_as_planned, command_log_of, emulated_inventory, emulated_lab, run_campaign
 
 TINY = REPO / "examples" / "models" / "tiny"

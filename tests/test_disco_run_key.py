@@ -22,7 +22,7 @@ import pytest
 from testbed.campaign.families.disco import dispatch_config
 from testbed.campaign.load import load_campaign
 from testbed.campaign.plan import plan_run
-from testbed.workers.split_run import PER_RUN_KEY, RUN_KEY_FILE, MethodSections, SplitRunSpec, run_config_for
+from testbed.workers.split_spec import PER_RUN_KEY, RUN_KEY_FILE, MethodSections, SplitRunSpec, run_config_for
 from tests.test_disco_campaign import campaign_text
 
 REPO = Path(__file__).resolve().parents[1]

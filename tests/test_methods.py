@@ -151,7 +151,7 @@ def test_the_report_says_what_each_method_is_from_its_plugin(tmp_path):
 def test_the_run_config_the_controller_builds_is_what_the_ranks_read():
     """The controller builds a RunConfig and writes its JSON; the ranks parse exactly it back."""
     from nodes.contracts.run_config import RankSpec
-    from testbed.workers.split_run import MethodSections, SplitRunSpec, run_config_for
+    from testbed.workers.split_spec import MethodSections, SplitRunSpec, run_config_for
 
     spec = SplitRunSpec(method="hat", model=str(TINY), server="server", devices=("orin",), stages=2, device_layers=2,
                         chunk_tokens=64, run_id="r1-a1", sections=MethodSections(draft={"eta": 0.5, "top_k": 2}))  # fmt: skip

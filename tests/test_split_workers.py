@@ -17,7 +17,8 @@ from foundation.errors import NodeError
 from testbed.commands.node_context import ensure_node_code, resolve_context
 from testbed.emulation.resolved import load_lab
 from testbed.transport import open_transport
-from testbed.workers.split_run import SplitRunSpec, run_split
+from testbed.workers.split_run import run_split
+from testbed.workers.split_spec import SplitRunSpec
 from tests.conftest import emulated_inventory, emulated_lab, run_cli, veth_bytes
 
 pytestmark = [
@@ -203,7 +204,7 @@ def test_reason_files_are_read_one_by_one_with_their_rank_oldest_first(tmp_path)
     import time
 
     from nodes.contracts.rank_dirs import abort_reason_file
-    from testbed.workers.split_run import reason_files_script, split_reason_files
+    from testbed.workers.mpi_launch import reason_files_script, split_reason_files
 
     (tmp_path / abort_reason_file(10)).write_text("rank 10 saw the abort\n")
     (tmp_path / abort_reason_file(2)).write_text("Traceback (most recent call last):\n  ...\nValueError: bad part\n")

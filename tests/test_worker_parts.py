@@ -28,14 +28,8 @@ from nodes.workers import wire
 from nodes.workers.split.state_monitor import StateMonitor, bucket_of
 from nodes.workers.wire import DATA, DECODE, PREFILL, RELEASE, STOP, Segment, WireError, decode, encode
 from testbed.inventory import Inventory, load_inventory
-from testbed.workers.split_run import (
-    MpiLaunchPlan,
-    RankGroup,
-    SplitRunSpec,
-    check_spec,
-    data_plane_env,
-    device_schedule,
-)
+from testbed.workers.mpi_launch import MpiLaunchPlan, RankGroup, data_plane_env
+from testbed.workers.split_spec import SplitRunSpec, check_spec, device_schedule
 
 # --------------------------------------------------------------------------------------------
 # wire

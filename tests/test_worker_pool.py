@@ -18,7 +18,7 @@ import pytest
 
 from nodes.contracts.run_config import DraftSettings, RankSpec, RunConfig
 from nodes.workers.part_cache import PartCache
-from testbed.workers.split_run import data_plane_env
+from testbed.workers.mpi_launch import data_plane_env
 from tests.conftest import REPO
 
 TINY = REPO / "examples" / "models" / "tiny"

@@ -63,6 +63,7 @@ from testbed.workers.context_service import (
     run_scales,
     service_plans,
 )
+from testbed.workers.mpi_launch import MpiLaunchPlan, find_mpiexec, launch_plan, plan_mpiexec_search
 from testbed.workers.pool import (
     IDLE_TIMEOUT_S,
     plan_pool_release,
@@ -72,14 +73,8 @@ from testbed.workers.pool import (
     pool_launch,
     pool_name,
 )
-from testbed.workers.split_run import (
-    MpiLaunchPlan,
-    SplitRunSpec,
-    find_mpiexec,
-    launch_plan,
-    plan_mpiexec_search,
-    plan_stage,
-)
+from testbed.workers.split_run import plan_stage
+from testbed.workers.split_spec import SplitRunSpec
 
 TELEMETRY_MARGIN_S = 60.0  # samplers stop themselves this long after the run's timeout at the latest
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from testbed.campaign.families import FamilyContext, families
 from testbed.campaign.spec import Campaign, PlannedRun, RunSettings, device_names, workload_spec
-from testbed.workers.split_run import MethodSections, SplitRunSpec
+from testbed.workers.split_spec import MethodSections, SplitRunSpec
 
 
 def node_run_id(run: PlannedRun, attempt: int) -> str:

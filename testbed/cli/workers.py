@@ -56,7 +56,8 @@ def workers_run(
     """Run one split-inference run and print each request's TTFT and TBT. Files per rank land in
     OUT/ranks/: requests.jsonl and tokens.csv from devices, iterations.csv from server stages."""
     from nodes.contracts.run_config import RunConfigError, load_schedule
-    from testbed.workers.split_run import SplitRunSpec, run_split
+    from testbed.workers.split_run import run_split
+    from testbed.workers.split_spec import SplitRunSpec
 
     inv = load_lab(inventory)
     try:

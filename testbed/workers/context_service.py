@@ -34,7 +34,7 @@ from testbed.commands.planned import PlanLines, sh
 from testbed.inventory import Inventory
 from testbed.transport.base import background_running_script, background_stop_script, command_line
 from testbed.transport.fanout import FanOutResult, fan_out
-from testbed.workers.split_run import run_dir_on
+from testbed.workers.split_spec import run_dir_on
 
 READY_TIMEOUT_S = 300.0  # loading the model and fitting T_re and T_IO at start
 READY_POLL_S = 0.5

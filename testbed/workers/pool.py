@@ -43,22 +43,16 @@ from testbed.transport.base import (
     command_line,
     prefix_words,
 )
-from testbed.workers.split_run import (
+from testbed.workers.mpi_launch import (
     LAUNCH_MARGIN_S,
     WAIT_POLL_S,
     MpiLaunchPlan,
-    SplitRunResult,
-    SplitRunSpec,
-    StagedRun,
-    collect_ranks,
     launch_argv,
     launch_env,
     launch_failure,
-    plan_rank_listing,
-    plan_served_counts,
-    run_dir_on,
-    stage_run,
 )
+from testbed.workers.split_run import SplitRunResult, collect_ranks, plan_rank_listing, plan_served_counts, stage_run
+from testbed.workers.split_spec import SplitRunSpec, StagedRun, run_dir_on
 
 STOP_WAIT_S = 15.0  # how long a pool asked to stop may take before it is ended by its pidfile
 POOL_RECORD = RUN_RECORD  # rank 0's record of a run it served, in the run's directory

@@ -21,7 +21,7 @@ from nodes.contracts.methods import Method, method_named
 from nodes.contracts.run_config import DispatchSettings as RunDispatchSettings
 from testbed.campaign.families import FamilyContext, MethodFamily, Problem, SectionModel
 from testbed.inventory import Name
-from testbed.workers.split_run import PER_RUN_KEY
+from testbed.workers.split_spec import PER_RUN_KEY
 
 _DISPATCH = RunDispatchSettings._field_defaults  # the dispatcher's defaults (nodes/contracts/run_config)
 
