@@ -166,8 +166,12 @@ def test_the_install_profile_fits_recompute_and_gives_back_the_modeled_disk(mode
     late = max(_sleep_lateness(disk.read_s(block)) for _ in range(3))
     for nbytes, seconds in profile["read_points"]:
         reads = nbytes // one_chunk * layers  # a Load reads a chunk one layer at a time
-        assert 0.95 <= seconds / (reads * disk.read_s(block)) <= 1.5 * late
-        assert profile["read"].seconds(nbytes) == pytest.approx(seconds, rel=0.25)
+        modeled = reads * disk.read_s(block)
+        assert 0.95 <= seconds / modeled <= 1.5 * late
+        # the fitted profile gives the modeled disk back, in the same band: one point slowed by a loaded
+        # machine pulls the fit away from the others, not below the model (a fit within 25% of every
+        # point failed so beside three test workers)
+        assert 0.9 <= profile["read"].seconds(nbytes) / modeled <= 1.65 * late
     recompute = profile["recompute"]  # this machine's compute: its speed is not asserted here (bench/)
     assert [count for count, _ in profile["recompute_points"]] == [1, 2, 4, 8]
     assert recompute.per_unit_s >= 0 and recompute.fixed_s >= 0 and recompute.seconds(1) > 0
