@@ -69,6 +69,18 @@ class LinkProfile(_Strict):
         """Whether the profile needs a delay path (netem, or NFQUEUE where the kernel lacks netem)."""
         return any(v for v in (self.delay_s, self.jitter_s, self.loss_pct))
 
+    def as_written(self) -> dict[str, object]:
+        """The profile as a file writes it (its aliases, each quantity exact with its unit): what
+        ``LinkProfile.model_validate`` reads back to an equal profile (a link journal keeps it so)."""
+        units_of = {"rate_bit_s": "bit", "delay_s": "s", "jitter_s": "s", "loss_pct": "%", "loss_correlation_pct": "%"}
+        out: dict[str, object] = {}
+        for name, info in type(self).model_fields.items():
+            value = getattr(self, name)
+            if value is None or (name == "reorder" and not value):
+                continue
+            out[info.alias or name] = f"{value!r}{units_of[name]}" if name in units_of else value
+        return out
+
     def describe(self) -> str:
         parts = []
         if self.rate_bit_s is not None:

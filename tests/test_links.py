@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -23,7 +24,7 @@ import pytest
 from foundation.errors import TestbedError
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import links_from_file
-from testbed.links.apply import apply_plans, clear_nodes, show_nodes
+from testbed.links.apply import applied_links, apply_plans, clear_nodes, show_nodes
 from testbed.links.handler_lifecycle import handler_files
 from testbed.links.plans import compile_plan
 from testbed.links.verify import verify_links
@@ -95,11 +96,14 @@ def test_profiles_measure_within_ten_percent_each_way_and_undo_restores_the_snap
     result = apply_plans(inv, compile_plan(inv, links))
     assert result.ok, [o.error for o in result.applied.failed]
     assert len(journals(lab)) == 4
+    # what is applied is read back from the nodes' journals: the file's links, not the inventory's
+    applied = applied_links(inv)
+    assert sorted(applied.links, key=str) == sorted(links, key=str) and applied.traced == ()
 
     def within(rows) -> bool:
         return all(r.measured_rate_bit_s == pytest.approx(r.target_rate_bit_s, rel=0.10) for r in rows)
 
-    tries = measured_until(lambda: verify_links(inv, links, duration_s=2), within)
+    tries = measured_until(lambda: verify_links(inv, applied.links, duration_s=2), within)
     assert all(r.measured_rate_bit_s <= 1.10 * r.target_rate_bit_s for rows in tries for r in rows), tries
     measured = {(r.source, r.destination): r for r in tries[-1]}
     assert set(measured) == {(lk.source, lk.destination) for lk in links}
@@ -220,6 +224,13 @@ def test_delay_and_loss_take_the_nfqueue_path_on_the_receiver_and_verify_then_cl
     assert journals(lab) == []
 
 
+def verify_cli(inventory: Path) -> list[types.SimpleNamespace]:
+    """``testbed link verify --json`` on what is applied, its rows as attributes."""
+    proc = run_cli("link", "verify", "-i", str(inventory), "--duration", "2", "--json")
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    return [types.SimpleNamespace(**row) for row in json.loads(proc.stdout)]
+
+
 def nfqueue_path_checks(inventory: Path, f: Path) -> None:
     """Applied through the CLI: where the rules and handlers are, and what verify measures."""
     proc = run_cli("link", "apply", "-i", str(inventory), "--links", str(f), "--json")
@@ -240,8 +251,10 @@ def nfqueue_path_checks(inventory: Path, f: Path) -> None:
     assert {int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) for pid in handler_pids()} == {-20}
 
     inv = load_lab(inventory)
-    tries = measured_until(lambda: verify_links(inv, links_from_file(inv, f), duration_s=2),
-                           lambda rows: all(r.within_tolerance for r in rows))  # fmt: skip
+    # 'link verify' with no --links measures what the journals say is applied: the file's three directions
+    tries = measured_until(lambda: verify_cli(inventory), lambda rows: all(r.within_tolerance for r in rows))
+    assert {(r.source, r.destination) for r in tries[-1]} == {(lk.source, lk.destination)
+                                                             for lk in links_from_file(inv, f)}  # fmt: skip
     # never faster, never shorter than the link: 40 mbit, 10 ms each way
     assert all(r.measured_rate_bit_s <= 1.10 * r.target_rate_bit_s for rows in tries for r in rows), tries
     assert all(r.measured_rtt_ms >= 19.0 for rows in tries for r in rows if r.source == "orin"), tries
@@ -269,6 +282,9 @@ def nfqueue_path_checks(inventory: Path, f: Path) -> None:
     assert list(server["held"]) == ["nfqueue data0 ingress"] and len(server["held"]["nfqueue data0 ingress"]) == 2
     (queue,) = server["delay_handler"]
     assert (queue["from"], queue["to"], queue["delay_s"]) == ("orin", "server", 0.01) and queue["dropped"] == 0
+    # and the profile each direction was applied with, from the node's journal
+    assert sorted((e["source"], e["destination"], e["profile_name"]) for e in server["applied"]) == [
+        ("server", "orin", "lan"), ("server", "xavier", "lossy")], server["applied"]
 
 
 def test_the_interface_of_the_ssh_session_is_never_shaped(lab):
@@ -494,3 +510,6 @@ def test_link_commands_explain_themselves_and_bad_input_exits_2(lab, tmp_path):
     proc = run_cli("link", "apply", "-i", str(lab), "--trace", str(bad))
     assert proc.returncode == 2 and f"{bad}:3: up_rate" in proc.stderr, proc.stderr
     assert journals(lab) == []
+    # verify with nothing applied says so (it no longer measures the inventory's links unasked)
+    proc = run_cli("link", "verify", "-i", str(lab))
+    assert proc.returncode == 2 and "nothing is applied" in proc.stderr and "--inventory-links" in proc.stderr

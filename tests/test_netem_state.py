@@ -120,6 +120,35 @@ def test_the_journal_keeps_the_first_snapshot_and_undoes_only_what_is_ours_and_s
         LinkJournal.from_json('{"format": 99}')
 
 
+
+def test_the_journal_names_what_it_applied_and_gives_the_links_back(inventory, tmp_path):
+    """What ``link verify`` and ``link show`` take as applied: each node's plans, egress and ingress
+    (ifb) classes alike, written as their directions with the profile as a file writes it (units), read
+    back equal; applying again replaces them; a journal of the previous format has none."""
+    from netem.profile import LinkProfile
+    from testbed.links.node_journal import applied_entries
+
+    plans = compile_plan(inventory)
+    journal = LinkJournal({}, applied=applied_entries([p for p in plans if p.node == "dev"]))
+    back = LinkJournal.from_json(journal.to_json())
+    assert back == journal and back.applied_links()
+    shaped = {(lk.source, lk.destination): lk for lk in inventory.links}
+    for link in back.applied_links():
+        assert shaped[(link.source, link.destination)].profile == link.profile
+    assert journal.merged_with(LinkJournal({})).applied == ()  # applied again with nothing for this node
+    old = json.loads(journal.to_json())
+    del old["applied"]
+    assert LinkJournal.from_json(json.dumps(old)).applied_links() == ()
+    tampered = dict(json.loads(journal.to_json()), applied=[{"source": "dev", "destination": "srv",
+                                                             "profile_name": "x", "profile": {"rate": 5}}])
+    with pytest.raises(ValueError, match="applied entry"):
+        LinkJournal.from_json(json.dumps(tampered)).applied_links()
+    for written in ({"rate": "8mbit", "delay": "10ms"}, {"rate": "5MBps"}, {"loss": "0.1%"},
+                    {"delay": "10ms", "jitter": "2ms", "distribution": "pareto", "loss": "1.5%",
+                     "loss_correlation": "25%", "queue_limit_packets": 50, "reorder": True}):
+        profile = LinkProfile.model_validate(written)
+        assert LinkProfile.model_validate(profile.as_written()) == profile
+
 def test_trace_csv_errors_name_file_line_and_column(tmp_path):
     path = tmp_path / "t.csv"
     path.write_text("# a comment\nt_s,up_rate,down_rate\n0,5MBps,10MBps\n2,7mbps,10MBps\n1,5MBps,x\n")

@@ -126,7 +126,8 @@ def link_apply(
 def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: JsonOption = False) -> None:
     """Print what is shaped on every node, read back from tc (not from the inventory): each HTB
     class with its peer, rate, queue and the bytes, packets and drops counted since it was
-    applied, and whether a trace player runs; on the NFQUEUE delay path, each receiver's handler:
+    applied, the profile its node's link journal says the direction was applied with, and whether
+    a trace player runs; on the NFQUEUE delay path, each receiver's handler:
     its directions, delays and last second (packets, how late its releases were, held, dropped).
     Exits 1 if a node cannot be read."""
     from testbed.links.apply import show_nodes
@@ -143,17 +144,20 @@ def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: Json
                     "node": o.node, "error": o.error, "journal": v is not None and v.journal is not None,
                     "classes": {d: jsonable(s.classes) for d, s in v.states.items()} if v else {},
                     "held": v.held if v else {}, "delay_handler": list(v.handler) if v else [],
+                    "applied": list(v.journal.applied) if v and v.journal else [],
                     "qdiscs": {d: list(s.qdiscs) for d, s in v.states.items()} if v else {},
                 }
             )  # fmt: skip
         out.print_json(data=payload)
     else:
         table = Table(title="shaping read back from tc")
-        for column in ("node", "device", "class", "peer", "rate", "queue", "sent", "dropped"):
+        for column in ("node", "device", "class", "peer", "profile", "rate", "queue", "sent", "dropped"):
             table.add_column(column, overflow="fold")
         for o in result.outcomes:
             if o.value is None:
                 continue
+            applied = o.value.journal.applied if o.value.journal else ()
+            profiles = {(e["source"], e["destination"]): e["profile_name"] for e in applied}
             shaped = False
             for dev, state in o.value.states.items():
                 filters = {f.get("options", {}).get("flowid"): f for f in state.filters}
@@ -162,13 +166,14 @@ def link_show(inventory: InventoryOption = Path("inventory.yaml"), as_json: Json
                     peer = by_address.get(address, address) if address else ""
                     leaf = state.qdisc(c.leaf) if c.leaf else None
                     queue = f"{leaf['kind']} {leaf.get('options', {}).get('limit', '')}" if leaf else ""
+                    profile = profiles.get((o.node, peer)) or profiles.get((peer, o.node)) or ""
                     table.add_row(
-                        o.node, dev, c.classid, peer, format_rate(c.rate_bit_s), queue,
+                        o.node, dev, c.classid, peer, profile, format_rate(c.rate_bit_s), queue,
                         f"{c.sent_bytes} B / {c.sent_packets} pkt", str(c.dropped_packets),
                     )  # fmt: skip
                     shaped = True
             if not shaped:
-                table.add_row(o.node, "", "", "not shaped", "", "", "", "")
+                table.add_row(o.node, "", "", "not shaped", "", "", "", "", "")
         out.print(table)
         for o in result.outcomes:
             if o.value is not None and o.value.journal is not None and o.value.journal.trace_pidfile:
@@ -200,26 +205,52 @@ def link_verify(
     duration: Annotated[float, typer.Option("--duration", help="Seconds of iperf3 per direction.", min=1)] = 3.0,
     links_file: Annotated[
         Path | None,
-        typer.Option("--links", help="Verify the links of this YAML file (as given to 'link apply --links')."),
+        typer.Option("--links", help="Verify the links of this YAML file instead of what is applied."),
     ] = None,
+    inventory_links: Annotated[
+        bool,
+        typer.Option("--inventory-links", help="Verify the inventory's links as written instead of what is applied."),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Measure every shaped direction of the inventory's links, one at a time: iperf3 from the
-    source's data address to a server bound to the destination's data address (TCP goodput, first
-    second omitted); where a direction or its way back has delay, the round trip with ping -U (user
-    to user: it includes delay held on the receiver); where it has loss, its one-way loss over
-    iperf3 UDP datagrams. Prints measured against target; exits 0 when every direction is within
-    tolerance (rate within 10%, RTT within 1 ms + 10%, loss within 3 binomial deviations), else 1."""
+    """Measure every shaped direction, one at a time: by default what the nodes' link journals say
+    is applied (by 'link apply', with --links or --profile too, or by a run), else the links of
+    --links FILE or the inventory's (--inventory-links). iperf3 from the source's data address to a
+    server bound to the destination's data address (TCP goodput, first second omitted); where a
+    direction or its way back has delay, the round trip with ping -U (user to user: it includes delay
+    held on the receiver); where it has loss, its one-way loss over iperf3 UDP datagrams. Prints
+    measured against target; exits 0 when every direction is within tolerance (rate within 10%, RTT
+    within 1 ms + 10%, loss within 3 binomial deviations), else 1. Nothing applied, or a trace still
+    playing (its rates change as it plays), exits 2."""
     from testbed.links.verify import RATE_TOLERANCE, verify_links
 
     inv = load_lab(inventory)
-    links = inv.links
+    if links_file is not None and inventory_links:
+        raise TestbedError("give at most one of --links and --inventory-links")
     if links_file is not None:
         from testbed.inventory import links_from_file
 
-        links = links_from_file(inv, links_file)
+        links, source = links_from_file(inv, links_file), str(links_file)
+    elif inventory_links:
+        links, source = inv.links, str(inventory)
+    else:
+        from testbed.links.apply import applied_links
+
+        try:
+            applied = applied_links(inv)
+        except NodeError as exc:
+            err.print("[red]error:[/] " + escape(str(exc)), highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        if applied.traced:
+            raise TestbedError(f"a bandwidth trace is playing on {', '.join(applied.traced)}: its rates change as it "
+                               "plays, and verify measures fixed shaping; 'testbed link clear', then apply fixed links")
+        links, source = applied.links, "the nodes' link journals"
+        if not links:
+            raise TestbedError("nothing is applied: no node's link journal names a shaped direction; run 'testbed "
+                               "link apply' first, or verify --links FILE or --inventory-links")  # fmt: skip
     if not links:
-        raise TestbedError(f"{links_file or inventory} has no links to verify")
+        raise TestbedError(f"{source} has no links to verify")
+    _say(f"verifying {len(links)} directions from {source}")
     rows = verify_links(inv, links, duration_s=duration, say=_say)
     if as_json:
         out.print_json(data=jsonable(rows))

@@ -33,6 +33,7 @@ from foundation.errors import NodeError, TestbedError
 from netem import nfqueue
 from netem.delay_path import DelayPath, HeldRules, by_path, delay_path
 from netem.plan import TcPlan, plan_devices
+from netem.profile import DirectedLink
 from netem.tc_state import InterfaceState, commands_for, differences, read_script
 from testbed.commands.node_context import NodeContext
 from testbed.commands.planned import PlanLines, sh
@@ -80,6 +81,7 @@ def _journal_for(
         ifbs=tuple(p.ifb for p in plans if p.ifb),
         held={path: tuple(r.key for r in rules) for path, rules in by_path(held).items()},
         handler_pidfile=handler_pidfile,
+        applied=node_journal.applied_entries(plans),
         extra={"written_unix_s": round(time.time(), 3), "by": "testbed link apply"},
     )
     return probe.journal.merged_with(new) if probe.journal else new
@@ -344,6 +346,39 @@ def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanO
 
     return fan_out(names, show, description="reading tc and what the delay paths hold")
 
+
+
+@dataclass(frozen=True)
+class AppliedLinks:
+    """What the nodes' link journals say is shaped now (``link apply``, a run's shaping, a trace)."""
+
+    links: tuple[DirectedLink, ...]  # each shaped direction once, in the order of the inventory's nodes
+    traced: tuple[str, ...]  # nodes whose journal names a trace player: their rates change as it plays
+    journaled: tuple[str, ...]  # nodes with a journal
+
+
+def applied_links(inventory: Inventory) -> AppliedLinks:
+    """Read every shapeable node's journal (a node that cannot be read is a NodeError naming it)."""
+    names = shapeable_nodes(inventory)
+
+    def read(name: str) -> LinkJournal | None:
+        with open_transport(inventory, inventory.node(name)) as t:
+            return node_journal.read(t, _workdir(inventory))
+
+    journals = {n: j for n, j in fan_out(names, read, description="reading the link journals")
+                .require("reading the link journals").items() if j is not None}  # fmt: skip
+    by_direction: dict[tuple[str, str], DirectedLink] = {}
+    for name, journal in journals.items():
+        try:
+            found = journal.applied_links()
+        except ValueError as exc:
+            raise NodeError(name, str(exc)) from None
+        for link in found:
+            by_direction.setdefault((link.source, link.destination), link)
+    order = {n.name: i for i, n in enumerate(inventory.nodes)}
+    ordered = sorted(by_direction.values(), key=lambda lk: (order.get(lk.source, len(order)),
+                                                            order.get(lk.destination, len(order))))  # fmt: skip
+    return AppliedLinks(tuple(ordered), tuple(n for n, j in journals.items() if j.trace_pidfile), tuple(journals))
 
 # --------------------------------------------------------------------------------------------
 # A run plan's lines of the link transaction

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 
 from netem.delay_path import Key, delay_path
 from netem.delay_path import names as delay_path_names
-from netem.plan import HTB_HANDLE, INGRESS_HANDLE
+from netem.plan import HTB_HANDLE, INGRESS_HANDLE, TcPlan
+from netem.profile import DirectedLink, LinkProfile
 from netem.tc_state import InterfaceState, split_sections
 from nodes.contracts.journal_values import INTERFACE, JournalValueError, checked, checked_path
 from testbed.provisioning.sudo_rules import privileged
@@ -49,6 +50,9 @@ class LinkJournal:
     trace_pidfile: str | None = None  # the trace player running on the node, if any
     held: dict[str, tuple[Key, ...]] = field(default_factory=dict)  # delay path -> keys of the rules it holds
     handler_pidfile: str | None = None  # the NFQUEUE delay handler, if any
+    # the directions this node's plans shape, as applied: source, destination, profile_name, profile (its
+    # fields); what ``link verify`` and ``link show`` take as applied (empty in a journal before format 2's)
+    applied: tuple[dict, ...] = ()
     extra: dict = field(default_factory=dict)  # written_unix_s, by
 
     def merged_with(self, newer: LinkJournal) -> LinkJournal:
@@ -62,11 +66,26 @@ class LinkJournal:
             held={path: tuple(dict.fromkeys([*self.held.get(path, ()), *newer.held.get(path, ())]))
                   for path in dict.fromkeys([*self.held, *newer.held])},
             handler_pidfile=newer.handler_pidfile or self.handler_pidfile,
+            applied=newer.applied,  # applying again replaces the shaping in place
             extra=newer.extra,
         )
 
     def with_trace(self, pidfile: str | None) -> LinkJournal:
         return replace(self, trace_pidfile=pidfile)
+
+    def applied_links(self) -> tuple[DirectedLink, ...]:
+        """The directions this node's journal says are shaped, as links (a profile that no longer
+        parses raises ValueError naming the direction)."""
+        links = []
+        for entry in self.applied:
+            try:
+                profile = LinkProfile.model_validate(entry["profile"])
+                links.append(DirectedLink(str(entry["source"]), str(entry["destination"]), str(entry["profile_name"]),
+                                          profile))  # fmt: skip
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"the link journal {JOURNAL_NAME}: applied entry {entry!r} is not as the testbed "
+                                 f"writes it ({type(exc).__name__})") from None  # fmt: skip
+        return tuple(links)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -78,6 +97,7 @@ class LinkJournal:
                 "trace_pidfile": self.trace_pidfile,
                 "held": {path: [list(k) for k in keys] for path, keys in self.held.items()},
                 "handler_pidfile": self.handler_pidfile,
+                "applied": list(self.applied),
                 **self.extra,
             },
             indent=1,
@@ -93,7 +113,7 @@ class LinkJournal:
         if data["format"] == 1:  # an earlier version's: the NFQUEUE chains were its only held rules
             data = {**data, "held": {"nfqueue": data.pop("chains", [])}}
         _check_values(data)
-        known = {"format", "devices", "ingress_on", "ifbs", "trace_pidfile", "held", "handler_pidfile"}
+        known = {"format", "devices", "ingress_on", "ifbs", "trace_pidfile", "held", "handler_pidfile", "applied"}
         return cls(
             devices={d: DeviceSnapshot(tuple(s["qdiscs"]), s["class_text"]) for d, s in data["devices"].items()},
             ingress_on=tuple(data["ingress_on"]),
@@ -101,6 +121,7 @@ class LinkJournal:
             trace_pidfile=data.get("trace_pidfile"),
             held={path: tuple(tuple(k) for k in keys) for path, keys in data.get("held", {}).items()},
             handler_pidfile=data.get("handler_pidfile"),
+            applied=tuple(data.get("applied", ())),
             extra={k: v for k, v in data.items() if k not in known},
         )
 
@@ -210,3 +231,14 @@ def commands_script(commands: Sequence[Sequence[str]], sudo: bool) -> str:
         line = shlex.join(privileged(cmd, sudo=sudo))
         lines.append(f"{line} || {{ echo {shlex.quote(f'failed command {i + 1}: ' + shlex.join(cmd))} >&2; exit 3; }}")
     return "\n".join(lines) + "\n"
+
+
+def applied_entries(plans: Sequence[TcPlan]) -> tuple[dict, ...]:
+    """What a node's journal records as applied for its ``plans``: each shaped direction (an egress class
+    shapes node -> peer, an ingress class peer -> node) with its profile's fields."""
+    return tuple(
+        {"source": plan.node if plan.direction == "egress" else peer.peer,
+         "destination": peer.peer if plan.direction == "egress" else plan.node,
+         "profile_name": peer.profile_name, "profile": peer.profile.as_written()}
+        for plan in plans for peer in plan.peers
+    )  # fmt: skip
