@@ -156,14 +156,16 @@ def test_the_install_profile_fits_recompute_and_gives_back_the_modeled_disk(mode
 
     disk = DiskProfile(read_mbps=40.0, write_mbps=40.0, io_latency_ms=5.0)  # well above the real work of a read
     store = ChunkStore(str(tmp_path / "chunks"), disk)
+    block = 2 * chunk_nbytes(model.config.num_key_value_heads, 16, model.config.head_dim, 8)  # one layer's read
+    before = max(_sleep_lateness(disk.read_s(block)) for _ in range(3))
     profile = install_profile(model, store, 16)
     layers = len(model.layer_ids)
-    block = 2 * chunk_nbytes(model.config.num_key_value_heads, 16, model.config.head_dim, 8)  # one layer's read
     one_chunk = profile["read_points"][0][0]
     # the disk's profile, given back: never faster than modeled. Late wake-ups only add, by as much as
-    # this machine's load makes them now: the bound above is 1.5 times the lateness of the same sleeps,
-    # measured here (a quiet machine: 1.5; 3 test workers on 2 cores once gave 1.98 of the model)
-    late = max(_sleep_lateness(disk.read_s(block)) for _ in range(3))
+    # this machine's load makes them around the profile: the bound above is 1.5 times the lateness of
+    # the same sleeps, measured before and after (a quiet machine: 1.5; 3 test workers on 2 cores once
+    # gave 1.98 of the model, and 2.12 against a lateness of 1.11 measured only after)
+    late = max(before, *(_sleep_lateness(disk.read_s(block)) for _ in range(3)))
     for nbytes, seconds in profile["read_points"]:
         reads = nbytes // one_chunk * layers  # a Load reads a chunk one layer at a time
         modeled = reads * disk.read_s(block)

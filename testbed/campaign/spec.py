@@ -166,7 +166,6 @@ class _BaseRunSettings(_Strict):
         return self
 
 
-
 def _run_settings_model() -> type[_BaseRunSettings]:
     """RunSettings: the base fields, and one field per method family holding its section (None: the
     family's defaults; a family whose section is always written defaults to its settings)."""
