@@ -354,7 +354,6 @@ class AppliedLinks:
 
     links: tuple[DirectedLink, ...]  # each shaped direction once, in the order of the inventory's nodes
     traced: tuple[str, ...]  # nodes whose journal names a trace player: their rates change as it plays
-    journaled: tuple[str, ...]  # nodes with a journal
 
 
 def applied_links(inventory: Inventory) -> AppliedLinks:
@@ -378,7 +377,7 @@ def applied_links(inventory: Inventory) -> AppliedLinks:
     order = {n.name: i for i, n in enumerate(inventory.nodes)}
     ordered = sorted(by_direction.values(), key=lambda lk: (order.get(lk.source, len(order)),
                                                             order.get(lk.destination, len(order))))  # fmt: skip
-    return AppliedLinks(tuple(ordered), tuple(n for n, j in journals.items() if j.trace_pidfile), tuple(journals))
+    return AppliedLinks(tuple(ordered), tuple(n for n, j in journals.items() if j.trace_pidfile))
 
 # --------------------------------------------------------------------------------------------
 # A run plan's lines of the link transaction
