@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -260,6 +264,24 @@ def test_cli_show_and_export_ansible(tmp_path):
     assert set(data["all"]["children"]["devices"]["hosts"]) == {"orin-1"}
     assert "phone" in exported.stderr
 
+
+
+def test_the_inventory_comes_from_testbed_inventory_unless_i_is_given(tmp_path):
+    path = write(tmp_path, GOOD)
+
+    def show(*args: str, variable: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "testbed", "inventory", "show", "--json", *args], cwd=REPO,
+                              env=dict(os.environ, TESTBED_INVENTORY=variable), capture_output=True, text=True,
+                              timeout=120, check=False)  # fmt: skip
+
+    def names(proc: subprocess.CompletedProcess[str]) -> set[str]:
+        assert proc.returncode == 0, proc.stderr
+        return {node["name"] for node in json.loads(proc.stdout)["spec"]["nodes"]}
+
+    assert names(show(variable=str(path))) == {"orin-1", "gpu", "phone"}  # not the repository's inventory.yaml
+    assert "server" in names(show("-i", str(REPO / "inventory.yaml"), variable=str(path)))  # -i wins
+    missing = show(variable=str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 2 and "nope.yaml" in missing.stderr and "TESTBED_INVENTORY" in missing.stderr
 
 def test_names_that_look_like_secret_keys_are_fine_as_names(tmp_path):
     text = edit("  devices: [orin-1, phone]", "  devices: [orin-1, phone]\n  token: [gpu]").replace(

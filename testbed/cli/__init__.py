@@ -1,7 +1,8 @@
 """The ``testbed`` command line: one thin module per command group (they parse, call the module that
 owns the concept, and print).
 
-Every command reads the inventory given with ``--inventory/-i`` (default ``./inventory.yaml``).
+Every command reads the inventory given with ``--inventory/-i``, else ``$TESTBED_INVENTORY``, else
+``./inventory.yaml``; a campaign names its own (``-i`` overrides it, the variable does not).
 Exit status: 0 when everything is fine, 1 when a node or check failed, 2 for bad input (nothing is
 touched on any node then).
 """

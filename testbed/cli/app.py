@@ -65,9 +65,11 @@ app.add_typer(model_app, name="model")
 out = Console()
 err = Console(stderr=True)
 
+INVENTORY_VARIABLE = "TESTBED_INVENTORY"  # the lab's inventory when -i is not given (campaigns name their own)
 InventoryOption = Annotated[
     Path,
-    typer.Option("--inventory", "-i", help="Inventory file describing the lab.", show_default=True),
+    typer.Option("--inventory", "-i", help="Inventory file describing the lab (else $TESTBED_INVENTORY, else "
+                 "./inventory.yaml).", show_default=True, envvar=INVENTORY_VARIABLE),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 JetsonSourceOption = Annotated[
