@@ -87,7 +87,8 @@ class YamlSource:
     def load(cls, path: str | Path) -> YamlSource:
         """Read and parse ``path``; syntax errors and duplicate keys become :class:`InputError`."""
         path = Path(path)
-        return cls.parse(read_user_text(path, "pass the right file with --inventory/-i (or set TESTBED_INVENTORY)"), path)
+        hint = "pass the right file with --inventory/-i (or set TESTBED_INVENTORY)"
+        return cls.parse(read_user_text(path, hint), path)
 
     @classmethod
     def parse(cls, text: str, path: str | Path = "<string>") -> YamlSource:
