@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from foundation.lab_modules import import_lab_modules
 from foundation.user_fields import STRICT_MODEL_CONFIG
 from nodes.contracts.methods import Method, method_named
+from nodes.contracts.methods import names as method_names
 
 if TYPE_CHECKING:
     from testbed.inventory import Inventory
@@ -62,7 +63,7 @@ class MethodFamily:
 
     section = ""  # the key under a run's settings, and the run config's section of the same name
     settings_model: type[SectionModel] = SectionModel
-    summary = ""  # the field's comment in words: what the section is
+    summary = ""  # what the section is, in words (a refusal names it)
     default_written = False  # the section is there (with its defaults) when the campaign leaves it out
     refuse_elsewhere = True  # a section written for a method the family does not apply to is an error
 
@@ -71,8 +72,14 @@ class MethodFamily:
         raise NotImplementedError
 
     def elsewhere(self, method_name: str) -> str:
-        """Why the section is refused for ``method_name``, with the fix."""
-        return f"{self.section}: {method_name} does not read it; remove the {self.section} section"
+        """Why the section is refused for ``method_name``, with the fix: the methods that read it."""
+        readers = [name for name in method_names() if self.applies(method_named(name))]
+        return (f"{self.section}: {method_name} does not read it (it is {self.summary}); use method: "
+                f"{', '.join(readers) or 'none registered'}, or remove the {self.section} section")  # fmt: skip
+
+    def reads(self, settings: Any) -> bool:
+        """Whether the run's method reads the section."""
+        return self.applies(method_named(settings.method))
 
     def settings_of(self, settings: Any) -> Any:
         """The run's section, or the family's defaults when the campaign did not write one."""
@@ -81,7 +88,7 @@ class MethodFamily:
 
     def in_run_config(self, settings: Any) -> bool:
         """Whether the run's config gets the section (by default: when the run's method reads it)."""
-        return self.applies(method_named(settings.method))
+        return self.reads(settings)
 
     def run_section(self, context: FamilyContext, settings: Any) -> Mapping[str, Any] | None:
         """The run config's section for ``settings`` (None: the nodes read no section of this family)."""

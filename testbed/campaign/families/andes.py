@@ -108,14 +108,14 @@ def engine_endpoint(settings: Any) -> bool:
 class Serving(MethodFamily):
     section = "serving"
     settings_model = ServingSettings
-    summary = "a streaming method's serving engine: scheduler and budgets (None: its defaults)"
+    summary = "a streaming method's serving engine: scheduler and budgets"
     refuse_elsewhere = False  # DiSCo's engine endpoint reads it too: reported unread where nothing does
 
     def applies(self, method: Method) -> bool:
         return method.streams
 
     def in_run_config(self, settings: Any) -> bool:
-        return self.applies(method_named(settings.method)) or engine_endpoint(settings)
+        return self.reads(settings) or engine_endpoint(settings)
 
     def run_section(self, context: FamilyContext, settings: Any) -> dict[str, Any]:
         return serving_config(context.inventory, context.base_dir, settings)
@@ -124,7 +124,7 @@ class Serving(MethodFamily):
         """Whether the run has a serving engine (a streaming method, or DiSCo's engine endpoint when no
         external endpoint replaces it)."""
         external = engine_endpoint(settings) and settings.dispatch.external is not None
-        return method_named(settings.method).streams or (engine_endpoint(settings) and not external)
+        return self.reads(settings) or (engine_endpoint(settings) and not external)
 
     def problems(self, context: FamilyContext, settings: Any) -> Iterable[Problem]:
         """The engine's budgets must be derivable: the server's profile must hold the target's weights

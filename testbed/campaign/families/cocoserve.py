@@ -94,14 +94,10 @@ def scaling_config(inventory: Inventory, base_dir: Path, settings: Any) -> dict[
 class GpuRanks(MethodFamily):
     section = "scaling"
     settings_model = ScalingSettings
-    summary = "a GPU-rank method's budgets and controller (None: their defaults)"
+    summary = "a GPU-rank method's budgets and controller"
 
     def applies(self, method: Method) -> bool:
         return method.gpu_ranks
-
-    def elsewhere(self, method_name: str) -> str:
-        return (f"scaling: {method_name} does not run on the server's GPU ranks; use method: cocoserve, "
-                "continuous-batching or static-batching, or remove the scaling section")  # fmt: skip
 
     def run_section(self, context: FamilyContext, settings: Any) -> dict[str, Any]:
         return scaling_config(context.inventory, context.base_dir, settings)

@@ -17,7 +17,7 @@ from pydantic import Field, StrictBool, StrictInt
 from analysis.cost_model import DispatchPrices, dispatch_regime
 from foundation.user_fields import Number
 from nodes.contracts.catalogues import DEVICE_SPEED_NAMES, DISPATCH_POLICIES, SERVICE_NAMES
-from nodes.contracts.methods import Method, method_named
+from nodes.contracts.methods import Method
 from nodes.contracts.run_config import DispatchSettings as RunDispatchSettings
 from testbed.campaign.families import FamilyContext, MethodFamily, Problem, SectionModel
 from testbed.inventory import Name
@@ -64,14 +64,10 @@ def dispatch_config(run_settings: Any, inventory: Any = None) -> dict[str, Any]:
 class Dispatch(MethodFamily):
     section = "dispatch"
     settings_model = DispatchSettings
-    summary = "a dispatching method's policy (None: its defaults)"
+    summary = "a dispatching method's policy"
 
     def applies(self, method: Method) -> bool:
         return method.dispatches
-
-    def elsewhere(self, method_name: str) -> str:
-        return (f"dispatch: {method_name} does not dispatch between endpoints; use method: disco, "
-                "or remove the dispatch section")  # fmt: skip
 
     def run_section(self, context: FamilyContext, settings: Any) -> dict[str, Any]:
         return dispatch_config(settings, context.inventory)
@@ -93,7 +89,7 @@ class Dispatch(MethodFamily):
                    f"export {variable}=... on the controller before testbed run")  # fmt: skip
 
     def ignored(self, settings: Any) -> dict[str, str]:
-        if not method_named(settings.method).dispatches:
+        if not self.reads(settings):
             return {}
         d, out = self.settings_of(settings), {}
         if d.policy in ("server-only", "device-only"):

@@ -11,7 +11,7 @@ from pydantic import Field, StrictInt, create_model
 
 from foundation.user_fields import Number, PlainText
 from nodes.contracts.draft import default_adapter_dir
-from nodes.contracts.methods import Method, method_named
+from nodes.contracts.methods import Method
 from nodes.contracts.run_config import DRAFT_LIMITS
 from nodes.contracts.run_config import DraftSettings as RunDraftSettings
 from testbed.campaign.families import FamilyContext, MethodFamily, SectionModel
@@ -53,7 +53,7 @@ class Drafting(MethodFamily):
         return draft
 
     def ignored(self, settings: Any) -> dict[str, str]:
-        return {} if method_named(settings.method).drafts else {"draft": f"{settings.method} does not draft"}
+        return {} if self.reads(settings) else {"draft": f"{settings.method} does not draft"}
 
 
 FAMILY = Drafting()

@@ -14,7 +14,7 @@ from pydantic import Field, StrictInt
 
 from foundation.errors import InputError, TestbedError
 from foundation.user_fields import Number
-from nodes.contracts.methods import CONTEXT_MEMORY_METHODS, Method, method_named
+from nodes.contracts.methods import CONTEXT_MEMORY_METHODS, Method
 from testbed.campaign.families import FamilyContext, MethodFamily, Problem, SectionModel
 
 
@@ -42,14 +42,10 @@ class ContextServiceSettings(SectionModel):
 class ContextService(MethodFamily):
     section = "context_service"
     settings_model = ContextServiceSettings
-    summary = "a context-serving method's daemon (None: its defaults)"
+    summary = "a context-serving method's daemon"
 
     def applies(self, method: Method) -> bool:
         return method.serves_contexts
-
-    def elsewhere(self, method_name: str) -> str:
-        return (f"context_service: {method_name} does not run the on-device LLM service; use method: llms, "
-                "or remove the context_service section")  # fmt: skip
 
     def in_run_config(self, settings: Any) -> bool:
         return False  # the daemon's own command line carries it (testbed.workers.context_service)
@@ -58,7 +54,7 @@ class ContextService(MethodFamily):
         self, context: FamilyContext, settings: Any, devices: tuple[str, ...], seed: int
     ) -> dict[str, list[dict[str, Any]]] | None:
         """Each device's context-switching trace (LLMS Sec. 4) as schedule rows, seeded per device."""
-        if not self.applies(method_named(settings.method)):
+        if not self.reads(settings):
             return None
         from foundation.seeds import derive_seed
         from workloads.context_traces import context_schedule, context_trace
@@ -80,7 +76,7 @@ class ContextService(MethodFamily):
         the contexts must fit the model's positions."""
         from testbed.workers.context_service import CONTEXT_SLACK_TOKENS, longest_context_bytes, run_scales
 
-        if not self.applies(method_named(settings.method)):
+        if not self.reads(settings):
             return
         service = self.settings_of(settings)
         model_dir = context.resolve(settings.model)
@@ -105,7 +101,7 @@ class ContextService(MethodFamily):
                    f"model's {positions} positions", f"use at most {positions - CONTEXT_SLACK_TOKENS}")  # fmt: skip
 
     def ignored(self, settings: Any) -> dict[str, str]:
-        if self.applies(method_named(settings.method)):
+        if self.reads(settings):
             return {"workload": f"{settings.method}'s apps replay the context trace of context_service, not a workload"}
         return {}
 
