@@ -236,11 +236,7 @@ def link_verify(
     else:
         from testbed.links.apply import applied_links
 
-        try:
-            applied = applied_links(inv)
-        except NodeError as exc:
-            err.print("[red]error:[/] " + escape(str(exc)), highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
+        applied = applied_links(inv)  # a node that cannot be read: exit 1 naming it (the CLI's error policy)
         if applied.traced:
             raise TestbedError(f"a bandwidth trace is playing on {', '.join(applied.traced)}: its rates change as it "
                                "plays, and verify measures fixed shaping; 'testbed link clear', then apply fixed links")
