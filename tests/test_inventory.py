@@ -321,3 +321,42 @@ def test_a_link_to_a_node_off_the_data_plane_is_refused_at_its_line(tmp_path):
     assert "give gpu data: {interface: ..., address: ...}" in problem
     # a node no link names needs none
     assert load_inventory(write(tmp_path, text[: text.index("links:\n")] + "links: []\n"))
+
+
+def test_groups_and_nodes_override_python_sudo_workdir_venv_and_ssh(tmp_path):
+    text = GOOD.replace("groups:\n  devices: [orin-1, phone]\n", textwrap.dedent("""\
+        groups:
+          devices: [orin-1, phone]
+          jetsons:
+            members: [orin-1]
+            python: /usr/bin/python3.8
+            workdir: /data/hil
+            ssh: {user: ubuntu, jump: bastion.lab}
+          servers: {members: [gpu], sudo: false, venv: /opt/venvs/hil}
+        """)).replace("    ssh: {user: lab, port: 2222}\n", "    ssh: {user: lab, port: 2222}\n    python: /opt/py/bin/python3\n")
+    inv = load_inventory(write(tmp_path, text))
+    orin, gpu, phone = (inv.settings_of(n) for n in ("orin-1", "gpu", "phone"))
+    assert (orin.python, orin.workdir, orin.venv_path, orin.sudo) == ("/usr/bin/python3.8", "/data/hil",
+                                                                      "/data/hil/venv", True)  # fmt: skip
+    assert (gpu.python, gpu.workdir, gpu.venv_path, gpu.sudo) == ("/opt/py/bin/python3", "~/hil-testbed",
+                                                                  "/opt/venvs/hil", False)  # fmt: skip
+    assert phone == gpu, "a phone's commands run on its USB host, with the host's settings"
+    target = inv.ssh_target(inv.node("orin-1"))
+    assert (target.user, [hop.host for hop in target.jumps]) == ("ubuntu", ["bastion.lab"])
+    assert inv.groups["jetsons"] == ("orin-1",) and inv.groups["servers"] == ("gpu",)
+
+
+def test_two_groups_setting_one_field_differently_for_a_node_are_refused(tmp_path):
+    text = GOOD.replace("groups:\n  devices: [orin-1, phone]\n", textwrap.dedent("""\
+        groups:
+          devices: [orin-1, phone]
+          a: {members: [orin-1], workdir: /data/a}
+          b: {members: [devices], workdir: /data/b}
+          c: {members: [gpu], workdir: /data/c}
+        """))
+    problems = problems_of(tmp_path, text)
+    assert len(problems) == 1 and "inventory.yaml:26: groups.b.workdir: orin-1 is also in group 'a', which sets " \
+        "workdir to '/data/a'; set workdir on orin-1 itself, or in one of the two groups" in problems[0], problems
+    inv = load_inventory(write(tmp_path, text.replace("    roles: [device]\n  - name: gpu",
+                                                       "    roles: [device]\n    workdir: /mine\n  - name: gpu")))
+    assert inv.settings_of("orin-1").workdir == "/mine"

@@ -357,8 +357,8 @@ def _delay_fidelity(campaign: Campaign, state: RunState) -> None:
     if not held or "shaped_unix_s" not in state.links:
         return
     plan = plan_of(state)
-    workdir = campaign.inventory.spec.defaults.workdir
-    directories = {name: plan.contexts[name].path(journal_dir(workdir)) for name in sorted(held)}
+    lab = campaign.inventory
+    directories = {name: plan.contexts[name].path(journal_dir(lab.settings_of(name).workdir)) for name in sorted(held)}
     read = read_delay_handlers(campaign.inventory, directories, state.links["shaped_unix_s"])
     state.links["delay_handlers"] = {o.node: jsonable(o.value) if o.value else {"error": o.error}
                                      for o in read.outcomes}  # fmt: skip

@@ -352,7 +352,7 @@ def plan_commands(lab: Inventory, plan: RunPlan) -> list[PlannedCommand]:
     lines = PlanLines(lab)
     for name in plan.nodes:
         lines.add(name, "campaign", "gather the node's facts for the manifests (once per campaign)",
-                  sh(facts_script(lab.spec.defaults.python)), "per-campaign")  # fmt: skip
+                  sh(facts_script(lab.settings_of(name).python)), "per-campaign")  # fmt: skip
     for name in plan.contexts:
         lines.add(name, "plan", "read the node's home directory", sh(HOME_SCRIPT))
     plan_mpiexec_search(lines, settings.server, ctx[settings.server])

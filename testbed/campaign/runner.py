@@ -190,7 +190,7 @@ def checked_processes(lab: Inventory, path: Path, *, with_host: bool = True) -> 
                                f"run ({host_of(node)!r}); {hint}")  # fmt: skip
         try:
             pidfile = checked_path(entry.get("pidfile"), "pidfile", suffix=".pid")
-            _check_under_workdir(pidfile, lab.spec.defaults.workdir)
+            _check_under_workdir(pidfile, lab.settings_of(node).workdir)
         except JournalValueError as exc:
             raise TestbedError(f"{where}: {exc}; {hint}") from None
         found.append(NotedProcess(node, pidfile))

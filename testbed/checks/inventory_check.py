@@ -24,7 +24,7 @@ def check_node(inventory: Inventory, node: NodeSpec) -> NodeFacts:
             return gather_phone_facts(inventory, node, host)
     with open_transport(inventory, node) as transport:
         facts = gather_facts(inventory, node, transport)
-        if inventory.spec.defaults.sudo and facts.sudo != "root":
+        if inventory.settings_of(node).sudo and facts.sudo != "root":
             facts = _with_sudo_rules(facts, transport)
         return facts
 

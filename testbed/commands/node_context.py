@@ -37,8 +37,8 @@ class NodeContext:
     node: str
     host: str
     home: str | None  # None: not read back, paths keep their "~"
-    python: str  # the workers' Python: the provisioned venv's, else the inventory's defaults.python
-    base_python: str  # the drivers' and samplers': the venv's, else defaults.python (standard library only)
+    python: str  # the workers' Python: the provisioned venv's, else the node's python (inventory)
+    base_python: str  # the drivers' and samplers': the venv's, else the node's python (standard library only)
     workdir: str  # as written in the inventory ("~/hil-testbed")
     code_via: str = "bundle"  # "venv": the provisioned wheel; "bundle": the zip on PYTHONPATH
     code_version: str = ""  # the digest of the node code that runs (the same for both ways)
@@ -95,7 +95,7 @@ class StaleNodeCode(TestbedError):
 def unresolved_context(inventory: Inventory, node: NodeSpec) -> NodeContext:
     """``node``'s context from the inventory and its provisioning record alone."""
     record = load_record(inventory, node.name)
-    defaults = inventory.spec.defaults
+    settings = inventory.settings_of(node)
     installed = record.get("installed_wheel")
     if kind_of(node).runs_ranks and installed:
         current = node_wheel().version
@@ -104,16 +104,16 @@ def unresolved_context(inventory: Inventory, node: NodeSpec) -> NodeContext:
                 f"{node.name}: its venv has hil-testbed-nodes {installed}, and this checkout's node code is "
                 f"{current}; provision it again (testbed provision -i {inventory.path} --nodes {node.name})"
             )
-        python = provisioned_python(inventory, record)
-        return NodeContext(node.name, host_of(node), None, python, python, defaults.workdir, "venv",
+        python = provisioned_python(settings, record)
+        return NodeContext(node.name, host_of(node), None, python, python, settings.workdir, "venv",
                            node_code().digest)  # fmt: skip
     return _bundle_context(inventory, node)
 
 
 def _bundle_context(inventory: Inventory, node: NodeSpec) -> NodeContext:
     """The node code bundle on PYTHONPATH of the inventory's Python."""
-    python = inventory.spec.defaults.python
-    return NodeContext(node.name, host_of(node), None, python, python, inventory.spec.defaults.workdir, "bundle",
+    settings = inventory.settings_of(node)
+    return NodeContext(node.name, host_of(node), None, settings.python, settings.python, settings.workdir, "bundle",
                        node_code().digest)  # fmt: skip
 
 

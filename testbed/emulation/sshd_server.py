@@ -110,6 +110,7 @@ class SshdServer:
         cgroup: CpuCgroup | None = None,
         detached: bool = False,
         mounts: str = "",
+        extra_config: tuple[str, ...] = (),
     ) -> None:
         self.keys = keys
         self.address = address
@@ -121,6 +122,7 @@ class SshdServer:
         self.cgroup = cgroup
         self.detached = detached
         self.mounts = mounts  # sh run in the node's mount namespace before sshd starts (netns only)
+        self.extra_config = extra_config  # sshd_config lines of its own (a jump host's, a host certificate)
         # Set in every session: stand-in tools on PATH, or a HOME of the node's own (which also keeps
         # the controller user's shell start-up files, such as a slow pyenv init, out of node commands).
         self.environment = dict(environment or {})
@@ -154,6 +156,7 @@ class SshdServer:
                 "LogLevel ERROR",
                 "Subsystem sftp internal-sftp",
                 *self._setenv_lines(),
+                *self.extra_config,
                 "",
             ]
         )

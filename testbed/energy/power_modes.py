@@ -44,7 +44,7 @@ class PowerReading:
 
 
 def _journal_path(inventory: Inventory, node: NodeSpec) -> str:
-    base = inventory.spec.defaults.workdir.rstrip("/") + "/power"
+    base = inventory.settings_of(node).workdir.rstrip("/") + "/power"
     if kind_of(node).via_usb_host:  # one USB host keeps a journal per phone
         assert node.adb is not None
         return f"{base}/journal-{node.adb.serial}.json"
@@ -55,7 +55,7 @@ def driver_command(inventory: Inventory, node: NodeSpec, context: NodeContext, a
     """The exact command line (environment included) that runs the node's power driver for ``action``."""
     argv = [context.base_python, "-m", "nodes.power", "--kind", kind_of(node).power_driver]
     argv += ["--journal", context.path(_journal_path(inventory, node))]
-    if inventory.spec.defaults.sudo:
+    if inventory.settings_of(node).sudo:
         argv.append("--sudo")
     if kind_of(node).via_usb_host:
         assert node.adb is not None

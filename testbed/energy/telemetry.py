@@ -202,7 +202,7 @@ class Recording:
 
 def _clock(inventory: Inventory, node: NodeSpec) -> tuple[float, ClockOffset]:
     with transport_for(inventory, node) as t:
-        offset = measure_clock_offset(t, python=inventory.spec.defaults.python)
+        offset = measure_clock_offset(t, python=inventory.settings_of(node).python)
         return time.time(), offset
 
 
@@ -454,16 +454,19 @@ class TelemetryStep:
     samplers: tuple[SamplerPlan, ...]
 
 
+def _echo(lines: PlanLines, node: str) -> str:
+    return sh(echo_script(lines.lab.settings_of(node).python))
+
+
 def plan_recording_start(lines: PlanLines, step: TelemetryStep, contexts: Mapping[str, NodeContext]) -> None:
     """The telemetry phase's lines of :func:`start_recording`: probe, clock offset, detached sampler."""
-    echo = sh(echo_script(lines.lab.spec.defaults.python))
     for sampler in step.samplers:
         context = contexts[sampler.node]
         lines.node_code(sampler.node, "telemetry", context)
         lines.add(sampler.node, "telemetry", "probe the sensors (unless the last run's sampler bore them out)",
                   command_line([*sampler_command(sampler, context), "--probe"]), "live")  # fmt: skip
     for sampler in step.samplers:
-        lines.add(sampler.node, "telemetry", "measure the clock offset", echo)
+        lines.add(sampler.node, "telemetry", "measure the clock offset", _echo(lines, sampler.node))
     for sampler in step.samplers:
         context = contexts[sampler.node]
         argv = sampler_start_command(sampler, context, step.session, interval_s=step.interval_s,
@@ -475,9 +478,8 @@ def plan_recording_start(lines: PlanLines, step: TelemetryStep, contexts: Mappin
 
 def plan_recording_stop(lines: PlanLines, step: TelemetryStep, contexts: Mapping[str, NodeContext]) -> None:
     """The collect phase's lines of :func:`finish_recording`: the clock offset again, the samplers stopped."""
-    echo = sh(echo_script(lines.lab.spec.defaults.python))
     for sampler in step.samplers:
-        lines.add(sampler.node, "collect", "measure the clock offset again", echo)
+        lines.add(sampler.node, "collect", "measure the clock offset again", _echo(lines, sampler.node))
     for sampler in step.samplers:
         pidfile = sampler_paths(contexts[sampler.node], step.session)[1]
         lines.add(sampler.node, "collect", "stop the sampler", sh(background_stop_script(pidfile, 5.0)))

@@ -18,7 +18,7 @@ groups and links (:mod:`.expansion`) into the resolved :class:`~.model.Inventory
 """
 
 from netem.profile import DirectedLink, LinkProfile
-from testbed.inventory.model import Inventory, SshTarget
+from testbed.inventory.model import Inventory, NodeSettings
 from testbed.inventory.node_kinds import NodeKind, kind_of, node_kind
 from testbed.inventory.resolution import inventory_from_source, links_from_file, load_inventory
 from testbed.inventory.schema import (
@@ -37,6 +37,7 @@ from testbed.inventory.schema import (
     SafePath,
     SshSettings,
 )
+from testbed.inventory.ssh_config import SshTarget
 from testbed.inventory.validation import pydantic_problem
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "LinksFileSpec",
     "Name",
     "NodeKind",
+    "NodeSettings",
     "NodeSpec",
     "SafePath",
     "SshSettings",

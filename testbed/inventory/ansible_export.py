@@ -30,8 +30,12 @@ def ansible_inventory(inventory: Inventory) -> tuple[dict[str, Any], list[str]]:
             hosts[node.name] = {"ansible_host": t.host, "ansible_port": t.port, "ansible_user": t.user}
             if t.identity_file:
                 hosts[node.name]["ansible_ssh_private_key_file"] = t.identity_file
-        hosts[node.name]["ansible_python_interpreter"] = inventory.spec.defaults.python
-        if inventory.spec.defaults.sudo:
+            if t.jumps:
+                hops = ",".join(f"{hop.user}@{hop.host}:{hop.port}" for hop in t.jumps)
+                hosts[node.name]["ansible_ssh_common_args"] = f"-o ProxyJump={hops}"
+        settings = inventory.settings_of(node)
+        hosts[node.name]["ansible_python_interpreter"] = settings.python
+        if settings.sudo:
             hosts[node.name]["ansible_become"] = True
         hosts[node.name]["testbed_kind"] = node.kind
         hosts[node.name]["testbed_model"] = node.model

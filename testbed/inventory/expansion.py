@@ -16,7 +16,7 @@ def expand_groups(spec: InventorySpec) -> dict[str, tuple[str, ...]]:
         if name not in spec.groups:
             return {name}
         out: set[str] = set()
-        for member in spec.groups[name]:
+        for member in spec.members_of(name):
             out |= members(member)
         return out
 

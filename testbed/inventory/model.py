@@ -3,7 +3,6 @@ links, and what it takes to reach a node over SSH."""
 
 from __future__ import annotations
 
-import getpass
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,20 +11,19 @@ from typing import Any
 from foundation.errors import TestbedError
 from netem.profile import DirectedLink
 from testbed.inventory.schema import InventorySpec, NodeSpec, SshSettings
+from testbed.inventory.ssh_config import SshTarget, resolve_target
 
 
 @dataclass(frozen=True)
-class SshTarget:
-    """Everything needed to open one SSH connection, defaults applied."""
+class NodeSettings:
+    """What ``defaults`` sets for every node, resolved for one: the node's own value, else its groups',
+    else the default."""
 
-    host: str
-    port: int
-    user: str
-    identity_file: str | None
-    known_hosts: str
-    password_env: str | None
-    connect_timeout_s: float
-    keepalive_s: float
+    python: str  # the node's Python (a command or a path)
+    sudo: bool
+    workdir: str
+    venv_path: str
+    registry_access: bool
 
 
 @dataclass(frozen=True)
@@ -70,26 +68,37 @@ class Inventory:
             return self.path.parent
         return self.path.parent / ".testbed" / self.path.stem
 
+    def _layers(self, node: NodeSpec) -> list[Any]:
+        """Where a node's settings are written, most specific first: the node, its groups, defaults."""
+        groups = self.spec.group_settings()
+        return [node, *(groups[g] for g in groups if node.name in self.groups.get(g, ())), self.spec.defaults]
+
+    def settings_of(self, node: NodeSpec | str) -> NodeSettings:
+        """The node's Python, sudo, working directory, venv and registry access (validation refused two
+        groups that set one of them differently for a node that does not set it itself). A phone's are
+        its USB host's, where its commands run (the controller's defaults for ``usb_host: controller``)."""
+        spec = self.node(node) if isinstance(node, str) else node
+        if spec.adb is not None:
+            if spec.adb.usb_host != "controller":
+                return self.settings_of(spec.adb.usb_host)
+            layers = [self.spec.defaults]
+        else:
+            layers = self._layers(spec)
+
+        def pick(field: str) -> Any:
+            return next(v for v in (getattr(layer, field) for layer in layers) if v is not None)
+
+        workdir = pick("workdir")
+        venv = next((layer.venv for layer in layers if layer.venv is not None), None)
+        return NodeSettings(pick("python"), pick("sudo"), workdir, venv or f"{workdir.rstrip('/')}/venv",
+                            pick("registry_access"))  # fmt: skip
+
     def ssh_target(self, node: NodeSpec) -> SshTarget:
+        """How the controller reaches ``node``: the inventory's SSH settings over the SSH config."""
         if node.address is None:
             raise TestbedError(f"{self.path}: node {node.name!r} has no address to reach it at")
-        d = self.spec.defaults.ssh
-        o = node.ssh or SshSettings()
-
-        def pick(field: str, fallback: Any) -> Any:
-            for source in (o, d):
-                value = getattr(source, field)
-                if value is not None:
-                    return value
-            return fallback
-
-        return SshTarget(
-            host=node.address,
-            port=pick("port", 22),
-            user=pick("user", getpass.getuser()),
-            identity_file=pick("identity_file", None),
-            known_hosts=pick("known_hosts", "~/.ssh/known_hosts"),
-            password_env=pick("password_env", None),
-            connect_timeout_s=pick("connect_timeout_s", 10.0),
-            keepalive_s=pick("keepalive_s", 15.0),
-        )
+        layers = [layer.ssh or SshSettings() for layer in self._layers(node)]
+        try:
+            return resolve_target(node.address, layers, emulated=node.emulated is not None)
+        except TestbedError as exc:
+            raise TestbedError(f"node {node.name}: {exc}") from None

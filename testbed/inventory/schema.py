@@ -111,12 +111,20 @@ Address = Annotated[str, BeforeValidator(_address)]
 IpAddress = Annotated[str, BeforeValidator(_ip)]
 
 
+MAX_NODES = 4096  # a lab of 30+ boards; a bound so that no file makes the checks quadratic in millions
+
+
 class _Strict(BaseModel):
     model_config = STRICT_MODEL_CONFIG
 
 
+def _ssh_config(value: object) -> object:
+    return value if value == "none" else _node_path(value)
+
+
 class SshSettings(_Strict):
-    """SSH settings; in ``defaults.ssh`` every field has a default, on a node each overrides it."""
+    """SSH settings; in ``defaults.ssh`` every field has a default, on a group or a node each overrides
+    it. What none of them sets comes from the SSH config (testbed.inventory.ssh_config)."""
 
     user: Name | None = None
     port: StrictInt | None = Field(None, ge=1, le=65535)
@@ -125,14 +133,23 @@ class SshSettings(_Strict):
     password_env: Annotated[str, Field(pattern=ENV_PATTERN)] | None = None
     connect_timeout_s: DurationS | None = Field(None, alias="connect_timeout", gt=0, le=600)
     keepalive_s: DurationS | None = Field(None, alias="keepalive", le=3600)
+    # ProxyJump's syntax: [user@]host[:port], hops joined by commas, the first hop first; none: no jump
+    jump: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.@:,\[\]-]+$", max_length=1024)] | None = None
+    # the SSH config to read on the controller (OpenSSH's format); default ~/.ssh/config (emulated nodes:
+    # none unless named); none: read none
+    config: Annotated[SafePath, AfterValidator(_ssh_config)] | None = None
+
+
+NodePython = Annotated[SafePath, AfterValidator(_python)]
+Workdir = Annotated[SafePath, AfterValidator(_workdir)]
 
 
 class Defaults(_Strict):
     ssh: SshSettings = SshSettings()
     # the node's Python that runs our code (and that provisioning makes the venv from): a command or a path
-    python: Annotated[SafePath, AfterValidator(_python)] = "python3"
+    python: NodePython = "python3"
     sudo: StrictBool = True
-    workdir: Annotated[SafePath, AfterValidator(_workdir)] = "~/hil-testbed"  # absolute, or under ~
+    workdir: Workdir = "~/hil-testbed"  # absolute, or under ~
     venv: NodePath | None = None  # the per-node virtual environment of `testbed provision`; <workdir>/venv
     registry_access: StrictBool = True  # False: nodes get a wheelhouse from the controller instead of PyPI
     # How delay, jitter and loss are applied: netem (a tc qdisc), nfqueue (iptables and a user-space
@@ -193,13 +210,33 @@ def _node_kind(value: object) -> str:
     raise invalid_value("node_kind", f"{value!r} is not a node kind", "one of " + ", ".join(map(repr, kind_names())))
 
 
-class NodeSpec(_Strict):
+NODE_SETTINGS = ("python", "sudo", "workdir", "venv", "registry_access")  # of defaults, set again per group/node
+
+
+class NodeOverrides(_Strict):
+    """What a group or a node sets again over ``defaults`` (unset: None)."""
+
+    ssh: SshSettings | None = None
+    python: NodePython | None = None
+    sudo: StrictBool | None = None
+    workdir: Workdir | None = None
+    venv: NodePath | None = None
+    registry_access: StrictBool | None = None
+
+
+class GroupSpec(NodeOverrides):
+    """A group that also sets what its nodes share (a bare list of members sets nothing): its settings
+    override ``defaults`` for its members, and a node's own override the group's."""
+
+    members: tuple[Name, ...] = Field(min_length=1, max_length=MAX_NODES)
+
+
+class NodeSpec(NodeOverrides):
     name: Name
     kind: Annotated[str, BeforeValidator(_node_kind)]  # a row of testbed.inventory.node_kinds
     model: Name
     transport: Literal["ssh", "local"] = "ssh"
     address: Address | None = None
-    ssh: SshSettings | None = None
     data: DataPlane | None = None
     roles: tuple[Literal["device", "server"], ...] = Field((), max_length=2)
     gpus: StrictInt = Field(0, ge=0, le=64)
@@ -207,7 +244,6 @@ class NodeSpec(_Strict):
     adb: AdbAttachment | None = None
     meter: MeterSpec | None = None
     tags: tuple[Name, ...] = Field((), max_length=64)
-    registry_access: StrictBool | None = None  # overrides defaults.registry_access for this node
     # the hardware the node is (or stands for, emulated): a profile in examples/profiles or a file
     compute_profile: SafePath | None = None
     emulated: EmulatedSpec | None = None
@@ -288,17 +324,25 @@ class EndpointSpec(_Strict):
         return data
 
 
-MAX_NODES = 4096  # a lab of 30+ boards; a bound so that no file makes the checks quadratic in millions
-
-
 class InventorySpec(_Strict):
     defaults: Defaults = Defaults()
     emulation: EmulationSettings = EmulationSettings()
     nodes: tuple[NodeSpec, ...] = Field(min_length=1, max_length=MAX_NODES)
-    groups: dict[Name, Annotated[tuple[Name, ...], Field(max_length=MAX_NODES)]] = Field({}, max_length=MAX_NODES)
+    groups: dict[Name, Annotated[tuple[Name, ...], Field(max_length=MAX_NODES)] | GroupSpec] = Field(
+        {}, max_length=MAX_NODES
+    )
     link_profiles: dict[Name, LinkProfile] = Field({}, max_length=MAX_NODES)
     links: tuple[LinkSpec, ...] = Field((), max_length=MAX_NODES)
     endpoints: dict[Name, EndpointSpec] = Field({}, max_length=256)  # OpenAI-compatible servers of the lab
+
+    def members_of(self, group: str) -> tuple[str, ...]:
+        """A group's members as written (nodes and groups), whether it is a list or a mapping."""
+        entry = self.groups[group]
+        return entry.members if isinstance(entry, GroupSpec) else entry
+
+    def group_settings(self) -> dict[str, GroupSpec]:
+        """The groups that set something for their nodes, in the file's order."""
+        return {name: entry for name, entry in self.groups.items() if isinstance(entry, GroupSpec)}
 
 
 class LinksFileSpec(_Strict):

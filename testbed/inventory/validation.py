@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -16,7 +17,7 @@ from foundation.user_files import YamlSource
 from netem.profile import LinkProfile
 from testbed.inventory.expansion import expand_groups, link_pairs
 from testbed.inventory.node_kinds import kind_of, node_kind
-from testbed.inventory.schema import EmulatedSpec, InventorySpec, NodeSpec
+from testbed.inventory.schema import NODE_SETTINGS, EmulatedSpec, InventorySpec, NodeSpec
 
 RESERVED_NAMES = ("all", "controller")
 SECRET_KEYS = ("password", "passphrase", "sudo_password", "key_passphrase")
@@ -174,7 +175,9 @@ def cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
         yield from _meter_problems(node, src, ("nodes", i, "meter"))
     yield from _clash_problems(spec, src)
 
-    for group, members in spec.groups.items():
+    for group in spec.groups:
+        members = spec.members_of(group)
+        at = ("groups", group) if isinstance(spec.groups[group], tuple) else ("groups", group, "members")
         if group in node_names or group in RESERVED_NAMES:
             yield src.problem(
                 ("groups", group),
@@ -184,13 +187,17 @@ def cross_check(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
         for j, member in enumerate(members):
             if member not in node_names and member not in spec.groups:
                 yield src.problem(
-                    ("groups", group, j), f"unknown node or group {member!r}", "list node names or other group names"
+                    at + (j,), f"unknown node or group {member!r}", "list node names or other group names"
                 )
-    cycle = _group_cycle(spec.groups)
+    cycle = _group_cycle({g: spec.members_of(g) for g in spec.groups})
     if cycle:
         yield src.problem(
             ("groups", cycle[0]), "groups include each other: " + " -> ".join(cycle), "remove one of the references"
         )
+
+    if cycle is None:
+        yield from _group_setting_conflicts(spec, src)
+    yield from _ssh_config_problems(spec, src)
 
     for name, profile in spec.link_profiles.items():
         yield from profile_problems(name, profile, src)
@@ -403,6 +410,45 @@ def profile_problems(name: str, p: LinkProfile, src: YamlSource) -> Iterable[Inp
     """A profile's settings that its other settings make meaningless (:meth:`LinkProfile.problems`)."""
     for field, problem, hint in p.problems():
         yield src.problem(("link_profiles", name, *([field] if field else [])), problem, hint)
+
+
+def _ssh_config_problems(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
+    """An SSH config the inventory names must be there (the default one may be missing)."""
+    places = [(("defaults", "ssh"), spec.defaults.ssh)]
+    places += [(("groups", g, "ssh"), e.ssh) for g, e in spec.group_settings().items()]
+    places += [(("nodes", i, "ssh"), n.ssh) for i, n in enumerate(spec.nodes)]
+    for at, ssh in places:
+        if ssh is not None and ssh.config not in (None, "none") and not Path(ssh.config).expanduser().is_file():
+            yield src.problem(at + ("config",), f"no SSH config at {ssh.config}",
+                              "name an existing file in OpenSSH's format, or 'none'")  # fmt: skip
+
+
+def _group_setting_conflicts(spec: InventorySpec, src: YamlSource) -> Iterable[InputProblem]:
+    """Two groups that set one field differently for a node that does not set it itself: which one
+    wins would depend on the order of the file, so neither does."""
+    settings = spec.group_settings()
+    if len(settings) < 2:
+        return
+    expanded = expand_groups(spec)
+    told: set[tuple[str, str, str]] = set()
+    for node in spec.nodes:
+        setters: dict[str, tuple[str, object]] = {}
+        for group, entry in settings.items():
+            if node.name not in expanded[group]:
+                continue
+            ssh = entry.ssh.model_dump(exclude_none=True) if entry.ssh else {}
+            fields = {**{f: getattr(entry, f) for f in NODE_SETTINGS}, **{f"ssh.{k}": v for k, v in ssh.items()}}
+            for field, value in fields.items():
+                mine = getattr(node.ssh, field[4:], None) if field.startswith("ssh.") else getattr(node, field)
+                if value is None or mine is not None:
+                    continue
+                first = setters.setdefault(field, (group, value))
+                if first[1] != value and (first[0], group, field) not in told:
+                    told.add((first[0], group, field))
+                    at = ("groups", group, *field.split("."))
+                    yield src.problem(at, f"{node.name} is also in group {first[0]!r}, which sets {field} to "
+                                      f"{first[1]!r}", f"set {field} on {node.name} itself, or in one of the two "
+                                      "groups")  # fmt: skip
 
 
 def _group_cycle(groups: dict[str, tuple[str, ...]]) -> list[str] | None:

@@ -216,8 +216,8 @@ class ApplyResult:
         return self.applied.ok
 
 
-def _workdir(inventory: Inventory) -> str:
-    return inventory.spec.defaults.workdir
+def _workdir(inventory: Inventory, name: str) -> str:
+    return inventory.settings_of(name).workdir
 
 
 def apply_plans(
@@ -277,7 +277,7 @@ def apply_link_plan(
     def apply(name: str) -> NodeApplied:
         with open_transport(inventory, inventory.node(name)) as t:
             return apply_on_node(
-                t, probe_of[name], by_node.get(name, []), _workdir(inventory), held=held.get(name, ()), seed=seed,
+                t, probe_of[name], by_node.get(name, []), _workdir(inventory, name), held=held.get(name, ()), seed=seed,
             )  # fmt: skip
 
     applied = fan_out(touched, apply, description="shaping links")
@@ -298,7 +298,7 @@ def clear_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> Fan
 
     def clear(name: str) -> NodeCleared:
         with open_transport(inventory, inventory.node(name)) as t:
-            return clear_on_node(t, name, _workdir(inventory))
+            return clear_on_node(t, name, _workdir(inventory, name))
 
     return fan_out(names, clear, description="clearing links")
 
@@ -321,7 +321,7 @@ def show_nodes(inventory: Inventory, names: Sequence[str] | None = None) -> FanO
         node = inventory.node(name)
         devices = [node.data.interface] if node.data else []
         with open_transport(inventory, node) as t:
-            journal = node_journal.read(t, _workdir(inventory))
+            journal = node_journal.read(t, _workdir(inventory, name))
             if journal:
                 devices += [*journal.devices, *journal.ifbs]
             states = read_states(t, list(dict.fromkeys(devices)))
@@ -362,7 +362,7 @@ def applied_links(inventory: Inventory) -> AppliedLinks:
 
     def read(name: str) -> LinkJournal | None:
         with open_transport(inventory, inventory.node(name)) as t:
-            return node_journal.read(t, _workdir(inventory))
+            return node_journal.read(t, _workdir(inventory, name))
 
     journals = {n: j for n, j in fan_out(names, read, description="reading the link journals")
                 .require("reading the link journals").items() if j is not None}  # fmt: skip
@@ -390,7 +390,6 @@ def plan_shaping(
     tc commands and the delay paths' rules reconciled against it (sent ``if-differs``); without,
     decided live."""
     lab = lines.lab
-    workdir, sudo = _workdir(lab), lab.spec.defaults.sudo
     by_node = plan.by_node
     for name in plan.nodes:
         if name not in probes:  # the plan's own read is reused when it has one
@@ -399,8 +398,9 @@ def plan_shaping(
     for name in shapeable_nodes(lab):
         if name not in plan.nodes:
             lines.add(name, "configure", "clear earlier shaping of a node this run does not shape",
-                      sh(node_journal.read_script(workdir)))  # fmt: skip
+                      sh(node_journal.read_script(_workdir(lab, name))))  # fmt: skip
     for name in plan.nodes:
+        workdir, sudo = _workdir(lab, name), lab.settings_of(name).sudo
         plans, held = by_node.get(name, []), plan.held.get(name, ())
         probe = probes.get(name)
         when = "if-differs" if probe is not None else "live"
@@ -442,9 +442,9 @@ def plan_unshaping(lines: PlanLines, plan: LinkPlan, contexts: Mapping[str, Node
     """The restore phase's lines of :func:`clear_nodes` on the plan's nodes (after the last run that
     keeps the links), as the journal of a fresh apply would have them undone."""
     lab = lines.lab
-    workdir, sudo = _workdir(lab), lab.spec.defaults.sudo
     by_node = plan.by_node
     for name in plan.nodes:
+        workdir, sudo = _workdir(lab, name), lab.settings_of(name).sudo
         plans, held = by_node.get(name, []), plan.held.get(name, ())
         journal_devices = list(dict.fromkeys(plan_devices(plans) + [p.interface for p in plans if p.ifb]))
         undo = [c for r in held for c in r.undo_commands()] + _fresh_undo(plans)

@@ -163,7 +163,7 @@ def read_delay_handlers(
 
 def plan_handler_reports(lines: PlanLines, queued: Sequence[str], contexts: Mapping[str, NodeContext]) -> None:
     """The collect phase's lines of :func:`read_delay_handlers` on the nodes that ran a delay handler."""
-    workdir = lines.lab.spec.defaults.workdir
     for name in queued:
+        workdir = lines.lab.settings_of(name).workdir
         files = handler_files(contexts[name].path(node_journal.journal_dir(workdir)))
         lines.add(name, "collect", "read the delay handler's record of the run", sh(handler_report_script(files)))

@@ -10,7 +10,7 @@ translates between the two. A run plan makes its :class:`LinkPlan` once; the lin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from netem import plan as netem_plan
@@ -100,15 +100,18 @@ def link_plan(
     for name in delay_path_names():
         for rules in delay_path(name).compile(topology, [p for p in on_paths if p.delay_path == name], tuple(driven)):
             held.setdefault(rules.node, []).append(rules)
-    players = player_schedules(on_paths, driven, sudo=inventory.spec.defaults.sudo) if driven else ()
+    players = player_schedules(on_paths, driven, lambda node: inventory.settings_of(node).sudo) if driven else ()
     return LinkPlan(on_paths, {node: tuple(rules) for node, rules in held.items()}, driven, players)
 
 
-def player_schedules(plans: Sequence[TcPlan], driven: Driven, *, sudo: bool) -> tuple[NodeSchedule, ...]:
+def player_schedules(
+    plans: Sequence[TcPlan], driven: Driven, sudo: Callable[[str], bool]
+) -> tuple[NodeSchedule, ...]:
     """The trace players' schedules, each step's tc commands as the player runs them (as the user,
-    each tc with sudo: :func:`testbed.provisioning.sudo_rules.privileged`)."""
+    each tc with sudo where the node's ``sudo`` says: :func:`testbed.provisioning.sudo_rules.privileged`)."""
     return tuple(
-        dataclasses.replace(s, steps=tuple({**step, "commands": [privileged(c, sudo=sudo) for c in step["commands"]]}
+        dataclasses.replace(s, steps=tuple({**step, "commands": [privileged(c, sudo=sudo(s.node))
+                                                                    for c in step["commands"]]}
                                            for step in s.steps))
         for s in schedules(plans, dict(driven), ())
     )  # fmt: skip

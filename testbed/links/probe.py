@@ -211,7 +211,7 @@ def probe_nodes(
     def probe(name: str) -> NodeProbe:
         with open_transport(inventory, inventory.node(name)) as t:
             node, devices = inventory.node(name), plan_devices(by_node.get(name, []))
-            return probe_node(t, node, devices, inventory.spec.defaults.workdir)
+            return probe_node(t, node, devices, inventory.settings_of(node).workdir)
 
     return fan_out(names, probe, description="probing interfaces")
 
@@ -220,5 +220,5 @@ def plan_probe(
     lines: PlanLines, name: str, devices: Sequence[str], *, phase: str, what: str, when: str = "once"
 ) -> None:
     """The line of :func:`probe_node` reading ``devices`` on node ``name``."""
-    defaults = lines.lab.spec.defaults
-    lines.add(name, phase, what, sh(probe_script(devices, defaults.workdir, defaults.sudo)), when)
+    settings = lines.lab.settings_of(name)
+    lines.add(name, phase, what, sh(probe_script(devices, settings.workdir, settings.sudo)), when)

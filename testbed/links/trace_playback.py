@@ -74,14 +74,16 @@ def apply_traced_plan(
     # the delay handler plays the traced directions' delay rows itself (the NFQUEUE path's queues)
     queued = [r for rules in plan.held.values() for r in rules if isinstance(r, NfqueueRules)]
     timelines = delay_timelines(queued, dict(plan.driven))
-    workdir = inventory.spec.defaults.workdir
     player = PLAYER_SOURCE.read_bytes()
 
     def retime(name: str) -> None:
         with open_transport(inventory, inventory.node(name)) as t:
+            workdir = inventory.settings_of(name).workdir
             retime_delay_handler(t, node_directory(t, workdir), start_unix_s, timelines[name])
 
     def start(schedule: NodeSchedule) -> str:
+        settings = inventory.settings_of(schedule.node)
+        workdir = settings.workdir
         with open_transport(inventory, inventory.node(schedule.node)) as t:
             directory = node_directory(t, workdir)
             journal = node_journal.read(t, workdir)
@@ -92,8 +94,7 @@ def apply_traced_plan(
             node_journal.write(t, workdir, journal.with_trace(pidfile))  # named before it starts
             node_journal.store(t, player_path, player)
             node_journal.store(t, schedule_file, json.dumps(document).encode())
-            python = inventory.spec.defaults.python
-            t.start_background([python, player_path, schedule_file, logfile], pidfile=pidfile,
+            t.start_background([settings.python, player_path, schedule_file, logfile], pidfile=pidfile,
                                logfile=f"{directory}/trace-player.log")  # fmt: skip
             return logfile
 
@@ -116,9 +117,8 @@ def apply_traced_plan(
 def stop_trace_players(inventory: Inventory, names: Sequence[str]) -> FanOutResult[str | None]:
     """Stop the trace players on ``names`` and drop them from the journals (the shaping stays, as the
     last row left it): a run's trace ends with the run, also when the next run keeps the links."""
-    workdir = inventory.spec.defaults.workdir
-
     def stop(name: str) -> str | None:
+        workdir = inventory.settings_of(name).workdir
         with open_transport(inventory, inventory.node(name)) as t:
             journal = node_journal.read(t, workdir)
             if journal is None or not journal.trace_pidfile:
@@ -143,10 +143,10 @@ def player_files(directory: str) -> tuple[str, str, str, str]:
 def plan_trace_players(lines: PlanLines, plan: LinkPlan, contexts: Mapping[str, NodeContext]) -> None:
     """The configure phase's lines of :func:`apply_traced_plan` that start the players (after shaping)."""
     lab = lines.lab
-    workdir = lab.spec.defaults.workdir
-    tilde = node_journal.journal_dir(workdir)
     for schedule in plan.players:
         name = schedule.node
+        workdir = lab.settings_of(name).workdir
+        tilde = node_journal.journal_dir(workdir)
         context = contexts.get(name) or unresolved_context(lab, lab.node(name))
         directory = context.path(tilde)
         player, schedule_file, pidfile, logfile = player_files(directory)
@@ -156,15 +156,15 @@ def plan_trace_players(lines: PlanLines, plan: LinkPlan, contexts: Mapping[str, 
         lines.store(name, "configure", "store the trace player", player)
         lines.store(name, "configure", "store the trace's schedule", schedule_file)
         lines.detached(name, "configure", "start the trace player (detached)",
-                       [lab.spec.defaults.python, player, schedule_file, logfile], pidfile,
+                       [lab.settings_of(name).python, player, schedule_file, logfile], pidfile,
                        f"{directory}/trace-player.log")  # fmt: skip
 
 
 def plan_trace_stop(lines: PlanLines, plan: LinkPlan, contexts: Mapping[str, NodeContext]) -> None:
     """The restore phase's lines of :func:`stop_trace_players` (a run's trace ends with it, also where
     the shaping stays for the next run), on every node the plan shapes."""
-    workdir = lines.lab.spec.defaults.workdir
     for name in sorted(plan.by_node):
+        workdir = lines.lab.settings_of(name).workdir
         pidfile = player_files(contexts[name].path(node_journal.journal_dir(workdir)))[2]
         lines.add(name, "restore", "read the link journal", sh(node_journal.read_script(workdir)))
         lines.add(name, "restore", "stop the trace player", sh(background_stop_script(pidfile, 5.0)), "live")

@@ -179,7 +179,7 @@ def measure_link(
         return row(note="not measured: iperf3 on phones is not supported yet")
     if src_node.data is None or dst_node.data is None:
         return row(note="not measured: a node has no data address")
-    workdir = inventory.spec.defaults.workdir
+    workdir = inventory.settings_of(src_node).workdir
     with open_transport(inventory, src_node) as src, open_transport(inventory, dst_node) as dst:
         measured, retransmits = _run_iperf3(
             src, dst, src_node.data.address, dst_node.data.address, port, duration_s, workdir, before_start=before_start

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from foundation.errors import NodeError, TestbedError
 from nodes.contracts.durable import write_atomic, write_json_atomic
-from testbed.inventory import Inventory, NodeSpec, kind_of
+from testbed.inventory import Inventory, NodeSettings, NodeSpec, kind_of
 from testbed.provisioning.delay_handler import HANDLER_SOURCE, handler_digest, install_script, installed_test
 from testbed.provisioning.node_code import node_code_path
 from testbed.provisioning.node_wheel import NodeWheel, node_wheel
@@ -286,10 +286,10 @@ class _NodeProvisioner:
         self.inventory, self.node, self.t, self.wheel = inventory, node, t, wheel
         self.wheel_file = options.wheelhouse_cache / "ours" / wheel.filename  # written by provision()
         self.parts, self.source, self.options, self.say = parts, source, options, say
-        defaults = inventory.spec.defaults
-        self.python = defaults.python
-        self.workdir = t.expand_path(defaults.workdir)
-        self.venv = t.expand_path(defaults.venv_path)
+        self.settings = inventory.settings_of(node)
+        self.python = self.settings.python
+        self.workdir = t.expand_path(self.settings.workdir)
+        self.venv = t.expand_path(self.settings.venv_path)
         self.changes: list[str] = []
         self.change_kinds: list[str] = []
         self.problems: list[str] = []
@@ -348,7 +348,7 @@ class _NodeProvisioner:
     def readiness(self, facts: NodeFacts) -> Readiness:
         values = self.probe()
         need_gib = BASE_SPACE_GIB + sum(p.size for _, p in self.parts.values()) / 2**30
-        sudo_used = self.inventory.spec.defaults.sudo
+        sudo_used = self.settings.sudo
         missing, warnings = judge_readiness(self.node, facts, values, need_gib=need_gib, sudo_used=sudo_used)
         installed: list[str] = []
         packages = sorted({TOOL_PACKAGES[w] for w, _ in missing if w in TOOL_PACKAGES})
@@ -422,7 +422,7 @@ class _NodeProvisioner:
             env = None
             if see_base and base_is_venv:
                 command += f" && {shlex.join([self.python, '-m', 'nodes.venv_overlay', self.venv])}"
-                env = {"PYTHONPATH": node_code_path(self.t, self.inventory.spec.defaults.workdir)}
+                env = {"PYTHONPATH": node_code_path(self.t, self.settings.workdir)}
             script = f"mkdir -p {shlex.quote(self.workdir)} && {command}"
             result = self.t.run(["sh", "-c", script], env=env, timeout_s=600.0)
             if not result.ok:
@@ -449,11 +449,7 @@ class _NodeProvisioner:
         pins = [f"torch=={keep_torch}"] if keep_torch else ([torch_pin] if torch_pin else [])
         constraints = f"{wheels_dir}/constraints.txt"
         self.t.store(constraints, "".join(f"{pin}\n" for pin in pins).encode())
-        offline = facts.emulated or not (
-            self.node.registry_access
-            if self.node.registry_access is not None
-            else self.inventory.spec.defaults.registry_access
-        )
+        offline = facts.emulated or not self.settings.registry_access
         extras = kind_of(self.node).wheel_extras
         argv = pip_install_argv(
             self.venv, wheel_remote, extras, torch_pin, constraints, wheels_dir if offline else None
@@ -511,7 +507,7 @@ class _NodeProvisioner:
         for role in roles_of(self.node.roles):
             part, part_file = self.parts[role]
             placed = place_part(
-                self.t, self.source, part, part_file, self.inventory.spec.defaults.workdir, say=self.say
+                self.t, self.source, part, part_file, self.settings.workdir, say=self.say
             )
             for f in placed.files:
                 if f.action != "present":
@@ -626,9 +622,9 @@ def compare_records(records: dict[str, dict]) -> list[str]:
     return problems
 
 
-def provisioned_python(inventory: Inventory, record: dict) -> str:
+def provisioned_python(settings: NodeSettings, record: dict) -> str:
     """The Python the workers run with on a node: its provisioned venv's (``record`` from
-    :func:`load_record`), else ``defaults.python``."""
+    :func:`load_record`), else the node's ``python``."""
     if record.get("installed_wheel"):
         return str(record["venv_python"])
-    return inventory.spec.defaults.python
+    return settings.python

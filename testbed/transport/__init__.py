@@ -23,9 +23,9 @@ __all__ = [
 
 def open_transport(inventory: Inventory, node: NodeSpec) -> Transport:
     """The transport that reaches ``node`` (phones are reached through their USB host instead)."""
-    use_sudo = inventory.spec.defaults.sudo
     if kind_of(node).via_usb_host:
         raise TestbedError(f"{node.name} (kind {node.kind}) is reached with adb on its USB host, not directly")
+    use_sudo = inventory.settings_of(node).sudo
     if node.transport == "local":
         return LocalTransport(node.name, use_sudo=use_sudo)
     return SshTransport(node.name, inventory.ssh_target(node), use_sudo=use_sudo)

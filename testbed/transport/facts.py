@@ -157,7 +157,7 @@ def facts_script(python: str) -> str:
 
 def gather_facts(inventory: Inventory, node: NodeSpec, transport: Transport, *, timeout_s: float = 30.0) -> NodeFacts:
     """Facts of a Linux node (Jetson, server, USB host) reached through ``transport``."""
-    script = facts_script(inventory.spec.defaults.python)
+    script = facts_script(inventory.settings_of(node).python)
     lines: list[str] = []
     try:
         with transport.open_line_session(["sh", "-c", script]) as session:
@@ -269,18 +269,18 @@ def judge(inventory: Inventory, node: NodeSpec, facts: NodeFacts) -> tuple[list[
             problems.append(f"inventory says {node.model} but the board reports {facts.board_model!r}")
         if facts.l4t_release is None:
             problems.append(f"no release in {kind.boards.release_file}")
-    if kind.reached_by_ssh and inventory.spec.defaults.sudo and facts.sudo == "no":
+    if kind.reached_by_ssh and inventory.settings_of(node).sudo and facts.sudo == "no":
         problems.append(
             f"sudo needs a password for {facts.user}; install the sudoers rules that `testbed provision` prints "
             "for this node (only the suite's own commands, README: pointing it at a real lab), or set "
-            "defaults.sudo: false and log in as root"
+            "sudo: false (defaults, its group or the node) and log in as root"
         )
     if kind.discrete_gpus and node.gpus and len(facts.gpus) != node.gpus:
         problems.append(f"inventory says {node.gpus} GPUs, nvidia-smi lists {len(facts.gpus)}")
     if facts.raw.get("gpu_error"):
         problems.append("nvidia-smi failed: " + facts.raw["gpu_error"][0][:200])
     if kind.runs_ranks and not facts.python.startswith("Python 3"):
-        problems.append(f"{inventory.spec.defaults.python} is not a Python 3 ({facts.python or 'not found'})")
+        problems.append(f"{inventory.settings_of(node).python} is not a Python 3 ({facts.python or 'not found'})")
     for phone in inventory.nodes:
         if phone.adb is not None and phone.adb.usb_host == node.name:
             state = next((d.state for d in facts.adb_devices if d.serial == phone.adb.serial), None)

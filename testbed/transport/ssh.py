@@ -45,6 +45,8 @@ from testbed.transport.base import (
     _starttime,
     copy_from,
 )
+from testbed.transport.host_keys import HostKeyRefused, KnownHosts, certificates_first, known_hosts_name
+from testbed.transport.jump_hosts import JumpHosts
 
 CONNECT_ATTEMPTS = 3
 BACKOFF_S = 0.5
@@ -54,10 +56,15 @@ KEEPALIVE_MISSES = 3  # keepalive intervals without an acknowledgement before th
 UNACKNOWLEDGED_S = 60.0  # ... or this long where keepalives are off (at least a connect timeout)
 BROKEN = (EOFError, TimeoutError, paramiko.SSHException)  # what a failed request leaves the connection as
 T = TypeVar("T")
+_JUMP_HOSTS = JumpHosts()  # one connection per jump host, shared by every node behind it
 
 
-def _known_hosts_name(target: SshTarget) -> str:
-    return target.host if target.port == 22 else f"[{target.host}]:{target.port}"
+def _refused_host_key(t: SshTarget, name: str, reason: str) -> str:
+    if "not found in known_hosts" in reason:
+        return (f"host key of {t.host}:{t.port} is not in {t.known_hosts}; refusing to connect. Verify the node's "
+                f"key, then: ssh-keyscan -p {t.port} {t.host} >> {t.known_hosts} (or list the lab's CA there as "
+                f"@cert-authority)")  # fmt: skip
+    return f"refusing to connect to {t.host}:{t.port}: {reason}"
 
 
 def _sftp_path(remote: str) -> str:
@@ -220,17 +227,19 @@ class SshTransport(Transport):
         t = self.target
         kwargs: dict[str, object] = {
             "allow_agent": True,
-            "look_for_keys": t.identity_file is None,
+            "look_for_keys": not t.identity_files,
             "banner_timeout": t.connect_timeout_s,
             "auth_timeout": t.connect_timeout_s,
         }
-        if t.identity_file:
-            kwargs["key_filename"] = [os.path.expanduser(t.identity_file)]
+        if t.identity_files:
+            kwargs["key_filename"] = [os.path.expanduser(f) for f in t.identity_files]
         if t.password_env:
             if t.password_env not in os.environ:
                 raise NodeError(self.node, f"environment variable {t.password_env} (password_env) is not set")
             kwargs["password"] = os.environ[t.password_env]
-        known_hosts = os.path.expanduser(t.known_hosts)
+        known = KnownHosts(t.known_hosts)
+        name = known_hosts_name(t.host, t.port)
+        kwargs["transport_factory"] = certificates_first(known, name)
         delay = BACKOFF_S
         for attempt in range(1, CONNECT_ATTEMPTS + 1):
             conn = Connection(
@@ -241,13 +250,12 @@ class SshTransport(Transport):
                 connect_kwargs=dict(kwargs),
                 config=Config(overrides={"load_ssh_configs": False}),
             )
-            conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-            if os.path.exists(known_hosts):
-                conn.client.load_host_keys(known_hosts)
+            known.install(conn.client)
             try:
                 try:
-                    conn.connect_kwargs["sock"] = _connect_socket(t)
+                    conn.connect_kwargs["sock"] = self._socket()
                     conn.open()
+                    known.check_revoked(name, conn.client.get_transport().get_remote_server_key())
                 except BaseException:
                     conn.close()  # whatever failed, leave no transport thread or socket behind
                     raise
@@ -257,23 +265,20 @@ class SshTransport(Transport):
                     (
                         f"host key of {t.host}:{t.port} CHANGED (expected {exc.expected_key.get_fingerprint().hex()}, "
                         f"got {exc.key.get_fingerprint().hex()}); a reinstalled node or a man in the middle. If the "
-                        f"node was reinstalled: ssh-keygen -R '{_known_hosts_name(t)}' -f {t.known_hosts}"
+                        f"node was reinstalled: ssh-keygen -R '{name}' -f {t.known_hosts}"
                     ),
                 ) from None
+            except HostKeyRefused as exc:
+                raise NodeError(self.node, _refused_host_key(t, name, str(exc))) from None
             except paramiko.AuthenticationException as exc:
-                how = f"identity file {t.identity_file}" if t.identity_file else "the SSH agent and default keys"
+                how = f"identity file {', '.join(t.identity_files)}" if t.identity_files else \
+                    "the SSH agent and default keys"  # fmt: skip
                 raise NodeError(
-                    self.node, f"authentication failed for {t.user}@{t.host}:{t.port} with {how}: {exc}"
+                    self.node, f"authentication failed for {t.describe()} with {how}: {exc}"
                 ) from None
+            except NodeError:
+                raise  # a jump host that refused us: said by its own transport
             except paramiko.SSHException as exc:
-                if "not found in known_hosts" in str(exc):
-                    raise NodeError(
-                        self.node,
-                        (
-                            f"host key of {t.host}:{t.port} is not in {t.known_hosts}; refusing to connect. Verify "
-                            f"the node's key, then: ssh-keyscan -p {t.port} {t.host} >> {t.known_hosts}"
-                        ),
-                    ) from None
                 error: Exception = exc
             except (TimeoutError, OSError, EOFError) as exc:
                 error = exc
@@ -287,8 +292,17 @@ class SshTransport(Transport):
                 delay *= 2
         raise NodeError(
             self.node,
-            f"cannot connect to {t.host}:{t.port} after {CONNECT_ATTEMPTS} attempts: {type(error).__name__}: {error}",
+            f"cannot connect to {t.describe()} after {CONNECT_ATTEMPTS} attempts: {type(error).__name__}: {error}",
         )
+
+    def _socket(self) -> socket.socket | paramiko.Channel:
+        """A stream to the node's sshd: a TCP connection, or a channel through the last jump host."""
+        t = self.target
+        if not t.jumps:
+            return _connect_socket(t)
+        hop = _JUMP_HOSTS.transport(t.jumps[-1], self.node, lambda name, target: SshTransport(name, target,
+                                                                                              use_sudo=False))
+        return hop.forward(t.host, t.port)
 
     def _drop(self, conn: Connection) -> None:
         """Forget a broken connection (the next command opens a new one) and close it. Closing ends
