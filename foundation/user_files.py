@@ -114,13 +114,8 @@ class YamlSource:
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark is not None else None
             what = exc.problem or exc.context or "invalid YAML"
-            raise InputError(
-                [
-                    InputProblem(
-                        str(path), line, "", f"YAML syntax error: {what}", "check indentation, colons and quoting"
-                    )
-                ]
-            ) from None
+            raise InputError([InputProblem(str(path), line, "", f"YAML syntax error: {what}",
+                                           _syntax_hint(text, line))]) from None  # fmt: skip
         except YAMLError as exc:  # e.g. a character YAML does not allow, before any token
             position = getattr(exc, "position", None)
             line = text[:position].count("\n") + 1 if isinstance(position, int) else 1
@@ -188,6 +183,19 @@ def _bad_strings(data: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple
         char = bad_character(data, in_value=True)
         if char is not None:
             yield path, char, False
+
+
+_UNQUOTED_RANGE = re.compile(r"[A-Za-z0-9_.-]*\[[0-9]+:[0-9]+\][A-Za-z0-9_.-]*")
+
+
+def _syntax_hint(text: str, line: int | None) -> str:
+    """What to check at a syntax error: quoting, where the line holds a host range (``xavier-[01:20]``,
+    which a flow list or mapping reads as a nested list)."""
+    lines = text.splitlines()
+    found = _UNQUOTED_RANGE.search(lines[line - 1]) if line and 0 < line <= len(lines) else None
+    if found is not None:
+        return f'a host range inside [ ] or {{ }} needs quotes: "{found.group(0)}"'
+    return "check indentation, colons and quoting"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -360,3 +360,71 @@ def test_two_groups_setting_one_field_differently_for_a_node_are_refused(tmp_pat
     inv = load_inventory(write(tmp_path, text.replace("    roles: [device]\n  - name: gpu",
                                                        "    roles: [device]\n    workdir: /mine\n  - name: gpu")))
     assert inv.settings_of("orin-1").workdir == "/mine"
+
+
+RANGES = """\
+defaults: {ssh: {user: nvidia}}
+nodes:
+  - {name: gpu, kind: server, model: a6000-server, address: 10.50.0.2, roles: [server],
+     data: {interface: eth1, address: 10.60.0.2}}
+  - name: xavier-[08:12]
+    kind: jetson
+    model: agx-xavier
+    address: 192.168.50.[18:22]
+    data: {interface: wlan0, address: "10.60.1.[8:12]"}
+    roles: [device]
+groups:
+  near: ["xavier-[08:09]"]
+  far: {members: ["xavier-[10:12]"], workdir: /data/hil}
+link_profiles:
+  up: {rate: 5MBps}
+links:
+  - {from: near, to: gpu, profile: up}
+"""
+
+
+def test_a_host_range_makes_one_node_per_name_with_addresses_paired_in_order(tmp_path):
+    inv = load_inventory(write(tmp_path, RANGES))
+    xaviers = [n for n in inv.nodes if n.kind == "jetson"]
+    assert [n.name for n in xaviers] == ["xavier-08", "xavier-09", "xavier-10", "xavier-11", "xavier-12"]
+    assert [n.address for n in xaviers] == [f"192.168.50.{i}" for i in range(18, 23)]
+    assert [n.data.address for n in xaviers] == [f"10.60.1.{i}" for i in range(8, 13)]
+    assert inv.groups["near"] == ("xavier-08", "xavier-09") and len(inv.groups["far"]) == 3
+    assert inv.settings_of("xavier-11").workdir == "/data/hil" and inv.settings_of("xavier-09").workdir != "/data/hil"
+    assert {(lk.source, lk.destination) for lk in inv.links} == {("xavier-08", "gpu"), ("xavier-09", "gpu")}
+
+
+@pytest.mark.parametrize(
+    "old,new,line,field,words",
+    [
+        ("address: 192.168.50.[18:22]", "address: 192.168.50.[18:21]", 8, "nodes[1].address",
+         "the range gives 4 values for 5 nodes (xavier-08 to xavier-12)"),
+        ("name: xavier-[08:12]", "name: xavier-[12:08]", 5, "nodes[1].name", "counts down (12 to 08)"),
+        ("name: xavier-[08:12]", "name: xavier-[08:12]-[1:2]", 5, "nodes[1].name", "more than one [first:last] range"),
+        ("name: xavier-[08:12]", "name: xavier-08", 8, "nodes[1].address",
+         "a range here needs a range in the node's name"),
+        ("address: 192.168.50.[18:22]", "address: 192.168.50.[254:258]", 8, "nodes[1] (xavier-10).address",
+         "'192.168.50.256' is not an IP address"),
+        ('  near: ["xavier-[08:09]"]', '  near: ["xavier-[08:09]", "orin-[1:2]"]', 12, "groups.near[1]",
+         "unknown node or group 'orin-1'"),
+    ],
+)  # fmt: skip
+def test_a_bad_host_range_is_named_at_its_entry(tmp_path, old, new, line, field, words):
+    problems = problems_of(tmp_path, RANGES.replace(old, new))
+    assert any(p.startswith(f"{tmp_path / 'inventory.yaml'}:{line}: {field}") and words in p for p in problems), \
+        problems  # fmt: skip
+
+
+def test_a_range_in_a_flow_list_without_quotes_is_a_syntax_error_that_says_to_quote_it(tmp_path):
+    problems = problems_of(tmp_path, RANGES.replace('["xavier-[08:09]"]', "[xavier-[08:09]]"))
+    assert problems == [f"{tmp_path / 'inventory.yaml'}:12: YAML syntax error: expected ',' or ']', but got '['; "
+                        "a host range inside [ ] or { } needs quotes: \"xavier-[08:09]\""], problems
+
+
+def test_hat_lab_inventory_is_written_with_ranges_in_at_most_60_lines():
+    path = REPO / "examples" / "inventories" / "hat-lab.yaml"
+    assert len(path.read_text().splitlines()) <= 60
+    inv = load_inventory(path)
+    models = [n.model for n in inv.nodes]
+    assert models.count("agx-xavier") == 20 and models.count("agx-orin") == 10
+    assert [len(inv.groups[g]) for g in ("near", "mid", "far")] == [11, 10, 9]

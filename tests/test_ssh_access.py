@@ -233,3 +233,22 @@ def test_certificates_that_do_not_hold_are_refused(tmp_path):
     assert "@revoked" in certificate_problem(KnownHosts(known_path), "10.0.0.5", good)
     known_path.write_text("@cert-authority !10.0.0.5,10.0.0.* " + line.split(" ", 2)[2])
     assert "does not list" in certificate_problem(KnownHosts(known_path), "10.0.0.5", good)
+
+
+def test_hydra_reaches_the_nodes_with_the_inventorys_users_and_ports_then_the_servers_own_config(tmp_path):
+    from testbed.workers.mpi_launch import hydra_ssh
+
+    config = _config(tmp_path, "Host board-*\n  HostName 10.50.1.7\n  Port 2201\n")
+    path = _inventory(tmp_path, f"defaults: {{ssh: {{config: {config}, user: nvidia}}}}\ngroups:\n"
+                      "  gpus: {members: [gpu], ssh: {user: lab, node_config: /etc/hil/ssh_config}}\nnodes:\n"
+                      "  - {name: gpu, kind: server, model: x, address: 10.50.0.2}\n"
+                      "  - {name: b1, kind: jetson, model: agx-orin, address: board-1}\n")  # fmt: skip
+    inventory = load_inventory(path)
+    ssh = hydra_ssh(inventory, inventory.node("gpu"), inventory.nodes, "/home/lab/hil-testbed/mpi")
+    assert ssh.config.splitlines()[1:] == [
+        "Host 10.50.0.2", "  User lab", "  Port 22",
+        "Host board-1", "  HostName 10.50.1.7", "  User nvidia", "  Port 2201",
+        "Host *", "  BatchMode yes", "  StrictHostKeyChecking yes", "  ConnectTimeout 10",
+        "Include /etc/hil/ssh_config",
+    ]  # fmt: skip
+    assert ssh.launcher_path.startswith("/home/lab/hil-testbed/mpi/ssh-") and ssh.config_path in ssh.launcher()

@@ -93,7 +93,7 @@ def _reached_at(inv: Inventory, node: NodeSpec) -> str:
     if node.address is None:
         return "emulated (address assigned at start)"
     t = inv.ssh_target(node)
-    return f"ssh {t.user}@{t.host}:{t.port}"
+    return f"ssh {t.describe()}"
 
 
 def _notes(node: NodeSpec) -> str:

@@ -29,7 +29,7 @@ from nodes.emulated import phones as phones_catalogue
 from nodes.emulated.cgroup import CpuCgroup, cgroup_version
 from testbed.emulation import host
 from testbed.emulation.journal import Journal
-from testbed.emulation.node_files import ADB_DEVICES_FILE, REPO, NodeFiles, write_node_tools
+from testbed.emulation.node_files import ADB_DEVICES_FILE, REPO, NodeFiles, nodes_ssh_config, write_node_tools
 from testbed.emulation.plan import NODE_DATA_INTERFACE, NODE_MGMT_INTERFACE, EmulationPlan, plan_emulation
 from testbed.emulation.resolved import RESOLVED_NAME, NodeAccess, source_digest, write_resolved_inventory
 from testbed.emulation.sshd_server import (
@@ -124,6 +124,7 @@ def up(inventory: Inventory, *, mode: str = "netns", say: Say = print) -> Emulat
                 access=access,
                 identity_file=keys.client_key,
                 known_hosts=keys.known_hosts,
+                node_config=nodes_ssh_config(keys),
             )
             load_inventory(resolved)  # what every later command will read must load
         except BaseException:

@@ -34,6 +34,12 @@ def _write_executable(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
+def nodes_ssh_config(keys: SshKeys) -> Path:
+    """The SSH config the nodes' own ssh reads (their keys and known_hosts): what a real node's
+    ~/.ssh/config is (``ssh.node_config`` in the resolved inventory)."""
+    return keys.directory / "ssh_config"
+
+
 def write_node_tools(state_dir: Path, keys: SshKeys, identity: Path | None = None) -> None:
     """Tools on the nodes' PATH: the stand-in adb and phone tools (run with this Python), and an ``ssh``
     that trusts the other nodes, as in a lab whose nodes share keys (mpiexec launches ranks with it;
@@ -52,7 +58,7 @@ def write_node_tools(state_dir: Path, keys: SshKeys, identity: Path | None = Non
         "#!/bin/sh\n# An emulated phone's power mode follows its cpufreq files (hil-testbed).\n"
         f"PYTHONPATH='{REPO}' exec '{sys.executable}' -m nodes.emulated.phone_governor \"$@\"\n",
     )
-    config = keys.directory / "ssh_config"
+    config = nodes_ssh_config(keys)
     config.write_text(
         "Host *\n"
         f"  IdentityFile {identity or keys.client_key}\n"

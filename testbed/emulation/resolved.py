@@ -19,6 +19,7 @@ from foundation.user_files import YamlSource
 from nodes.contracts.durable import write_atomic
 from testbed.emulation.plan import state_dir_of
 from testbed.inventory import Inventory, load_inventory
+from testbed.inventory.host_ranges import expand_ranges
 
 RESOLVED_NAME = "inventory.yaml"
 HEADER = (
@@ -58,9 +59,10 @@ def write_resolved_inventory(
     access: dict[str, NodeAccess],
     identity_file: Path,
     known_hosts: Path,
+    node_config: Path,
 ) -> Path:
     """Write the resolved inventory atomically (its presence means ``up`` finished)."""
-    data = YamlSource.load(inventory.path).data
+    data = expand_ranges(YamlSource.load(inventory.path))[0].data  # one entry a node, ranges written out
     emulation = data.setdefault("emulation", {})
     emulation["state_dir"] = str(state_dir)
     emulation["instance"] = {
@@ -82,6 +84,7 @@ def write_resolved_inventory(
             "port": a.port,
             "identity_file": str(identity_file),
             "known_hosts": str(known_hosts),
+            "node_config": str(node_config),
         }
         node["data"] = {"interface": a.data_interface, "address": a.data_address}
     yaml = YAML(typ="rt")
@@ -135,7 +138,7 @@ def as_real_lab(source: Path, destination: Path, *, delay_path: str, user: str |
     one (198.51.100.0/24) instead of its ``emulated:`` section; sudo on, ``defaults.delay_path`` and
     the SSH ``user`` as given. For planning offline what a real lab would run: nothing is reached."""
     yaml = YAML(typ="rt")
-    data = yaml.load(source.read_text())
+    data = expand_ranges(YamlSource.load(source))[0].data
     defaults = data.setdefault("defaults", {})
     defaults.update(sudo=True, delay_path=delay_path)
     if user is not None:

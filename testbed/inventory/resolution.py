@@ -11,6 +11,7 @@ from foundation.errors import InputError
 from foundation.user_files import YamlSource, beside
 from netem.profile import DirectedLink
 from testbed.inventory.expansion import expand_groups, expand_links
+from testbed.inventory.host_ranges import expand_ranges
 from testbed.inventory.model import Inventory
 from testbed.inventory.schema import InventorySpec, LinksFileSpec
 from testbed.inventory.validation import (
@@ -31,7 +32,8 @@ def load_inventory(path: str | Path) -> Inventory:
 
 
 def inventory_from_source(source: YamlSource) -> Inventory:
-    """Validate a loaded file: secrets and shapes first, then what spans fields; then expand."""
+    """Validate a loaded file: secrets, then host ranges expanded, then shapes, then what spans fields;
+    then groups and links expanded."""
     problems = list(secret_problems(source, source.data, ())) + source.text_problems()
     if source.data is None or not isinstance(source.data, dict):
         problems.append(
@@ -40,6 +42,9 @@ def inventory_from_source(source: YamlSource) -> Inventory:
             )
         )
         raise InputError(problems)
+    source, range_problems = expand_ranges(source)
+    if range_problems:
+        raise InputError(problems + range_problems)
     try:
         spec = InventorySpec.model_validate(source.data)
     except ValidationError as exc:

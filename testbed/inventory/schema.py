@@ -138,6 +138,9 @@ class SshSettings(_Strict):
     # the SSH config to read on the controller (OpenSSH's format); default ~/.ssh/config (emulated nodes:
     # none unless named); none: read none
     config: Annotated[SafePath, AfterValidator(_ssh_config)] | None = None
+    # the SSH config the node's own ssh reads when it reaches the others (mpiexec's launch from the
+    # server, after the inventory's users and ports); default ~/.ssh/config on that node
+    node_config: NodePath | None = None
 
 
 NodePython = Annotated[SafePath, AfterValidator(_python)]

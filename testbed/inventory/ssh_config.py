@@ -54,6 +54,7 @@ class SshTarget:
     jumps: tuple[SshTarget, ...] = ()  # the first hop first
     more_identity_files: tuple[str, ...] = ()  # further IdentityFile lines of the SSH config
     alias: str | None = None  # the name the inventory gave, where the SSH config mapped it to ``host``
+    node_config: str = DEFAULT_CONFIG  # the SSH config the node's own ssh reads (on the node)
 
     @property
     def identity_files(self) -> tuple[str, ...]:
@@ -151,6 +152,7 @@ def _target(name: str, layers: Sequence[SshSettings], found: dict, jumps: tuple[
         jumps=jumps,
         more_identity_files=tuple(files[1:] if not explicit else files),
         alias=name if host != name else None,
+        node_config=str(_pick(layers, "node_config") or DEFAULT_CONFIG),
     )
 
 

@@ -3,6 +3,15 @@ on the server node, detached, and reaches the devices over SSH at their manageme
 launching never waits on a shaped link; what a failed launch says (the reason a rank aborted with, else
 hydra's summary).
 
+Hydra's own ssh launcher starts the ranks, with a launcher of ours (``-launcher-exec``) that runs the
+server's ``ssh`` with a config written from the inventory: each node's user, port and address, batch
+mode and strict host keys, then the server's own SSH config (``ssh.node_config``, default
+``~/.ssh/config``) for its keys and whatever else the lab sets there. Why hydra's launcher and not one
+of ours over the controller's transport: hydra keeps each rank a child of its proxy (exit codes, abort
+and signal forwarding, the bounds MPIEXEC_TIMEOUT sets), a detached launch outlives a controller that
+died (its pidfile ends it on --resume), and the controller's jump host stays the controller's: the
+server reaches the devices on the lab's own network, as the preflight checks with the same command.
+
 What the ranks exchange is pinned to the data plane by the environment every rank gets:
 ``MPIR_CVAR_NOLOCAL=1`` (no shared-memory shortcut, which ranks on one kernel would take),
 ``UCX_TLS=tcp,self`` with ``UCX_NET_DEVICES`` naming the node's data interface, and ``FI_PROVIDER=tcp``
@@ -12,6 +21,8 @@ veths' byte counters against the hidden states sent.
 
 from __future__ import annotations
 
+import hashlib
+import math
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,9 +33,9 @@ from foundation.errors import NodeError
 from nodes.contracts.rank_dirs import ABORT_REASON_GLOB
 from testbed.commands.node_context import NodeContext
 from testbed.commands.planned import PlanLines, sh
-from testbed.inventory import Inventory
+from testbed.inventory import Inventory, NodeSpec
 from testbed.transport import open_transport
-from testbed.transport.base import Transport
+from testbed.transport.base import Transport, command_line
 from testbed.transport.fanout import fan_out
 from testbed.workers.split_spec import SplitRunSpec, StagedRun, check_spec, run_dir_on
 
@@ -60,6 +71,69 @@ class RankGroup:
 
 
 @dataclass(frozen=True)
+class HydraSsh:
+    """How hydra's ssh launcher on the launch node reaches the nodes: a config and the launcher that runs
+    ``ssh`` with it, both named by the config's hash (written once, shared by every run that needs it)."""
+
+    directory: str  # on the launch node, home expanded
+    config: str
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.config.encode()).hexdigest()[:16]
+
+    @property
+    def config_path(self) -> str:
+        return f"{self.directory}/ssh_config-{self.digest}"
+
+    @property
+    def launcher_path(self) -> str:
+        return f"{self.directory}/ssh-{self.digest}"
+
+    def launcher(self) -> str:
+        return (f"#!/bin/sh\n# hydra's ssh launcher (hil-testbed): the nodes as the inventory reaches them\n"
+                f'exec ssh -F {shlex.quote(self.config_path)} "$@"\n')  # fmt: skip
+
+    def ready_check(self) -> list[str]:
+        return ["test", "-x", self.launcher_path]
+
+    def write(self, t: Transport) -> None:
+        """Store the config and the launcher on the launch node (where they are not there yet)."""
+        if t.run(self.ready_check(), timeout_s=30.0).ok:
+            return
+        t.store(self.config_path, self.config.encode())
+        t.store(self.launcher_path, self.launcher().encode())
+        t.run(["chmod", "0755", self.launcher_path], timeout_s=30.0).check()
+
+    def plan(self, lines: PlanLines, node: str, phase: str) -> None:
+        lines.add(node, phase, "is hydra's ssh launcher there?", command_line(self.ready_check()), "if-cold")
+        lines.store(node, phase, "store hydra's ssh config (the nodes' users and ports)", self.config_path,
+                    "if-missing")  # fmt: skip
+        lines.store(node, phase, "store hydra's ssh launcher", self.launcher_path, "if-missing")
+        lines.add(node, phase, "make it executable", command_line(["chmod", "0755", self.launcher_path]),
+                  "if-missing")  # fmt: skip
+
+
+def hydra_ssh(inventory: Inventory, launch_node: NodeSpec, nodes: Sequence[NodeSpec], directory: str) -> HydraSsh:
+    """The SSH config hydra's launcher uses on ``launch_node`` to reach ``nodes``."""
+    lines = [f"# hil-testbed: how mpiexec on {launch_node.name} reaches the nodes of a run ({inventory.path.name})"]
+    timeout = 10.0
+    for node in nodes:
+        if node.address is None or node.transport != "ssh":
+            continue
+        target = inventory.ssh_target(node)
+        timeout = max(timeout, target.connect_timeout_s)
+        lines.append(f"Host {node.address}")
+        if target.host != node.address:
+            lines.append(f"  HostName {target.host}")
+        lines += [f"  User {target.user}", f"  Port {target.port}"]
+    own = inventory.ssh_target(launch_node).node_config if launch_node.address else "~/.ssh/config"
+    lines += ["Host *", "  BatchMode yes", "  StrictHostKeyChecking yes", f"  ConnectTimeout {math.ceil(timeout)}",
+              f"Include {own}", ""]  # fmt: skip
+    return HydraSsh(directory, "\n".join(lines))
+
+
+@dataclass(frozen=True)
 class MpiLaunchPlan:
     """The ``mpiexec`` command for a run, started on ``launch_node``."""
 
@@ -67,12 +141,16 @@ class MpiLaunchPlan:
     mpiexec: str
     groups: tuple[RankGroup, ...]
     timeout_s: float
+    ssh: HydraSsh | None = None  # None: hydra runs the launch node's plain ssh
 
     def hosts_argument(self) -> str:
         return ",".join(f"{g.host}:{g.ranks}" for g in self.groups)
 
     def argv(self) -> list[str]:
-        words = [self.mpiexec, "-launcher", "ssh", "-hosts", self.hosts_argument()]
+        words = [self.mpiexec, "-launcher", "ssh"]
+        if self.ssh is not None:
+            words += ["-launcher-exec", self.ssh.launcher_path]
+        words += ["-hosts", self.hosts_argument()]
         for index, group in enumerate(self.groups):
             if index:
                 words.append(":")
@@ -115,7 +193,9 @@ def launch_plan(
             env.update(data_plane_env(node.data.interface))
         argv = (context.python, "-m", "nodes.workers", f"{run_dir_on(context, spec.run_id)}/run.json")
         groups.append(RankGroup(node.name, node.address or node.name, count, argv, tuple(sorted(env.items()))))
-    return MpiLaunchPlan(server.name, mpiexec or "mpiexec", tuple(groups), spec.timeout_s)
+    directory = contexts[server.name].path(inventory.settings_of(server).workdir.rstrip("/") + "/mpi")
+    ssh = hydra_ssh(inventory, server, [server, *devices], directory)
+    return MpiLaunchPlan(server.name, mpiexec or "mpiexec", tuple(groups), spec.timeout_s, ssh)
 
 
 def mpiexec_pidfile(run_dir: str) -> str:
@@ -160,6 +240,8 @@ def launch_and_wait(
     end it by, and MPIEXEC_TIMEOUT bounds it meanwhile), wait for its exit status, and return it
     (None after a timeout, when it is stopped) with its output."""
     status, log = launch_files(run_dir)
+    if plan.ssh is not None:
+        plan.ssh.write(t)
     t.run(["rm", "-f", status], timeout_s=30.0).check()
     t.start_background(
         launch_argv(plan, status), pidfile=mpiexec_pidfile(run_dir), logfile=log, env=launch_env(timeout_s)

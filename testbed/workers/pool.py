@@ -250,6 +250,8 @@ class PoolKeeper:
     def _start(self, pool: WorkerPool) -> None:
         with open_transport(self.inventory, self.inventory.node(pool.server)) as t:
             t.run(start_script(pool.files), timeout_s=30.0).check()
+            if pool.launch.ssh is not None:
+                pool.launch.ssh.write(t)
             t.start_background(launch_argv(pool.launch, pool.files.status), pidfile=pool.files.pidfile,
                                logfile=pool.files.log, env=launch_env(pool.launch.timeout_s))  # fmt: skip
 
@@ -353,6 +355,8 @@ def plan_pool_up(lines: PlanLines, launch: MpiLaunchPlan, files: PoolFiles) -> N
     lines.add(server, "stage", "has the warm pool ended since the last run?", sh(alive_check(files)), "live")
     lines.add(server, "stage", "clear what an earlier pool of this shape left", command_line(start_script(files)),
               "if-cold")  # fmt: skip
+    if launch.ssh is not None:
+        launch.ssh.plan(lines, server, "stage")
     words = prefix_words(sudo=False, env=launch_env(launch.timeout_s))
     lines.detached(server, "stage", "start the warm worker pool with mpiexec (detached)",
                    [*words, *launch_argv(launch, files.status)], files.pidfile, files.log, "if-cold")  # fmt: skip
