@@ -378,3 +378,22 @@ def test_a_failing_up_removes_what_it_made(tmp_path, monkeypatch):
     assert any("removing what it made" in line for line in said)
     assert ours_left("tx") == [] and not (tmp_path / "state").exists()
     assert processes_under(tmp_path) == []
+
+
+def test_the_server_reaches_every_device_as_mpiexec_will_and_a_device_it_cannot_is_named_with_the_fix(testbed):
+    import dataclasses
+
+    from testbed.checks.launch_reach import launch_reach_problems
+
+    lab = load_lab(testbed)
+    server = lab.node("server")
+    with open_transport(lab, server) as t:
+        assert launch_reach_problems(lab, server, t) == []
+        # xavier's login as a user whose keys the server's are not: what a board without the server's key is
+        stranger = lab.node("xavier").model_copy(update={"ssh": lab.node("xavier").ssh.model_copy(
+            update={"user": "nobody"})})  # fmt: skip
+        spec = lab.spec.model_copy(update={"nodes": tuple(stranger if n.name == "xavier" else n for n in lab.nodes)})
+        problems = launch_reach_problems(dataclasses.replace(lab, spec=spec), server, t)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("mpiexec here cannot reach xavier (nobody@")
+    assert "Permission denied" in problems[0] and "ssh-copy-id -p 22 nobody@" in problems[0]

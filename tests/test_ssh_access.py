@@ -236,7 +236,7 @@ def test_certificates_that_do_not_hold_are_refused(tmp_path):
 
 
 def test_hydra_reaches_the_nodes_with_the_inventorys_users_and_ports_then_the_servers_own_config(tmp_path):
-    from testbed.workers.mpi_launch import hydra_ssh
+    from testbed.commands.launch_ssh import hydra_ssh
 
     config = _config(tmp_path, "Host board-*\n  HostName 10.50.1.7\n  Port 2201\n")
     path = _inventory(tmp_path, f"defaults: {{ssh: {{config: {config}, user: nvidia}}}}\ngroups:\n"

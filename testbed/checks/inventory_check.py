@@ -1,5 +1,6 @@
 """``testbed inventory check``: reach every node in parallel and gather its facts (and, where sudo is
-used, whether it allows the suite's commands: else the sudoers rules to install)."""
+used, whether it allows the suite's commands: else the sudoers rules to install; on a server, whether
+its mpiexec reaches every device: testbed.checks.launch_reach)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from foundation.errors import NodeError
+from testbed.checks.launch_reach import launch_reach_problems
 from testbed.inventory import Inventory, NodeSpec, kind_of
 from testbed.provisioning.sudo_rules import install_hint, lacking_rules, sudo_probe_script
 from testbed.transport import Transport, open_transport, usb_host_transport
@@ -26,6 +28,9 @@ def check_node(inventory: Inventory, node: NodeSpec) -> NodeFacts:
         facts = gather_facts(inventory, node, transport)
         if inventory.settings_of(node).sudo and facts.sudo != "root":
             facts = _with_sudo_rules(facts, transport)
+        if "server" in node.roles and kind_of(node).runs_ranks:
+            unreached = launch_reach_problems(inventory, node, transport)
+            facts = dataclasses.replace(facts, problems=(*facts.problems, *unreached))
         return facts
 
 

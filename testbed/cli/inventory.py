@@ -119,7 +119,8 @@ def inventory_check(
 ) -> None:
     """Reach every node in parallel and print its facts: hostname, arch, kernel, OS, Python, CPUs,
     memory, free disk, GPUs, Jetson board and L4T release, phones on USB hosts, passwordless sudo,
-    and the clock offset against this machine. Exits 0 when every node is fine, 1 otherwise."""
+    the clock offset against this machine, and whether each server reaches every device over SSH as
+    mpiexec will. Exits 0 when every node is fine, 1 otherwise."""
     from testbed.checks.inventory_check import check_nodes
 
     inv = load_lab(inventory)
