@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,6 +233,18 @@ def emulated_lab(path: Path) -> Iterator[Path]:
             entry.unlink()
     finally:
         os.close(fd)
+
+
+@contextmanager
+def server_and_jetson_lab(directory: Path, prefix: str, octet: int) -> Iterator[Any]:
+    """bench/kill_trials.py's lab (a server and a Jetson, rate-shaped both ways) up in ``directory`` for
+    the block, as a ``Lab``."""
+    from bench.kill_trials import Lab, inventory_text
+
+    path = directory / "inventory.yaml"
+    path.write_text(inventory_text(directory / "state", prefix, octet))
+    with emulated_lab(path):
+        yield Lab(path, prefix)
 
 
 def veth_bytes(proc_net_dev: str) -> dict[str, int]:

@@ -28,7 +28,7 @@ from bench.kill_trials import (
     run_trial,
     start_controller,
 )
-from tests.conftest import emulated_lab
+from tests.conftest import server_and_jetson_lab
 
 PREFIX = "hd"
 OCTET = 150
@@ -37,11 +37,8 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated te
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory):
-    directory = tmp_path_factory.mktemp("kills")
-    path = directory / "inventory.yaml"
-    path.write_text(inventory_text(directory / "state", PREFIX, OCTET))
-    with emulated_lab(path):
-        yield Lab(path, PREFIX)
+    with server_and_jetson_lab(tmp_path_factory.mktemp("kills"), PREFIX, OCTET) as lab:
+        yield lab
 
 
 @pytest.fixture

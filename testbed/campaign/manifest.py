@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from foundation.errors import TestbedError
 from nodes.contracts.durable import write_json_atomic
 from nodes.contracts.methods import method_named
 from testbed import __version__
@@ -70,7 +71,21 @@ def inventory_snapshot(lab: Inventory) -> dict[str, Any]:
             return [scrub(v) for v in value]
         return value
 
-    return {"path": str(lab.path), "spec": scrub(lab.spec.model_dump(mode="json", by_alias=True))}
+    return {"path": str(lab.path), "spec": scrub(lab.spec.model_dump(mode="json", by_alias=True)),
+            "reached": {node.name: _reached(lab, node) for node in lab.nodes}}
+
+
+def _reached(lab: Inventory, node: Any) -> dict[str, Any]:
+    """How the controller reached ``node`` (the inventory over the SSH config) and what it runs there."""
+    out: dict[str, Any] = dataclasses.asdict(lab.settings_of(node))
+    if node.adb is not None:
+        out["via"] = f"adb {node.adb.serial} on {node.adb.usb_host}"
+    elif node.transport == "ssh" and node.address is not None:
+        try:
+            out["ssh"] = lab.ssh_target(node).describe()
+        except TestbedError as exc:  # an SSH config that changed since the run began
+            out["ssh"] = f"unresolved: {exc}"
+    return out
 
 
 def modeled_statements(lab: Inventory, names: list[str], state: Any) -> list[str]:

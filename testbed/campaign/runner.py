@@ -29,8 +29,12 @@ A campaign directory without a ledger had nothing started in it: ``--resume`` st
 
 from __future__ import annotations
 
+import fcntl
 import json
-from collections.abc import Callable
+import os
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,12 +45,13 @@ from nodes.contracts.journal_values import JournalValueError, checked_path
 from testbed.campaign.carryover import Carryover
 from testbed.campaign.execution import Report, execute_run
 from testbed.campaign.ledger import Ledger
-from testbed.campaign.plan import configured_nodes
+from testbed.campaign.plan import campaign_machines, configured_nodes
 from testbed.campaign.restore_phase import release_nodes
 from testbed.campaign.run_state import Kept
 from testbed.campaign.spec import Campaign, PlannedRun, run_nodes
 from testbed.commands.node_context import host_of, transport_for
 from testbed.inventory import Inventory, NodeSpec, kind_of
+from testbed.leases.keeper import LeaseKeeper, holder_for, lease_machines
 from testbed.transport import open_transport
 from testbed.transport.fanout import fan_out
 from testbed.workers.pool import PoolKeeper, end_registered_pools
@@ -75,6 +80,9 @@ def final_dir(directory: Path, run_id: str) -> Path:
     return directory / "runs" / run_id
 
 
+CONTROLLER_LOCK = ".controller.lock"
+
+
 def start_campaign(campaign: Campaign, directory: Path) -> Ledger:
     """A new campaign directory with its ledger (refused if one exists: use resume). The ledger comes
     last and whole: a directory with a ledger has the rest."""
@@ -87,6 +95,26 @@ def start_campaign(campaign: Campaign, directory: Path) -> Ledger:
     write_atomic(directory / "campaign.yaml", campaign.path.read_bytes())
     write_atomic(directory / "runs.json", json.dumps([describe_run(r) for r in campaign.runs], indent=1) + "\n")
     return Ledger.create(directory / LEDGER, meta, rows)
+
+
+@contextmanager
+def controller_lock(directory: Path) -> Iterator[None]:
+    """This process as the only controller of the campaign in ``directory`` for the block (an flock,
+    which a killed controller loses with its process); a second one is refused at once."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / CONTROLLER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            raise TestbedError(f"{directory} is being run by {holder} right now: wait for it, or stop it "
+                               "(a second controller on one campaign would run its runs twice)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        yield
+    finally:
+        os.close(fd)
 
 
 def open_campaign(campaign: Campaign, directory: Path) -> Ledger:
@@ -119,8 +147,7 @@ def recover(campaign: Campaign, directory: Path, ledger: Ledger, *, say: Callabl
     _end_processes(lab, noted, say)
     # also between runs a dead controller leaves nodes set for the next run: restore them all, with the
     # nodes a run shapes without running on them (a device of the link group that the run does not use)
-    shaped = {name for run in campaign.runs for name in configured_nodes(campaign, run.settings)[1]}
-    restore_nodes(campaign, [n.name for n in campaign.inventory.nodes if n.name in {*campaign.nodes(), *shaped}], say)
+    restore_nodes(campaign, list(campaign_machines(campaign)), say)
     requeued = []
     for row in interrupted:
         partial = attempt_dir(directory, row.run_id, row.attempts)
@@ -279,8 +306,11 @@ def run_campaign(
     if resume and not (directory / LEDGER).exists():  # a controller killed before its ledger touched nothing
         say(f"{directory} has no ledger: nothing was started there; starting the campaign")
         resume = False
-    ledger = open_campaign(campaign, directory) if resume else start_campaign(campaign, directory)
-    with ledger:
+    machines = lease_machines(campaign.inventory, campaign_machines(campaign))
+    # one controller a campaign directory, then the lab's machines leased (before anything is written
+    # there: a refused campaign leaves nothing behind), then its ledger
+    with controller_lock(directory), LeaseKeeper(campaign.inventory, machines, holder_for(directory)) as leases, \
+            (open_campaign(campaign, directory) if resume else start_campaign(campaign, directory)) as ledger:
         if resume:
             recover(campaign, directory, ledger, say=say)
             if retry_failed:
@@ -301,6 +331,12 @@ def run_campaign(
                 if row.state != "todo":
                     continue
                 run = by_id[row.run_id]
+                if leases.lost:  # another controller took a machine after our lease ran out (were we stopped?)
+                    stopped = True
+                    taken = "; ".join(f"{m} was taken by {who}" for m, who in leases.lost.items())
+                    say(f"stopping: the lease on {taken} (renewals failed for longer than the lease lasts); "
+                        "--resume goes on once it is free")
+                    break
                 quarantined = ledger.quarantined()
                 blocked = [n for n in row.nodes if n in quarantined]
                 if blocked:

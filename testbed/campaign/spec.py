@@ -28,6 +28,7 @@ and checks a file (:mod:`testbed.campaign.validation`) and expands it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,7 +244,11 @@ class Campaign:
         return hashlib.sha256("\n".join(r.run_id for r in self.runs).encode()).hexdigest()[:16]
 
     def nodes(self) -> tuple[str, ...]:
-        """Every node some run uses (server, devices, nodes with power modes)."""
+        """Every node some run uses (server, devices, nodes with power modes), worked out once."""
+        return self._nodes
+
+    @functools.cached_property
+    def _nodes(self) -> tuple[str, ...]:
         names: set[str] = set()
         for run in self.runs:
             names.update(n.name for n in run_nodes(self.inventory, run.settings))

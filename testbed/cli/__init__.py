@@ -19,6 +19,7 @@ from testbed.cli import (  # noqa: F401
     doctor,
     emulate,
     inventory,
+    lab,
     link,
     model,
     power,

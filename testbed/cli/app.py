@@ -62,6 +62,13 @@ model_app = typer.Typer(
 )
 app.add_typer(model_app, name="model")
 
+lab_app = typer.Typer(
+    help="Share a lab between controllers: every campaign leases the machines it touches (renewed while "
+    "it runs, given back when it ends); see who holds them, and give leases back.",
+    no_args_is_help=True,
+)
+app.add_typer(lab_app, name="lab")
+
 out = Console()
 err = Console(stderr=True)
 

@@ -20,6 +20,7 @@ from testbed.emulation.plan import NODE_DATA_INTERFACE as DATA_INTERFACE
 from testbed.emulation.plan import EmulatedNodePlan
 from testbed.emulation.sshd_server import SshKeys, generate_key
 from testbed.inventory.node_kinds import node_kind
+from testbed.leases.lease_file import LEASE_DIR_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 ADB_DEVICES_FILE = "adb-devices.json"  # the stand-in adb's table of attached phones, in the state directory
@@ -85,6 +86,7 @@ class NodeFiles:
         self.standin_root = self.directory / "root"
         self.jetson_bin = self.directory / "bin-jetson"  # its own: sudo drops the environment that names the node
         self.root_state = self.directory / "root-state"  # the node's /var/lib/hil-testbed (nodes.contracts.root_paths)
+        self.lease_dir = self.directory / "lease"  # the node's /run/lock for its lease (testbed.leases), every user's
         self.node_bin = state_dir / "bin-node"
         self.android_bin = state_dir / "bin-android"
         self.adb_bin = state_dir / "bin-adb"
@@ -92,6 +94,8 @@ class NodeFiles:
 
     def create(self, *, mode: str, cgroup: str | None) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
+        self.lease_dir.mkdir(exist_ok=True)
+        self.lease_dir.chmod(0o1777)  # as /run/lock: every user may add a file, none remove another's
         generate_key(self.host_key)
         initial = self.node.initial_power_mode
         self.power_mode.write_text(f"{initial.id}\n" if initial else "")
@@ -141,7 +145,7 @@ class NodeFiles:
         """What every SSH session on the node starts with."""
         python_bin = str(Path(sys.executable).parent)
         path = [str(self.node_bin), python_bin, SYSTEM_PATH]
-        env = {"HOME": str(self.home), CONFIG_VARIABLE: str(self.config)}
+        env = {"HOME": str(self.home), CONFIG_VARIABLE: str(self.config), LEASE_DIR_ENV: str(self.lease_dir)}
         if mode == "netns":
             # Nodes share one kernel, so MPI would pass messages between them through shared memory;
             # on separate boards they cross the network. Keep MPI (UCX or libfabric) on the data plane.

@@ -255,7 +255,7 @@ def apply_link_plan(
     missing = [p for p in plan.tc_plans if p.node not in probe_of]
     if missing:  # the delay paths follow what the nodes hold now
         probe_more(missing)
-        plan = link_plan(inventory, plan.tc_plans, probe_of, plan.driven)
+        plan = link_plan(inventory, plan.tc_plans, probe_of, plan.driven, scope=plan.scope)
     holders = [name for name in plan.held if name not in probe_of]
     if holders:  # receivers that shape nothing themselves hold the rules of what they receive
         probe_more([], [name for name in holders if name not in (probes or {})])
@@ -267,7 +267,7 @@ def apply_link_plan(
         raise TestbedError("refusing to shape links, nothing was changed:\n  " + "\n  ".join(found))
     touched = list(plan.nodes)
     # The plan says what is shaped: nodes shaped earlier that have no part in it now are cleared.
-    others = [n for n in shapeable_nodes(inventory) if n not in touched]
+    others = plan.others(shapeable_nodes(inventory))
     for o in clear_nodes(inventory, others).outcomes:
         if not o.ok:
             say(f"{o.node}: could not clear its earlier shaping: {o.error}")
@@ -395,10 +395,9 @@ def plan_shaping(
         if name not in probes:  # the plan's own read is reused when it has one
             plan_probe(lines, name, plan_devices(by_node.get(name, [])), phase="configure",
                        what="read the interfaces, journal and kernel before shaping", when="live")  # fmt: skip
-    for name in shapeable_nodes(lab):
-        if name not in plan.nodes:
-            lines.add(name, "configure", "clear earlier shaping of a node this run does not shape",
-                      sh(node_journal.read_script(_workdir(lab, name))))  # fmt: skip
+    for name in plan.others(shapeable_nodes(lab)):
+        lines.add(name, "configure", "clear earlier shaping of a node this run does not shape",
+                  sh(node_journal.read_script(_workdir(lab, name))))  # fmt: skip
     for name in plan.nodes:
         workdir, sudo = _workdir(lab, name), lab.settings_of(name).sudo
         plans, held = by_node.get(name, []), plan.held.get(name, ())

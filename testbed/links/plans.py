@@ -66,6 +66,13 @@ class LinkPlan:
     held: Mapping[str, tuple[HeldRules, ...]] = field(default_factory=dict)
     driven: Driven = field(default_factory=dict)
     players: tuple[NodeSchedule, ...] = ()  # each step's tc commands as the player runs them (sudo included)
+    # the nodes this shaping may clear of earlier shaping besides its own: a campaign's (it holds their
+    # leases, and another campaign may shape the rest of the lab); None: every node of the lab
+    scope: tuple[str, ...] | None = None
+
+    def others(self, shapeable: Sequence[str]) -> list[str]:
+        """The ``shapeable`` nodes in scope that this plan does not shape: earlier shaping is cleared there."""
+        return [n for n in shapeable if n not in self.nodes and (self.scope is None or n in self.scope)]
 
     @property
     def by_node(self) -> dict[str, list[TcPlan]]:
@@ -88,6 +95,7 @@ def link_plan(
     driven: Driven | None = None,
     *,
     preference: str | None = None,
+    scope: Sequence[str] | None = None,
 ) -> LinkPlan:
     """The :class:`LinkPlan` of ``tc_plans``: each put on its node's delay path as ``probes`` show it
     (a node not probed takes ``preference``, by default ``defaults.delay_path``, netem for auto), the
@@ -101,7 +109,8 @@ def link_plan(
         for rules in delay_path(name).compile(topology, [p for p in on_paths if p.delay_path == name], tuple(driven)):
             held.setdefault(rules.node, []).append(rules)
     players = player_schedules(on_paths, driven, lambda node: inventory.settings_of(node).sudo) if driven else ()
-    return LinkPlan(on_paths, {node: tuple(rules) for node, rules in held.items()}, driven, players)
+    return LinkPlan(on_paths, {node: tuple(rules) for node, rules in held.items()}, driven, players,
+                    tuple(scope) if scope is not None else None)  # fmt: skip
 
 
 def player_schedules(

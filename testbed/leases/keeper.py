@@ -1,0 +1,173 @@
+"""Leases taken, kept and given back by a controller: a campaign (or a command that changes nodes)
+takes a lease on every machine it touches before it touches any, renews them while it runs, and gives
+them back when it ends. A machine another controller holds refuses the whole take: what was taken is
+given back, nothing else is touched, and the error names the holder.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import os
+import socket
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from foundation.errors import NodeError
+from testbed.inventory import Inventory, NodeSpec
+from testbed.leases.lease_file import LeaseAnswer, lease_script, parse_answer
+from testbed.transport import open_transport, usb_host_transport
+from testbed.transport.fanout import FanOutResult, fan_out
+
+LEASE_TTL_S = 120.0  # a holder that stops renewing loses its leases this long after its last renewal
+RENEW_FRACTION = 1 / 3  # renewed every third of the ttl: two renewals may fail before one expires
+TTL_ENV = "TESTBED_LEASE_TTL_S"  # for a test (or a lab on a slow network) to change the ttl
+
+
+def lease_ttl_s() -> float:
+    value = os.environ.get(TTL_ENV)
+    try:
+        return max(2.0, float(value)) if value else LEASE_TTL_S
+    except ValueError:
+        return LEASE_TTL_S
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who takes a lease: a user on a controller, for a campaign (its directory), in a process."""
+
+    user: str
+    host: str
+    campaign: str
+    pid: int
+
+    @property
+    def key(self) -> str:
+        """The same for every invocation on one campaign by one user on one controller (``--resume``)."""
+        return hashlib.sha256(f"{self.user}@{self.host}:{self.campaign}".encode()).hexdigest()[:24]
+
+    @property
+    def name(self) -> str:
+        return f"{self.user}@{self.host}"
+
+    def fields(self) -> dict[str, str]:
+        return {"holder": self.name, "campaign": _word(self.campaign), "pid": str(self.pid)}
+
+
+def _word(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "_.@:/+=,~-" else "_" for c in text)[:300]
+
+
+def holder_for(campaign: str | Path) -> Holder:
+    """This process as the holder of leases for ``campaign`` (a campaign's directory, or what a
+    command does: ``link-apply``)."""
+    text = str(Path(campaign).resolve()) if isinstance(campaign, Path) else campaign
+    return Holder(getpass.getuser(), socket.gethostname(), text, os.getpid())
+
+
+def lease_machines(inventory: Inventory, nodes: Iterable[NodeSpec | str]) -> list[str]:
+    """The machines a lease is taken on for ``nodes``: each node, a phone's USB host in its place (the
+    controller, for a phone on it, has none); in the inventory's order, each once."""
+    wanted: set[str] = set()
+    for node in nodes:
+        spec = inventory.node(node) if isinstance(node, str) else node
+        if spec.adb is not None:
+            if spec.adb.usb_host != "controller":
+                wanted.add(spec.adb.usb_host)
+        elif spec.transport == "ssh":
+            wanted.add(spec.name)
+    return [n.name for n in inventory.nodes if n.name in wanted]
+
+
+def lease_action(inventory: Inventory, machine: str, script: str) -> LeaseAnswer:
+    node = inventory.node(machine)
+    with open_transport(inventory, node) if node.adb is None else usb_host_transport(inventory, node) as t:
+        result = t.run(["sh", "-c", script], timeout_s=30.0)
+    try:
+        return parse_answer(result.stdout)
+    except ValueError:
+        said = (result.stderr or result.stdout).strip()[-300:]
+        raise NodeError(machine, f"cannot read or write its lease: {said}") from None
+
+
+def leases_on(inventory: Inventory, machines: Sequence[str]) -> FanOutResult[LeaseAnswer]:
+    """Every machine's lease, as it is (``testbed lab leases``)."""
+    return fan_out(list(machines), lambda m: lease_action(inventory, m, lease_script("show")),
+                   description="reading leases")  # fmt: skip
+
+
+def release_on(inventory: Inventory, machines: Sequence[str], holder: Holder | None,
+               *, force: bool = False) -> FanOutResult[LeaseAnswer]:  # fmt: skip
+    """Give ``holder``'s leases on ``machines`` back (``force``: whoever holds them)."""
+    script = lease_script("force") if force else lease_script("release", holder.key if holder else "")
+    return fan_out(list(machines), lambda m: lease_action(inventory, m, script), description="releasing leases")
+
+
+def _ours(answer: LeaseAnswer | None) -> bool:
+    return answer is not None and answer.state in ("taken", "renewed")
+
+
+class LeaseRefused(NodeError):
+    """A machine is leased to another holder (the first such machine is the error's node)."""
+
+
+@dataclass
+class LeaseKeeper:
+    """Leases held on ``machines`` for ``holder``: :meth:`take` them all or none, renewed from a thread
+    every third of the ttl, given back by :meth:`release` (a ``with`` block does both)."""
+
+    inventory: Inventory
+    machines: list[str]
+    holder: Holder
+    ttl_s: float = field(default_factory=lease_ttl_s)
+    lost: dict[str, str] = field(default_factory=dict)  # machine -> who took it after ours expired
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def take(self) -> None:
+        script = lease_script("take", self.holder.key, self.holder.fields(), self.ttl_s)
+        taken = fan_out(self.machines, lambda m: lease_action(self.inventory, m, script), description="taking leases")
+        ours = [o.node for o in taken.outcomes if _ours(o.value)]
+        refused = [o for o in taken.outcomes if not _ours(o.value)]
+        if not refused:
+            self._thread = threading.Thread(target=self._renew, name="lease-renewal", daemon=True)
+            self._thread.start()
+            return
+        release_on(self.inventory, ours, self.holder)
+        first = refused[0]
+        said = []
+        for o in refused:
+            answer = o.value
+            if answer is not None and answer.state == "held" and answer.lease is not None:
+                said.append(f"{o.node}: leased to {answer.lease.describe(answer.node_now_s)}")
+            elif answer is not None and answer.state == "busy":
+                said.append(f"{o.node}: its lease file is locked by another controller right now")
+            else:
+                said.append(f"{o.node}: {o.error}")
+        raise LeaseRefused(first.node, "; ".join(said) + ". Nothing was changed. Wait for it to end, or, if "
+                           "its holder is gone, for the lease to expire (or: testbed lab release --force)")
+
+    def _renew(self) -> None:
+        script = lease_script("renew", self.holder.key, self.holder.fields(), self.ttl_s)
+        while not self._stop.wait(self.ttl_s * RENEW_FRACTION):
+            kept = [m for m in self.machines if m not in self.lost]
+            renewed = fan_out(kept, lambda m: lease_action(self.inventory, m, script), description="renewing leases")
+            for o in renewed.outcomes:
+                if o.ok and o.value is not None and o.value.state == "lost":
+                    lease = o.value.lease
+                    self.lost[o.node] = lease.describe(o.value.node_now_s) if lease else "released by someone"
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30.0)
+        release_on(self.inventory, [m for m in self.machines if m not in self.lost], self.holder)
+
+    def __enter__(self) -> LeaseKeeper:
+        self.take()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

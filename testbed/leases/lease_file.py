@@ -1,0 +1,131 @@
+"""The lease file on a node: who drives it now, for which campaign, until when.
+
+One file a machine, ``/run/lock/hil-testbed.lease`` (tmpfs: a reboot, which also clears tc state and
+power modes, clears it too; an emulated node names its own with ``HIL_TESTBED_LEASE_DIR``), readable and
+writable by every user, so that controllers logging in as different users see one lease. Every change
+is made under ``flock`` on the file, by a script that reads, decides and writes in one go; times are the
+node's own clock, so that controllers whose clocks disagree still agree on when a lease expires.
+
+A lease is its holder's while it is renewed: a holder that stops renewing (a controller killed with
+SIGKILL, a laptop closed) loses it ``ttl`` after its last renewal, and anyone may take it then. The
+holder is a key (the user, the controller's host and the campaign's directory), so that ``--resume``
+of the same campaign takes its own lease back before it expired.
+
+The file is lines of ``field=value``: key, holder, campaign, pid, taken_unix_s, renewed_unix_s,
+expires_unix_s. What the script prints is ``lease-answer STATE NOW`` and then the lease's lines.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+LEASE_DIR_ENV = "HIL_TESTBED_LEASE_DIR"
+DEFAULT_DIR = "/run/lock"
+FILE_NAME = "hil-testbed.lease"
+FIELDS = ("key", "holder", "campaign", "pid", "taken_unix_s", "renewed_unix_s", "expires_unix_s")
+ANSWER = "lease-answer"
+LOCK_WAIT_S = 2  # another controller's change takes milliseconds; longer means a stuck one
+SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.@:/+=,~-]{0,300}$")
+STATES = ("taken", "renewed", "held", "lost", "released", "free", "busy")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A lease as the node has it; times on the node's clock."""
+
+    key: str
+    holder: str
+    campaign: str
+    pid: int
+    taken_unix_s: float
+    renewed_unix_s: float
+    expires_unix_s: float
+
+    def describe(self, node_now_s: float) -> str:
+        left = self.expires_unix_s - node_now_s
+        state = f"expires in {left:.0f} s" if left > 0 else f"expired {-left:.0f} s ago"
+        return (f"{self.holder} (campaign {self.campaign}, pid {self.pid}), renewed "
+                f"{node_now_s - self.renewed_unix_s:.0f} s ago, {state}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LeaseAnswer:
+    """What the node said: ``state`` (one of STATES), its clock, and the lease it has now (or had)."""
+
+    state: str
+    node_now_s: float
+    lease: Lease | None
+
+    @property
+    def live(self) -> bool:
+        return self.lease is not None and self.lease.expires_unix_s > self.node_now_s
+
+
+def _checked(value: str) -> str:
+    if not SAFE_VALUE.match(value):
+        raise ValueError(f"a lease field must be one plain word (letters, digits, ._@:/+=,~-): {value!r}")
+    return value
+
+
+def lease_script(action: str, key: str = "", fields: dict[str, str] | None = None, ttl_s: float = 0.0) -> str:
+    """sh for ``action`` on the node's lease (every value is checked to be one plain word):
+
+    - ``take``: ours if the file is free, expired, or already ours (then ``renewed``); else ``held``.
+    - ``renew``: extended if it is still ours; else ``lost`` (another took it after it expired, or it
+      was released).
+    - ``release``: emptied if it is ours; else ``held``. ``force``: emptied whoever holds it.
+    - ``show``: nothing changed.
+    Each prints the answer line and the lease the node has after the action (before, for ``held``)."""
+    assert action in ("take", "renew", "release", "force", "show"), action
+    values = {name: _checked(value) for name, value in (fields or {}).items()}
+    write = ""
+    if action in ("take", "renew"):
+        lines = [f"key={_checked(key)}", *(f"{n}={values.get(n, '')}" for n in ("holder", "campaign", "pid"))]
+        body = "\\n".join(lines)
+        write = (f'taken=$(field taken_unix_s); [ "$mine" = 1 ] && [ -n "$taken" ] || taken=$now; '
+                 f'printf "{body}\\ntaken_unix_s=%s\\nrenewed_unix_s=%s\\nexpires_unix_s=%s\\n" "$taken" "$now" '
+                 f'"$((now + {max(1, round(ttl_s))}))" > "$f"')  # fmt: skip
+    decide = {
+        "take": f'if [ "$live" = 1 ] && [ "$mine" = 0 ]; then answer held; fi; {write}; '
+                'if [ "$mine" = 1 ]; then answer renewed; else answer taken; fi',
+        "renew": f'if [ "$mine" = 0 ]; then answer lost; fi; {write}; answer renewed',
+        "release": 'if [ "$mine" = 0 ] && [ -s "$f" ]; then answer held; fi; : > "$f"; answer released',
+        "force": ': > "$f"; answer released',
+        "show": 'if [ -s "$f" ]; then answer held; fi; answer free',
+    }[action]
+    return (
+        f'd="${{{LEASE_DIR_ENV}:-{DEFAULT_DIR}}}"; f="$d/{FILE_NAME}"; umask 000; '
+        f'[ -d "$d" ] || mkdir -p "$d" 2>/dev/null; '
+        f'exec 9<>"$f" 2>/dev/null || {{ echo "cannot open $f" >&2; exit 3; }}; '
+        f'flock -w {LOCK_WAIT_S} 9 || {{ echo "{ANSWER} busy $(date +%s)"; exit 0; }}; '
+        'now=$(date +%s); '
+        'field() { sed -n "s/^$1=//p" "$f" | head -n 1; }; '
+        f'answer() {{ echo "{ANSWER} $1 $now"; cat "$f"; exit 0; }}; '
+        'held_key=$(field key); expires=$(field expires_unix_s); '
+        f'mine=0; [ -n "$held_key" ] && [ "$held_key" = {shlex.quote(key)} ] && mine=1; '
+        'live=0; [ -n "$expires" ] && [ "$expires" -gt "$now" ] 2>/dev/null && live=1; '
+        f"{decide}"
+    )
+
+
+def parse_answer(stdout: str) -> LeaseAnswer:
+    """The answer of :func:`lease_script`; ValueError if there is none."""
+    lines = stdout.splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith(ANSWER + " ")), None)
+    if head is None:
+        raise ValueError(f"no lease answer in {stdout[-200:]!r}")
+    words = lines[head].split()
+    if len(words) != 3 or words[1] not in STATES:
+        raise ValueError(f"not a lease answer: {lines[head]!r}")
+    values = dict(line.split("=", 1) for line in lines[head + 1 :] if "=" in line)
+    lease = None
+    if values.get("key"):
+        try:
+            times = [float(values.get(name) or 0) for name in ("taken_unix_s", "renewed_unix_s", "expires_unix_s")]
+            lease = Lease(values["key"], values.get("holder", "?"), values.get("campaign", "?"),
+                          int(values.get("pid") or 0), *times)  # fmt: skip
+        except ValueError:
+            lease = None  # a file another program wrote: no lease of ours
+    return LeaseAnswer(words[1], float(words[2]), lease)

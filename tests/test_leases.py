@@ -1,0 +1,146 @@
+"""Lab leases: the lease file's protocol run by its real script (flock, the node's clock), the keeper
+that takes all or none and renews, and two controllers on one emulated lab."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from testbed.leases.lease_file import LEASE_DIR_ENV, lease_script, parse_answer
+
+
+def _run(directory: Path, script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["sh", "-c", script], env={"PATH": "/usr/bin:/bin", LEASE_DIR_ENV: str(directory)},
+                          capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+
+
+def _answer(directory: Path, action: str, key: str = "", holder: str = "", ttl_s: float = 60.0):
+    fields = {"holder": holder, "campaign": f"/campaigns/{holder or 'x'}", "pid": "42"}
+    return parse_answer(_run(directory, lease_script(action, key, fields, ttl_s)).stdout)
+
+
+def test_a_lease_is_taken_once_renewed_by_its_holder_and_refused_to_another_naming_it(tmp_path):
+    first = _answer(tmp_path, "take", "key-a", "alice@ctl-1")
+    assert first.state == "taken" and first.live and first.lease.holder == "alice@ctl-1"
+    other = _answer(tmp_path, "take", "key-b", "bob@ctl-2")
+    assert other.state == "held" and other.lease.holder == "alice@ctl-1" and other.lease.campaign == "/campaigns/alice@ctl-1"
+    assert "alice@ctl-1 (campaign /campaigns/alice@ctl-1, pid 42)" in other.lease.describe(other.node_now_s)
+    again = _answer(tmp_path, "take", "key-a", "alice@ctl-1")  # --resume of the same campaign: its own back
+    assert again.state == "renewed" and again.lease.taken_unix_s == first.lease.taken_unix_s
+    assert _answer(tmp_path, "renew", "key-a", "alice@ctl-1").state == "renewed"
+    assert _answer(tmp_path, "release", "key-b").state == "held", "bob cannot release alice's lease"
+    assert _answer(tmp_path, "release", "key-a").state == "released"
+    assert _answer(tmp_path, "show").state == "free"
+    assert _answer(tmp_path, "take", "key-b", "bob@ctl-2").state == "taken"
+    assert _answer(tmp_path, "force").state == "released"
+
+
+def test_a_lease_not_renewed_expires_and_its_old_holder_learns_it_was_lost(tmp_path):
+    assert _answer(tmp_path, "take", "key-a", "alice@ctl-1", ttl_s=1).state == "taken"
+    assert _answer(tmp_path, "take", "key-b", "bob@ctl-2").state == "held"
+    deadline = time.monotonic() + 30
+    while (answer := _answer(tmp_path, "take", "key-b", "bob@ctl-2")).state == "held":
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.2)
+    assert answer.state == "taken" and answer.lease.holder == "bob@ctl-2"
+    lost = _answer(tmp_path, "renew", "key-a", "alice@ctl-1")
+    assert lost.state == "lost" and lost.lease.holder == "bob@ctl-2"
+
+
+def test_a_lease_file_locked_by_a_stuck_controller_answers_busy_not_a_hang(tmp_path):
+    _answer(tmp_path, "show")
+    holder = subprocess.Popen(["flock", str(tmp_path / "hil-testbed.lease"), "sleep", "30"])
+    try:
+        time.sleep(0.3)
+        started = time.monotonic()
+        answer = _answer(tmp_path, "take", "key-a", "alice@ctl-1")
+        assert answer.state == "busy"
+        assert time.monotonic() - started < 25, "the script waits for the lock a bounded time"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("value", ["a b", "x;rm -rf /", "$(id)", "a'b"])
+def test_a_field_that_is_not_one_plain_word_never_reaches_the_script(value):
+    with pytest.raises(ValueError, match="plain"):
+        lease_script("take", "key", {"holder": value}, 60)
+
+
+# --------------------------------------------------------------------------------------------
+# Two controllers on one emulated lab (a server and a Jetson; bench/kill_trials.py's campaign)
+
+PREFIX, OCTET = "le", 234
+TTL_S = 8.0
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory):
+    from tests.conftest import server_and_jetson_lab
+
+    with server_and_jetson_lab(tmp_path_factory.mktemp("leases"), PREFIX, OCTET) as lab:
+        yield lab
+
+
+def _leases(lab) -> dict[str, dict]:
+    from tests.conftest import run_cli
+
+    shown = run_cli("lab", "leases", "-i", str(lab.inventory), "--json")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    return {row["node"]: row for row in json.loads(shown.stdout)}
+
+
+def _wait(condition, limit_s: float, what: str) -> float:
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < limit_s, f"{what} not within {limit_s} s"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
+@pytest.mark.timeout(600)
+def test_a_second_controller_is_refused_naming_the_holder_and_a_killed_ones_lease_expires_then_resume_takes_it(
+    lab, tmp_path, monkeypatch
+):
+    from bench.kill_trials import campaign_text, ledger_rows, start_controller
+    from tests.conftest import run_cli
+
+    monkeypatch.setenv("TESTBED_LEASE_TTL_S", str(TTL_S))
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text(campaign_text(lab.inventory, "first"))
+    second.write_text(campaign_text(lab.inventory, "second"))
+    controller = start_controller(first, tmp_path / "out-first")
+    try:
+        _wait(lambda: _leases(lab)["server"]["live"] and _leases(lab)["orin"]["live"], 120, "the first controller's leases")
+        started = time.monotonic()
+        refused = run_cli("run", str(second), "--out", str(tmp_path / "out-second"))
+        refused_after_s = time.monotonic() - started
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        holder = f"{getpass.getuser()}@{socket.gethostname()}"
+        assert f"leased to {holder} (campaign {tmp_path / 'out-first'}, pid {controller.pid})" in refused.stderr
+        assert "Nothing was changed" in refused.stderr
+        assert not (tmp_path / "out-second" / "ledger.sqlite").exists(), "a refused campaign starts nothing"
+        assert refused_after_s < TTL_S, "refused at once, not after waiting the holder's lease out"
+    finally:
+        controller.send_signal(signal.SIGKILL)
+        controller.wait(timeout=60)
+    assert all(row["live"] for row in _leases(lab).values()), "a killed controller's leases outlive it for a while"
+    expired_after_s = _wait(lambda: not any(row["live"] for row in _leases(lab).values()), 4 * TTL_S, "expiry")
+    assert expired_after_s <= TTL_S + 5
+    resumed = run_cli("run", str(first), "--out", str(tmp_path / "out-first"), "--resume", timeout_s=400)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert [state for _id, state, _attempts in ledger_rows(tmp_path / "out-first")] == ["done", "done"]
+    assert all(row["lease"] is None for row in _leases(lab).values()), "given back at the end"
+    manifest = json.loads(next((tmp_path / "out-first" / "runs").glob("*/manifest.json")).read_text())
+    reached = manifest["inventory"]["reached"]["orin"]  # how the run reached the node, as resolved
+    assert reached["ssh"].startswith("root@10.234.0.") and reached["ssh"].endswith(":22")
+    assert reached["workdir"] == "~/hil-testbed" and reached["sudo"] is False
