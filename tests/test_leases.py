@@ -14,17 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from testbed.leases.lease_file import LEASE_DIR_ENV, lease_script, parse_answer
-
-
-def _run(directory: Path, script: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["sh", "-c", script], env={"PATH": "/usr/bin:/bin", LEASE_DIR_ENV: str(directory)},
-                          capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+from testbed.leases.lease_file import LEASE_DIR_ENV, lease_request, lease_script, parse_answer
 
 
 def _answer(directory: Path, action: str, key: str = "", holder: str = "", ttl_s: float = 60.0):
     fields = {"holder": holder, "campaign": f"/campaigns/{holder or 'x'}", "pid": "42"}
-    return parse_answer(_run(directory, lease_script(action, key, fields, ttl_s)).stdout)
+    done = subprocess.run(["sh", "-c", lease_script(action)], input=lease_request(key, fields, ttl_s).decode(),
+                          env={"PATH": "/usr/bin:/bin", LEASE_DIR_ENV: str(directory)}, capture_output=True,
+                          text=True, timeout=30, check=True)  # fmt: skip
+    return parse_answer(done.stdout)
 
 
 def test_a_lease_is_taken_once_renewed_by_its_holder_and_refused_to_another_naming_it(tmp_path):
@@ -72,7 +70,7 @@ def test_a_lease_file_locked_by_a_stuck_controller_answers_busy_not_a_hang(tmp_p
 @pytest.mark.parametrize("value", ["a b", "x;rm -rf /", "$(id)", "a'b"])
 def test_a_field_that_is_not_one_plain_word_never_reaches_the_script(value):
     with pytest.raises(ValueError, match="plain"):
-        lease_script("take", "key", {"holder": value}, 60)
+        lease_request("key", {"holder": value}, 60)
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,8 +82,9 @@ TTL_S = 8.0
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory):
-    from tests.conftest import server_and_jetson_lab
+    from tests.conftest import claim_lab_names, server_and_jetson_lab
 
+    claim_lab_names(PREFIX, OCTET)
     with server_and_jetson_lab(tmp_path_factory.mktemp("leases"), PREFIX, OCTET) as lab:
         yield lab
 
@@ -144,3 +143,62 @@ def test_a_second_controller_is_refused_naming_the_holder_and_a_killed_ones_leas
     reached = manifest["inventory"]["reached"]["orin"]  # how the run reached the node, as resolved
     assert reached["ssh"].startswith("root@10.234.0.") and reached["ssh"].endswith(":22")
     assert reached["workdir"] == "~/hil-testbed" and reached["sudo"] is False
+
+
+# --------------------------------------------------------------------------------------------
+# Two campaigns at once on disjoint machines of one lab
+
+DISJOINT_PREFIX, DISJOINT_OCTET = "lj", 190
+
+
+def _disjoint_inventory(directory: Path) -> Path:
+    from bench._common import emulated_inventory, emulated_node
+
+    nodes = [emulated_node("server-a", "server", "a6000-server", "server", ((0, "default", 0.5, 90, 300),)),
+             emulated_node("server-b", "server", "a6000-server", "server", ((0, "default", 0.5, 90, 300),)),
+             emulated_node("orin", "jetson", "agx-orin", "device", ((0, "MAXN", 0.4, 7, 40),)),
+             emulated_node("xavier", "jetson", "agx-xavier", "device", ((0, "MAXN", 0.4, 6, 30),))]
+    links = ("link_profiles: {up: {rate: 2MBps}, down: {rate: 3MBps}}\nlinks:\n"
+             "  - {from: orin, to: server-a, profile: up}\n  - {from: server-a, to: orin, profile: down}\n"
+             "  - {from: xavier, to: server-b, profile: up}\n  - {from: server-b, to: xavier, profile: down}\n")
+    path = directory / "inventory.yaml"
+    path.write_text(emulated_inventory(directory / "state", DISJOINT_PREFIX, DISJOINT_OCTET, nodes, links))
+    return path
+
+
+def _campaign(inventory: Path, name: str, server: str, device: str) -> str:
+    from bench.kill_trials import TINY
+
+    return (f"name: {name}\ninventory: {inventory}\nbase:\n  model: {TINY}\n  server: {server}\n"
+            f"  partition: {{device_layers: 2, stages: 1}}\n  devices: [{device}]\n"
+            "  workload: {arrival: constant, rate_per_s: 2.0, requests_per_device: 2, max_new_tokens: 8}\n"
+            "  telemetry: {enabled: false}\n  drain_s: 0.2\n"
+            "matrix:\n  method: [ushape, centralized]\norder: listed\nseed: 3\nrun_timeout_s: 120\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
+@pytest.mark.timeout(900)
+def test_two_campaigns_on_disjoint_machines_of_one_lab_run_at_once_and_never_touch_each_others(tmp_path):
+    import sys
+
+    from testbed.transport.command_log import ENV_VARIABLE, read
+    from tests.conftest import REPO, assert_sent_as_planned, claim_lab_names, command_log_of, emulated_lab
+
+    claim_lab_names(DISJOINT_PREFIX, DISJOINT_OCTET)
+    inventory = _disjoint_inventory(tmp_path)
+    with emulated_lab(inventory):
+        started = {}
+        for name, server, device in (("a", "server-a", "orin"), ("b", "server-b", "xavier")):
+            campaign = tmp_path / f"{name}.yaml"
+            campaign.write_text(_campaign(inventory, name, server, device))
+            out = tmp_path / f"out-{name}"
+            started[name] = (out, (server, device), subprocess.Popen(
+                [sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(out)], cwd=REPO,
+                env={**os.environ, ENV_VARIABLE: str(command_log_of(out))}, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        for name, (out, mine, process) in started.items():
+            output, _ = process.communicate(timeout=800)
+            assert process.returncode == 0, f"campaign {name}:\n{output[-3000:]}"
+            assert_sent_as_planned(out)
+            touched = {entry["node"] for entry in read(command_log_of(out))}
+            assert touched == set(mine), f"campaign {name} reached {touched}, its machines are {mine}"

@@ -46,6 +46,8 @@ from testbed.commands.planned import PlanLines, PlannedCommand, normalised_line,
 from testbed.energy.power_modes import PowerStep, plan_power_restore, plan_power_set
 from testbed.energy.telemetry import TelemetryStep, plan_recording_start, plan_recording_stop, sampler_plan
 from testbed.inventory import DirectedLink, Inventory, links_from_file
+from testbed.leases.keeper import lease_machines
+from testbed.leases.lease_file import lease_script
 from testbed.links.apply import plan_shaping, plan_unshaping
 from testbed.links.handler_lifecycle import plan_handler_reports
 from testbed.links.plans import Driven, LinkPlan, link_plan
@@ -98,9 +100,11 @@ def run_links_driven(
     campaign: Campaign, settings: RunSettings, trace: BandwidthTrace | None = None
 ) -> tuple[tuple[DirectedLink, ...], Driven]:
     """The directed links a run shapes: a trace's first row on every device's links, a links file,
-    one profile on every link of the inventory, or the inventory's own links; every rate multiplied
-    by ``link.rate_scale`` (the traced links come scaled with the trace; ``trace``: the run's, when
-    the caller has loaded it already). With them, the directions a trace drives."""
+    one profile on every link of the inventory, or the inventory's own links; of those, the ones
+    between machines the run uses (the rest of the lab may be another campaign's, which holds its
+    leases); every rate multiplied by ``link.rate_scale`` (the traced links come scaled with the trace;
+    ``trace``: the run's, when the caller has loaded it already). With them, the directions a trace
+    drives."""
     from testbed.links.plans import traced_links
 
     lab, link = campaign.inventory, settings.link
@@ -115,6 +119,9 @@ def run_links_driven(
         links = tuple(dataclasses.replace(lk, profile_name=link.profile, profile=profile) for lk in lab.links)
     else:
         links = lab.links
+    used = {node.name for node in run_nodes(lab, settings)}
+    links = tuple(lk for lk in links if lk.source in used and lk.destination in used)
+    driven = {pair: value for pair, value in driven.items() if pair[0] in used and pair[1] in used}
     dilation = dilation_of(settings)
     scale = link.rate_scale / dilation
     if scale == 1.0 and dilation == 1.0:
@@ -343,13 +350,27 @@ def plan_run(
         run.run_id, attempt, node_run_id(run, attempt), names, devices, contexts, live, tuple(unresolved), power,
         links, shaping, trace, telemetry, split, mpiexec, launch, probes=probes, services=services,
     )  # fmt: skip
-    return dataclasses.replace(plan, commands=tuple(plan_commands(lab, plan)))
+    leased = lease_machines(lab, campaign_machines(campaign))
+    return dataclasses.replace(plan, commands=tuple(plan_commands(lab, plan, leased)))
 
 
-def plan_commands(lab: Inventory, plan: RunPlan) -> list[PlannedCommand]:
-    """Every line the run sends, in phase order, each planned by the action that sends it."""
+def plan_leases(lines: PlanLines, machines: Sequence[str]) -> None:
+    """A campaign's lines of :class:`testbed.leases.keeper.LeaseKeeper`: each lease taken before anything
+    else, renewed while the campaign runs, given back at its end (who asks goes on stdin)."""
+    steps = (("take", "take the machine's lease (before anything else)", "per-campaign"),
+             ("renew", "renew the lease (every third of its ttl)", "polled"),
+             ("release", "give the lease back (at the campaign's end)", "at-release"))  # fmt: skip
+    for action, what, when in steps:
+        for machine in machines:
+            lines.add(machine, "campaign", what, sh(lease_script(action)), when)
+
+
+def plan_commands(lab: Inventory, plan: RunPlan, leased: Sequence[str] = ()) -> list[PlannedCommand]:
+    """Every line the run sends, in phase order, each planned by the action that sends it; ``leased``:
+    the machines whose leases the campaign takes, renews and gives back."""
     ctx, settings, shaping = plan.contexts, plan.split, plan.shaping
     lines = PlanLines(lab)
+    plan_leases(lines, leased)
     for name in plan.nodes:
         lines.add(name, "campaign", "gather the node's facts for the manifests (once per campaign)",
                   sh(facts_script(lab.settings_of(name).python)), "per-campaign")  # fmt: skip
@@ -412,9 +433,9 @@ _MACHINES: dict[int, tuple[Campaign, tuple[str, ...]]] = {}  # id -> (the campai
 
 
 def campaign_machines(campaign: Campaign) -> tuple[str, ...]:
-    """Every node the campaign touches: those its runs use, and those they shape without running on
-    them (a device of a link group that no run uses), in the inventory's order; worked out once. What
-    it leases, and all a run may clear of earlier shaping (another campaign may shape the rest)."""
+    """Every node the campaign touches: those its runs use and those they shape (the same, since a run
+    shapes only the links between machines it uses), in the inventory's order; worked out once. What it
+    leases, and all a run may clear of earlier shaping (another campaign may shape the rest)."""
     if id(campaign) not in _MACHINES:
         if len(_MACHINES) > 16:
             _MACHINES.clear()

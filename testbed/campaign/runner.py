@@ -145,8 +145,8 @@ def recover(campaign: Campaign, directory: Path, ledger: Ledger, *, say: Callabl
              for e in checked_processes(lab, attempt_dir(directory, row.run_id, row.attempts) / "processes.json")]
     end_registered_pools(lab, directory / POOLS, say)
     _end_processes(lab, noted, say)
-    # also between runs a dead controller leaves nodes set for the next run: restore them all, with the
-    # nodes a run shapes without running on them (a device of the link group that the run does not use)
+    # also between runs a dead controller leaves nodes set for the next run: restore every node the
+    # campaign touches (and holds the leases of)
     restore_nodes(campaign, list(campaign_machines(campaign)), say)
     requeued = []
     for row in interrupted:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from foundation.errors import NodeError
 from testbed.inventory import Inventory, NodeSpec
-from testbed.leases.lease_file import LeaseAnswer, lease_script, parse_answer
+from testbed.leases.lease_file import LeaseAnswer, lease_request, lease_script, parse_answer
 from testbed.transport import open_transport, usb_host_transport
 from testbed.transport.fanout import FanOutResult, fan_out
 
@@ -81,10 +81,11 @@ def lease_machines(inventory: Inventory, nodes: Iterable[NodeSpec | str]) -> lis
     return [n.name for n in inventory.nodes if n.name in wanted]
 
 
-def lease_action(inventory: Inventory, machine: str, script: str) -> LeaseAnswer:
+def lease_action(inventory: Inventory, machine: str, action: str, request: bytes = b"") -> LeaseAnswer:
+    """``action`` (lease_file.lease_script) on ``machine``'s lease, ``request`` on its stdin."""
     node = inventory.node(machine)
     with open_transport(inventory, node) if node.adb is None else usb_host_transport(inventory, node) as t:
-        result = t.run(["sh", "-c", script], timeout_s=30.0)
+        result = t.run(["sh", "-c", lease_script(action)], stdin=request, timeout_s=30.0)
     try:
         return parse_answer(result.stdout)
     except ValueError:
@@ -94,15 +95,15 @@ def lease_action(inventory: Inventory, machine: str, script: str) -> LeaseAnswer
 
 def leases_on(inventory: Inventory, machines: Sequence[str]) -> FanOutResult[LeaseAnswer]:
     """Every machine's lease, as it is (``testbed lab leases``)."""
-    return fan_out(list(machines), lambda m: lease_action(inventory, m, lease_script("show")),
-                   description="reading leases")  # fmt: skip
+    return fan_out(list(machines), lambda m: lease_action(inventory, m, "show"), description="reading leases")
 
 
 def release_on(inventory: Inventory, machines: Sequence[str], holder: Holder | None,
                *, force: bool = False) -> FanOutResult[LeaseAnswer]:  # fmt: skip
     """Give ``holder``'s leases on ``machines`` back (``force``: whoever holds them)."""
-    script = lease_script("force") if force else lease_script("release", holder.key if holder else "")
-    return fan_out(list(machines), lambda m: lease_action(inventory, m, script), description="releasing leases")
+    action, request = ("force", b"") if force else ("release", f"key={holder.key if holder else ''}\n".encode())
+    return fan_out(list(machines), lambda m: lease_action(inventory, m, action, request),
+                   description="releasing leases")  # fmt: skip
 
 
 def _ours(answer: LeaseAnswer | None) -> bool:
@@ -127,8 +128,9 @@ class LeaseKeeper:
     _thread: threading.Thread | None = None
 
     def take(self) -> None:
-        script = lease_script("take", self.holder.key, self.holder.fields(), self.ttl_s)
-        taken = fan_out(self.machines, lambda m: lease_action(self.inventory, m, script), description="taking leases")
+        request = lease_request(self.holder.key, self.holder.fields(), self.ttl_s)
+        taken = fan_out(self.machines, lambda m: lease_action(self.inventory, m, "take", request),
+                        description="taking leases")  # fmt: skip
         ours = [o.node for o in taken.outcomes if _ours(o.value)]
         refused = [o for o in taken.outcomes if not _ours(o.value)]
         if not refused:
@@ -136,24 +138,33 @@ class LeaseKeeper:
             self._thread.start()
             return
         release_on(self.inventory, ours, self.holder)
-        first = refused[0]
-        said = []
+        said: dict[str, list[str]] = {}  # what stands in the way -> the machines it holds
         for o in refused:
             answer = o.value
             if answer is not None and answer.state == "held" and answer.lease is not None:
-                said.append(f"{o.node}: leased to {answer.lease.describe(answer.node_now_s)}")
+                why = f"leased to {answer.lease.describe(answer.node_now_s)}"
             elif answer is not None and answer.state == "busy":
-                said.append(f"{o.node}: its lease file is locked by another controller right now")
+                why = "its lease file is locked by another controller right now"
             else:
-                said.append(f"{o.node}: {o.error}")
-        raise LeaseRefused(first.node, "; ".join(said) + ". Nothing was changed. Wait for it to end, or, if "
-                           "its holder is gone, for the lease to expire (or: testbed lab release --force)")
+                why = str(o.error)
+            said.setdefault(why, []).append(o.node)
+        first = refused[0].node
+        parts = []
+        for why, machines in said.items():
+            others = ", ".join(m for m in machines if m != first)
+            if first not in machines:
+                parts.append(f"{others}: {why}")
+            else:
+                parts.append(f"{why} (so are {others})" if others else why)
+        raise LeaseRefused(first, "; ".join(parts) + ". Nothing was changed. Wait for it to end, or, if its "
+                           "holder is gone, for the lease to expire (or: testbed lab release --force)")
 
     def _renew(self) -> None:
-        script = lease_script("renew", self.holder.key, self.holder.fields(), self.ttl_s)
+        request = lease_request(self.holder.key, self.holder.fields(), self.ttl_s)
         while not self._stop.wait(self.ttl_s * RENEW_FRACTION):
             kept = [m for m in self.machines if m not in self.lost]
-            renewed = fan_out(kept, lambda m: lease_action(self.inventory, m, script), description="renewing leases")
+            renewed = fan_out(kept, lambda m: lease_action(self.inventory, m, "renew", request),
+                              description="renewing leases")  # fmt: skip
             for o in renewed.outcomes:
                 if o.ok and o.value is not None and o.value.state == "lost":
                     lease = o.value.lease
@@ -171,3 +182,4 @@ class LeaseKeeper:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+

@@ -18,7 +18,6 @@ expires_unix_s. What the script prints is ``lease-answer STATE NOW`` and then th
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass
 
 LEASE_DIR_ENV = "HIL_TESTBED_LEASE_DIR"
@@ -69,8 +68,16 @@ def _checked(value: str) -> str:
     return value
 
 
-def lease_script(action: str, key: str = "", fields: dict[str, str] | None = None, ttl_s: float = 0.0) -> str:
-    """sh for ``action`` on the node's lease (every value is checked to be one plain word):
+def lease_request(key: str, fields: dict[str, str], ttl_s: float) -> bytes:
+    """What :func:`lease_script` reads on stdin for ``take`` and ``renew`` (or ``release``: the key):
+    who asks, and for how long. Each value is checked to be one plain word."""
+    values = {"key": key, **fields, "ttl_s": str(max(1, round(ttl_s)))}
+    return "".join(f"{name}={_checked(value)}\n" for name, value in values.items()).encode()
+
+
+def lease_script(action: str) -> str:
+    """sh for ``action`` on the node's lease, the asker on stdin (:func:`lease_request`); the same line
+    for every asker, so that a run's plan lists it as it is sent:
 
     - ``take``: ours if the file is free, expired, or already ours (then ``renewed``); else ``held``.
     - ``renew``: extended if it is still ours; else ``lost`` (another took it after it expired, or it
@@ -79,14 +86,12 @@ def lease_script(action: str, key: str = "", fields: dict[str, str] | None = Non
     - ``show``: nothing changed.
     Each prints the answer line and the lease the node has after the action (before, for ``held``)."""
     assert action in ("take", "renew", "release", "force", "show"), action
-    values = {name: _checked(value) for name, value in (fields or {}).items()}
-    write = ""
-    if action in ("take", "renew"):
-        lines = [f"key={_checked(key)}", *(f"{n}={values.get(n, '')}" for n in ("holder", "campaign", "pid"))]
-        body = "\\n".join(lines)
-        write = (f'taken=$(field taken_unix_s); [ "$mine" = 1 ] && [ -n "$taken" ] || taken=$now; '
-                 f'printf "{body}\\ntaken_unix_s=%s\\nrenewed_unix_s=%s\\nexpires_unix_s=%s\\n" "$taken" "$now" '
-                 f'"$((now + {max(1, round(ttl_s))}))" > "$f"')  # fmt: skip
+    write = (
+        'taken=$(field taken_unix_s); [ "$mine" = 1 ] && [ -n "$taken" ] || taken=$now; '
+        "printf 'key=%s\\nholder=%s\\ncampaign=%s\\npid=%s\\ntaken_unix_s=%s\\nrenewed_unix_s=%s\\n"
+        "expires_unix_s=%s\\n' \"$key\" \"$holder\" \"$campaign\" \"$pid\" \"$taken\" \"$now\" "
+        '"$((now + ttl))" > "$f"'
+    )
     decide = {
         "take": f'if [ "$live" = 1 ] && [ "$mine" = 0 ]; then answer held; fi; {write}; '
                 'if [ "$mine" = 1 ]; then answer renewed; else answer taken; fi',
@@ -95,8 +100,15 @@ def lease_script(action: str, key: str = "", fields: dict[str, str] | None = Non
         "force": ': > "$f"; answer released',
         "show": 'if [ -s "$f" ]; then answer held; fi; answer free',
     }[action]
+    read_request = (
+        "key= holder= campaign= pid= ttl=1; "
+        "while IFS='=' read -r k v; do case \"$k\" in key) key=$v;; holder) holder=$v;; campaign) campaign=$v;; "
+        'pid) pid=$v;; ttl_s) ttl=$v;; esac; done; '
+        if action in ("take", "renew", "release") else ""
+    )
     return (
-        f'd="${{{LEASE_DIR_ENV}:-{DEFAULT_DIR}}}"; f="$d/{FILE_NAME}"; umask 000; '
+        read_request
+        + f'd="${{{LEASE_DIR_ENV}:-{DEFAULT_DIR}}}"; f="$d/{FILE_NAME}"; umask 000; '
         f'[ -d "$d" ] || mkdir -p "$d" 2>/dev/null; '
         f'exec 9<>"$f" 2>/dev/null || {{ echo "cannot open $f" >&2; exit 3; }}; '
         f'flock -w {LOCK_WAIT_S} 9 || {{ echo "{ANSWER} busy $(date +%s)"; exit 0; }}; '
@@ -104,7 +116,7 @@ def lease_script(action: str, key: str = "", fields: dict[str, str] | None = Non
         'field() { sed -n "s/^$1=//p" "$f" | head -n 1; }; '
         f'answer() {{ echo "{ANSWER} $1 $now"; cat "$f"; exit 0; }}; '
         'held_key=$(field key); expires=$(field expires_unix_s); '
-        f'mine=0; [ -n "$held_key" ] && [ "$held_key" = {shlex.quote(key)} ] && mine=1; '
+        'mine=0; [ -n "$held_key" ] && [ "$held_key" = "${key:-}" ] && mine=1; '
         'live=0; [ -n "$expires" ] && [ "$expires" -gt "$now" ] 2>/dev/null && live=1; '
         f"{decide}"
     )
