@@ -148,7 +148,7 @@ def test_a_second_controller_is_refused_naming_the_holder_and_a_killed_ones_leas
 # --------------------------------------------------------------------------------------------
 # Two campaigns at once on disjoint machines of one lab
 
-DISJOINT_PREFIX, DISJOINT_OCTET = "lj", 190
+DISJOINT_PREFIX, DISJOINT_OCTET = "lj", 176
 
 
 def _disjoint_inventory(directory: Path) -> Path:

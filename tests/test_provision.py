@@ -287,14 +287,14 @@ run_timeout_s: 120
     missing = once - set(sent)
     assert not missing, "planned but never sent:\n" + "\n".join(f"{n}: {line[:300]}" for n, line in missing)
 
-    # what the plan says: the venvs' Python launches the workers; orin is set to MODE_50W; every rate is
-    # scaled, also on links the trace does not drive (xavier's: 8 MB/s x 0.125 = 8 Mbit/s)
+    # what the plan says: the venvs' Python launches the workers; orin is set to MODE_50W; xavier, no
+    # machine of this run, is not shaped (its links are not the run's: another campaign may use it)
     launch = plan["launch"]
     for node in ("server", "orin"):
         assert str(home(lab, node) / "hil-testbed" / "venv" / "bin" / "python") in launch
     assert any("set MODE_50W" in c["line"] and "--journal" in c["line"] for c in plan["commands"] if c["node"] == "orin")
     shaped = [c["line"] for c in plan["commands"] if c["node"] == "xavier" and c["what"] == "shape the links"]
-    assert shaped and "rate 8000000bit" in shaped[0]
+    assert shaped == [] and not any(c["node"] == "xavier" for c in plan["commands"])
     assert (out / "runs").is_dir() and json.loads(next(out.rglob("plan.json")).read_text())["live"]
     # node code reaches a provisioned node one way: its venv's wheel, never a bundle on PYTHONPATH
     for node, line in sent:

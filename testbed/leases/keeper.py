@@ -1,7 +1,7 @@
-"""Leases taken, kept and given back by a controller: a campaign (or a command that changes nodes)
-takes a lease on every machine it touches before it touches any, renews them while it runs, and gives
-them back when it ends. A machine another controller holds refuses the whole take: what was taken is
-given back, nothing else is touched, and the error names the holder.
+"""Leases taken, kept and given back by a controller: a campaign takes a lease on every machine it
+touches before it touches any, renews them while it runs, and gives them back when it ends. A machine
+another controller holds refuses the whole take: what was taken is given back, nothing else is
+touched, and the error names the holder.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from foundation.errors import NodeError
 from testbed.inventory import Inventory, NodeSpec
 from testbed.leases.lease_file import LeaseAnswer, lease_request, lease_script, parse_answer
-from testbed.transport import open_transport, usb_host_transport
+from testbed.transport import open_transport
 from testbed.transport.fanout import FanOutResult, fan_out
 
 LEASE_TTL_S = 120.0  # a holder that stops renewing loses its leases this long after its last renewal
@@ -61,8 +61,7 @@ def _word(text: str) -> str:
 
 
 def holder_for(campaign: str | Path) -> Holder:
-    """This process as the holder of leases for ``campaign`` (a campaign's directory, or what a
-    command does: ``link-apply``)."""
+    """This process as the holder of leases for ``campaign`` (a campaign's directory)."""
     text = str(Path(campaign).resolve()) if isinstance(campaign, Path) else campaign
     return Holder(getpass.getuser(), socket.gethostname(), text, os.getpid())
 
@@ -83,8 +82,7 @@ def lease_machines(inventory: Inventory, nodes: Iterable[NodeSpec | str]) -> lis
 
 def lease_action(inventory: Inventory, machine: str, action: str, request: bytes = b"") -> LeaseAnswer:
     """``action`` (lease_file.lease_script) on ``machine``'s lease, ``request`` on its stdin."""
-    node = inventory.node(machine)
-    with open_transport(inventory, node) if node.adb is None else usb_host_transport(inventory, node) as t:
+    with open_transport(inventory, inventory.node(machine)) as t:  # (a machine: never a phone, lease_machines)
         result = t.run(["sh", "-c", lease_script(action)], stdin=request, timeout_s=30.0)
     try:
         return parse_answer(result.stdout)
