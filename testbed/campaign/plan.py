@@ -345,12 +345,12 @@ def plan_run(
     elif any(p.has_delay_or_loss for p in tc_plans) and lab.spec.defaults.delay_path == "auto":
         unresolved.append("the delay path (netem, or NFQUEUE without sch_netem) is chosen when the nodes are read")
     # each shaping node's delay path (netem, or NFQUEUE rules on the receivers) as the apply will take it
-    shaping = link_plan(lab, tc_plans, probes, driven if trace is not None else None, scope=campaign_machines(campaign))
+    shaping = link_plan(lab, tc_plans, probes, driven if trace is not None else None, scope=campaign.nodes())
     plan = RunPlan(
         run.run_id, attempt, node_run_id(run, attempt), names, devices, contexts, live, tuple(unresolved), power,
         links, shaping, trace, telemetry, split, mpiexec, launch, probes=probes, services=services,
     )  # fmt: skip
-    leased = lease_machines(lab, campaign_machines(campaign))
+    leased = lease_machines(lab, campaign.nodes())
     return dataclasses.replace(plan, commands=tuple(plan_commands(lab, plan, leased)))
 
 
@@ -427,22 +427,6 @@ def pool_lifetime_s(campaign: Campaign) -> float:
     """How long ``mpiexec`` lets a warm pool live: every run of the campaign at its timeout, and the
     idle timeout (a bound, never reached in a campaign that works; the controller times runs out)."""
     return campaign.spec.run_timeout_s * len(campaign.runs) + IDLE_TIMEOUT_S
-
-
-_MACHINES: dict[int, tuple[Campaign, tuple[str, ...]]] = {}  # id -> (the campaign, kept alive: ids stay its)
-
-
-def campaign_machines(campaign: Campaign) -> tuple[str, ...]:
-    """Every node the campaign touches: those its runs use and those they shape (the same, since a run
-    shapes only the links between machines it uses), in the inventory's order; worked out once. What it
-    leases, and all a run may clear of earlier shaping (another campaign may shape the rest)."""
-    if id(campaign) not in _MACHINES:
-        if len(_MACHINES) > 16:
-            _MACHINES.clear()
-        shaped = {name for run in campaign.runs for name in configured_nodes(campaign, run.settings)[1]}
-        wanted = {*campaign.nodes(), *shaped}
-        _MACHINES[id(campaign)] = (campaign, tuple(n.name for n in campaign.inventory.nodes if n.name in wanted))
-    return _MACHINES[id(campaign)][1]
 
 
 def configured_nodes(campaign: Campaign, settings: RunSettings) -> tuple[frozenset[str], frozenset[str]]:

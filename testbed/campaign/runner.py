@@ -45,12 +45,12 @@ from nodes.contracts.journal_values import JournalValueError, checked_path
 from testbed.campaign.carryover import Carryover
 from testbed.campaign.execution import Report, execute_run
 from testbed.campaign.ledger import Ledger
-from testbed.campaign.plan import campaign_machines, configured_nodes
+from testbed.campaign.plan import configured_nodes
 from testbed.campaign.restore_phase import release_nodes
 from testbed.campaign.run_state import Kept
 from testbed.campaign.spec import Campaign, PlannedRun, run_nodes
-from testbed.commands.node_context import host_of, transport_for
-from testbed.inventory import Inventory, NodeSpec, kind_of
+from testbed.commands.node_context import transport_for
+from testbed.inventory import Inventory, NodeSpec, host_of, kind_of
 from testbed.leases.keeper import LeaseKeeper, holder_for, lease_machines
 from testbed.transport import open_transport
 from testbed.transport.fanout import fan_out
@@ -147,7 +147,7 @@ def recover(campaign: Campaign, directory: Path, ledger: Ledger, *, say: Callabl
     _end_processes(lab, noted, say)
     # also between runs a dead controller leaves nodes set for the next run: restore every node the
     # campaign touches (and holds the leases of)
-    restore_nodes(campaign, list(campaign_machines(campaign)), say)
+    restore_nodes(campaign, list(campaign.nodes()), say)
     requeued = []
     for row in interrupted:
         partial = attempt_dir(directory, row.run_id, row.attempts)
@@ -306,7 +306,7 @@ def run_campaign(
     if resume and not (directory / LEDGER).exists():  # a controller killed before its ledger touched nothing
         say(f"{directory} has no ledger: nothing was started there; starting the campaign")
         resume = False
-    machines = lease_machines(campaign.inventory, campaign_machines(campaign))
+    machines = lease_machines(campaign.inventory, campaign.nodes())
     # one controller a campaign directory, then the lab's machines leased (before anything is written
     # there: a refused campaign leaves nothing behind), then its ledger
     with controller_lock(directory), LeaseKeeper(campaign.inventory, machines, holder_for(directory)) as leases, \

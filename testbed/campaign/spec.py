@@ -244,7 +244,8 @@ class Campaign:
         return hashlib.sha256("\n".join(r.run_id for r in self.runs).encode()).hexdigest()[:16]
 
     def nodes(self) -> tuple[str, ...]:
-        """Every node some run uses (server, devices, nodes with power modes), worked out once."""
+        """Every node some run uses (server, devices, nodes with power modes), worked out once: all the
+        campaign touches (a run shapes only links between its own nodes), leases and may restore."""
         return self._nodes
 
     @functools.cached_property

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from foundation.errors import TestbedError
-from testbed.inventory import Inventory, NodeSpec, kind_of
+from testbed.inventory import Inventory, NodeSpec, host_of, kind_of
 from testbed.provisioning.node_code import node_code, store_if_missing
 from testbed.provisioning.node_wheel import node_wheel
 from testbed.provisioning.provision import load_record, provisioned_python
@@ -78,14 +78,6 @@ class NodeContext:
 def transport_for(inventory: Inventory, node: NodeSpec) -> Transport:
     """The transport that runs ``node``'s commands (a phone's are run on its USB host)."""
     return usb_host_transport(inventory, node) if kind_of(node).via_usb_host else open_transport(inventory, node)
-
-
-def host_of(node: NodeSpec) -> str:
-    """The node whose transport runs ``node``'s commands (a phone's USB host)."""
-    if kind_of(node).via_usb_host:
-        assert node.adb is not None
-        return node.adb.usb_host
-    return node.name
 
 
 class StaleNodeCode(TestbedError):

@@ -11,8 +11,8 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from testbed.commands.node_context import NodeContext, host_of
-from testbed.inventory import Inventory, NodeSpec
+from testbed.commands.node_context import NodeContext
+from testbed.inventory import Inventory, NodeSpec, host_of
 from testbed.transport.base import background_start_script, command_line, store_script
 
 WHEN = ("once", "per-campaign", "if-missing", "polled", "on-failure", "live", "if-cold", "if-differs", "at-release")

@@ -19,7 +19,7 @@ groups and links (:mod:`.expansion`) into the resolved :class:`~.model.Inventory
 
 from netem.profile import DirectedLink, LinkProfile
 from testbed.inventory.model import Inventory, NodeSettings
-from testbed.inventory.node_kinds import NodeKind, kind_of, node_kind
+from testbed.inventory.node_kinds import NodeKind, host_of, kind_of, node_kind
 from testbed.inventory.resolution import inventory_from_source, links_from_file, load_inventory
 from testbed.inventory.schema import (
     AdbAttachment,
@@ -61,6 +61,7 @@ __all__ = [
     "SafePath",
     "SshSettings",
     "SshTarget",
+    "host_of",
     "inventory_from_source",
     "kind_of",
     "links_from_file",

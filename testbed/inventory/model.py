@@ -3,6 +3,7 @@ links, and what it takes to reach a node over SSH."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 from foundation.errors import TestbedError
 from netem.profile import DirectedLink
+from testbed.inventory.node_kinds import host_of
 from testbed.inventory.schema import InventorySpec, NodeSpec, SshSettings
 from testbed.inventory.ssh_config import SshTarget, resolve_target
 
@@ -77,14 +79,17 @@ class Inventory:
         """The node's Python, sudo, working directory, venv and registry access (validation refused two
         groups that set one of them differently for a node that does not set it itself). A phone's are
         its USB host's, where its commands run (the controller's defaults for ``usb_host: controller``)."""
-        spec = self.node(node) if isinstance(node, str) else node
-        if spec.adb is not None:
-            if spec.adb.usb_host != "controller":
-                return self.settings_of(spec.adb.usb_host)
-            layers = [self.spec.defaults]
-        else:
-            layers = self._layers(spec)
+        return self._settings[node if isinstance(node, str) else node.name]
 
+    @functools.cached_property
+    def _settings(self) -> dict[str, NodeSettings]:
+        """Every node's settings, worked out once (plans ask for them line by line)."""
+        own = {n.name: self._resolve_settings(self._layers(n)) for n in self.spec.nodes if host_of(n) == n.name}
+        defaults = self._resolve_settings([self.spec.defaults])
+        return {n.name: own.get(host_of(n), defaults) for n in self.spec.nodes}
+
+    @staticmethod
+    def _resolve_settings(layers: list[Any]) -> NodeSettings:
         def pick(field: str) -> Any:
             return next(v for v in (getattr(layer, field) for layer in layers) if v is not None)
 

@@ -131,6 +131,15 @@ def kind_of(node: NodeSpec) -> NodeKind:
     return node_kind(node.kind)
 
 
+def host_of(node: NodeSpec) -> str:
+    """The node whose transport runs ``node``'s commands: itself, or a phone's USB host (which may be
+    ``controller``)."""
+    if kind_of(node).via_usb_host:
+        assert node.adb is not None
+        return node.adb.usb_host
+    return node.name
+
+
 # -- the built-in kinds ------------------------------------------------------------------------------
 
 JETSON_SOURCES = {"tegrastats": "jetson", "jtop": "jtop"}  # the campaign's choice -> the sampler's source

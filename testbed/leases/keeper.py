@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from foundation.errors import NodeError
-from testbed.inventory import Inventory, NodeSpec
-from testbed.leases.lease_file import LeaseAnswer, lease_request, lease_script, parse_answer
+from testbed.inventory import Inventory, NodeSpec, host_of
+from testbed.leases.lease_file import LeaseAnswer, lease_request, lease_script, parse_answer, plain_word
 from testbed.transport import open_transport
 from testbed.transport.fanout import FanOutResult, fan_out
 
@@ -53,11 +53,7 @@ class Holder:
         return f"{self.user}@{self.host}"
 
     def fields(self) -> dict[str, str]:
-        return {"holder": self.name, "campaign": _word(self.campaign), "pid": str(self.pid)}
-
-
-def _word(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "_.@:/+=,~-" else "_" for c in text)[:300]
+        return {"holder": plain_word(self.name), "campaign": plain_word(self.campaign), "pid": str(self.pid)}
 
 
 def holder_for(campaign: str | Path) -> Holder:
@@ -67,17 +63,10 @@ def holder_for(campaign: str | Path) -> Holder:
 
 
 def lease_machines(inventory: Inventory, nodes: Iterable[NodeSpec | str]) -> list[str]:
-    """The machines a lease is taken on for ``nodes``: each node, a phone's USB host in its place (the
-    controller, for a phone on it, has none); in the inventory's order, each once."""
-    wanted: set[str] = set()
-    for node in nodes:
-        spec = inventory.node(node) if isinstance(node, str) else node
-        if spec.adb is not None:
-            if spec.adb.usb_host != "controller":
-                wanted.add(spec.adb.usb_host)
-        elif spec.transport == "ssh":
-            wanted.add(spec.name)
-    return [n.name for n in inventory.nodes if n.name in wanted]
+    """The machines a lease is taken on for ``nodes``: where each node's commands run (a phone's USB host)
+    when that is a node reached over SSH (not this machine); in the inventory's order, each once."""
+    hosts = {host_of(inventory.node(n) if isinstance(n, str) else n) for n in nodes}
+    return [n.name for n in inventory.nodes if n.name in hosts and n.transport == "ssh"]
 
 
 def lease_action(inventory: Inventory, machine: str, action: str, request: bytes = b"") -> LeaseAnswer:

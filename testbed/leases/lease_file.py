@@ -26,7 +26,8 @@ FILE_NAME = "hil-testbed.lease"
 FIELDS = ("key", "holder", "campaign", "pid", "taken_unix_s", "renewed_unix_s", "expires_unix_s")
 ANSWER = "lease-answer"
 LOCK_WAIT_S = 2  # another controller's change takes milliseconds; longer means a stuck one
-SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.@:/+=,~-]{0,300}$")
+WORD_CHARACTERS = "_.@:/+=,~-"  # besides letters and digits: what a lease field may hold
+SAFE_VALUE = re.compile(rf"^[A-Za-z0-9{re.escape(WORD_CHARACTERS)}]{{0,300}}$")
 STATES = ("taken", "renewed", "held", "lost", "released", "free", "busy")
 
 
@@ -60,6 +61,11 @@ class LeaseAnswer:
     @property
     def live(self) -> bool:
         return self.lease is not None and self.lease.expires_unix_s > self.node_now_s
+
+
+def plain_word(text: str) -> str:
+    """``text`` as a lease field may hold it: other characters as ``_``, at most 300."""
+    return "".join(c if c.isascii() and (c.isalnum() or c in WORD_CHARACTERS) else "_" for c in text)[:300]
 
 
 def _checked(value: str) -> str:
