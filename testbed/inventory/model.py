@@ -79,14 +79,23 @@ class Inventory:
         """The node's Python, sudo, working directory, venv and registry access (validation refused two
         groups that set one of them differently for a node that does not set it itself). A phone's are
         its USB host's, where its commands run (the controller's defaults for ``usb_host: controller``)."""
-        return self._settings[node if isinstance(node, str) else node.name]
+        known = self._settings
+        name = node if isinstance(node, str) else node.name
+        if name in known:
+            return known[name]
+        spec = self.node(node) if isinstance(node, str) else node
+        if spec.name not in known:  # worked out once a node (plans ask for them line by line)
+            host = host_of(spec)
+            if host == spec.name:
+                known[spec.name] = self._resolve_settings(self._layers(spec))
+            else:
+                known[spec.name] = self.settings_of(host) if host != "controller" else \
+                    self._resolve_settings([self.spec.defaults])  # fmt: skip
+        return known[spec.name]
 
     @functools.cached_property
     def _settings(self) -> dict[str, NodeSettings]:
-        """Every node's settings, worked out once (plans ask for them line by line)."""
-        own = {n.name: self._resolve_settings(self._layers(n)) for n in self.spec.nodes if host_of(n) == n.name}
-        defaults = self._resolve_settings([self.spec.defaults])
-        return {n.name: own.get(host_of(n), defaults) for n in self.spec.nodes}
+        return {}
 
     @staticmethod
     def _resolve_settings(layers: list[Any]) -> NodeSettings:
