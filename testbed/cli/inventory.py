@@ -115,17 +115,30 @@ def inventory_check(
         list[str] | None, typer.Option("--nodes", "-n", help="Only these nodes or groups (repeatable).")
     ] = None,
     parallel: Annotated[int, typer.Option(help="How many nodes to contact at once.", min=1)] = 32,
+    deep: Annotated[bool, typer.Option("--deep", help="Also check what runs need: tools, sudo rules, clock "
+                                       "sync, torch (with CUDA on GPU nodes), free disk for the weights, MPI "
+                                       "ports between server and devices, endpoints, power modes.")] = False,
+    model: Annotated[Path | None, typer.Option(help="With --deep: the checkpoint directory whose weights the "
+                                               "nodes will hold (default: the fidelity model, "
+                                               "examples/models/smollm2-135m, where it is).")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Reach every node in parallel and print its facts: hostname, arch, kernel, OS, Python, CPUs,
     memory, free disk, GPUs, Jetson board and L4T release, phones on USB hosts, passwordless sudo,
     the clock offset against this machine, and whether each server reaches every device over SSH as
-    mpiexec will. Exits 0 when every node is fine, 1 otherwise."""
+    mpiexec will. With --deep, the preflight before a campaign on a real lab: every problem comes
+    with the command that fixes it. Exits 0 when every node is fine, 1 otherwise (naming them)."""
+    from testbed.checks.deep_check import FIDELITY_MODEL, weights_bytes
     from testbed.checks.inventory_check import check_nodes
+    from testbed.provisioning.provision import BASE_SPACE_GIB
 
     inv = load_lab(inventory)
     selected = inv.select(nodes)
-    result = check_nodes(inv, selected, max_parallel=parallel, console=err)
+    need_gib = None
+    if deep:
+        weights = model if model is not None else FIDELITY_MODEL if FIDELITY_MODEL.is_dir() else None
+        need_gib = BASE_SPACE_GIB + weights_bytes(weights) / 2**30
+    result = check_nodes(inv, selected, max_parallel=parallel, console=err, deep_need_gib=need_gib)
     if as_json:
         payload = [
             {
@@ -143,6 +156,8 @@ def inventory_check(
     if not as_json:
         out.print(f"{healthy}/{len(result.outcomes)} nodes fine ({result.wall_s:.1f} s)")
     if healthy != len(result.outcomes):
+        failing = [o.node for o in result.outcomes if not (o.ok and o.value is not None and o.value.ok)]
+        err.print(f"not fine: {', '.join(failing)}")
         raise typer.Exit(1)
 
 

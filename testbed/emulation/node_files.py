@@ -42,7 +42,7 @@ def nodes_ssh_config(keys: SshKeys) -> Path:
 
 
 def write_node_tools(state_dir: Path, keys: SshKeys, identity: Path | None = None) -> None:
-    """Tools on the nodes' PATH: the stand-in adb and phone tools (run with this Python), and an ``ssh``
+    """Tools on the nodes' PATH: the stand-in adb, phone tools and timedatectl (run with this Python), and an ``ssh``
     that trusts the other nodes, as in a lab whose nodes share keys (mpiexec launches ranks with it;
     ``identity``: the key it uses, where the nodes' user cannot read the controller's)."""
     _write_executable(
@@ -68,6 +68,11 @@ def write_node_tools(state_dir: Path, keys: SshKeys, identity: Path | None = Non
         "  BatchMode yes\n"
     )
     ssh = shutil.which("ssh") or "/usr/bin/ssh"
+    _write_executable(
+        state_dir / "bin-node" / "timedatectl",
+        "#!/bin/sh\n# Stand-in for systemd's timedatectl on emulated nodes (hil-testbed).\n"
+        f"PYTHONPATH='{REPO}' exec '{sys.executable}' -m nodes.emulated.timedatectl \"$@\"\n",
+    )
     _write_executable(
         state_dir / "bin-node" / "ssh",
         "#!/bin/sh\n# ssh between emulated nodes, with the testbed's keys (hil-testbed).\n"

@@ -105,6 +105,7 @@ for key, name in (("venv_wheel", "hil-testbed-nodes"), ("venv_torch", "torch")):
 fi
 d=$W; while [ ! -d "$d" ]; do d=$(dirname "$d"); done
 k workdir_free_kb "$(df -Pk "$d" | { read -r _; read -r _ _ _ free _; echo "$free"; })"
+k workdir_existing "$d"
 echo readiness-end
 """
 
@@ -247,16 +248,9 @@ def judge_readiness(
             (f"disk space ({int(free_kb) / 2**20:.1f} GiB free where the workdir is, {need_gib:.1f} GiB needed)",
              "free space there, or point defaults.workdir (and venv) at a larger disk")
         )  # fmt: skip
-    # An emulated node keeps the controller's clock: nothing to synchronise.
-    if not facts.emulated and first_value(values, "ntp_synchronized") != "yes":
-        chrony = first_value(values, "chrony")
-        match = re.search(r"([\d.]+) seconds (fast|slow)", chrony)
-        if match is None or float(match[1]) > CLOCK_SYNC_WARN_S:
-            state = f"chrony: {chrony.strip()}" if chrony else "no NTP synchronisation reported"
-            warnings.append(
-                f"time is not synchronised ({state}); enable it with `sudo timedatectl set-ntp true` or chrony "
-                "(telemetry is aligned per run, but logs read better on synchronised clocks)"
-            )
+    unsynchronised = clock_unsynchronised(values)
+    if unsynchronised:
+        warnings.append(unsynchronised + " (telemetry is aligned per run, but logs read better on synchronised clocks)")
     kind = kind_of(node)
     hint = kind.boards.service_hint if kind.boards else ""
     if hint and not facts.emulated and first_value(values, "board_service") != "active":
@@ -264,6 +258,33 @@ def judge_readiness(
     if kind.discrete_gpus and node.gpus and "nvidia-smi" not in tools:
         missing.append(("nvidia-smi (NVIDIA driver)", "install the NVIDIA driver for the server's GPUs"))
     return missing, warnings
+
+
+def clock_unsynchronised(values: dict[str, list[str]]) -> str | None:
+    """What the readiness probe says of the node's clock, where NTP does not keep it synchronised (an
+    emulated node's stand-in timedatectl answers for the controller's clock, which it shares)."""
+    if first_value(values, "ntp_synchronized") == "yes":
+        return None
+    chrony = first_value(values, "chrony")
+    match = re.search(r"([\d.]+) seconds (fast|slow)", chrony)
+    if match is not None and float(match[1]) <= CLOCK_SYNC_WARN_S:
+        return None
+    state = f"chrony: {chrony.strip()}" if chrony else "timedatectl: NTPSynchronized=" + (
+        first_value(values, "ntp_synchronized") or "(no answer)")
+    return (f"the clock is not synchronised ({state}); fix: sudo timedatectl set-ntp true (or install chrony "
+            "and point it at the lab's time server: sudo apt-get install -y chrony)")
+
+
+def probe_readiness(node: NodeSpec, t: Transport, *, python: str, venv: str, workdir: str) -> dict[str, list[str]]:
+    """What a node has for runs, beyond its facts: tools, sudo rules, clock sync, the base Python and the
+    venv, free space where the workdir is (``key=value`` lists, parsed)."""
+    boards = kind_of(node).boards
+    service = boards.service if boards is not None else ""
+    words = ["sh", "-c", _READINESS_SCRIPT, "readiness", python, venv, workdir, service]
+    result = t.run(words, timeout_s=60.0)
+    if "readiness-end" not in result.stdout:
+        raise NodeError(node.name, f"the readiness probe failed: {result.stderr.strip()[-300:]}")
+    return parse_key_values(result.stdout)
 
 
 # -- one node ----------------------------------------------------------------------------------------
@@ -393,13 +414,7 @@ class _NodeProvisioner:
         )
 
     def probe(self) -> dict[str, list[str]]:
-        boards = kind_of(self.node).boards
-        service = boards.service if boards is not None else ""
-        words = ["sh", "-c", _READINESS_SCRIPT, "readiness", self.python, self.venv, self.workdir, service]
-        result = self.t.run(words, timeout_s=60.0)
-        if "readiness-end" not in result.stdout:
-            raise NodeError(self.node.name, f"the readiness probe failed: {result.stderr.strip()[-300:]}")
-        return parse_key_values(result.stdout)
+        return probe_readiness(self.node, self.t, python=self.python, venv=self.venv, workdir=self.workdir)
 
     # -- venv and wheel --------------------------------------------------------------------------
 
