@@ -1,8 +1,9 @@
-"""The emulated lab reached as a real lab is: as a non-root SSH user (``emulation.ssh_user``) whose sudo
-allows only the rules the suite prints. A small demo campaign (delay on its links, so the NFQUEUE delay
-path runs, and two power modes) finishes every run there, gives the tokens it gives as root, and leaves
-nothing set; a privileged command outside the rules is refused by sudo; ``down`` removes the user and
-its sudoers file."""
+"""The emulated lab reached as a real lab is: through a bastion, the only way in (``emulation.bastion``),
+as a non-root SSH user (``emulation.ssh_user``) whose sudo allows only the rules the suite prints. A
+small demo campaign (delay on its links, so the NFQUEUE delay path runs, and two power modes) finishes
+every run there, gives the tokens it gives as root on a lab reached directly, and leaves nothing set; a
+privileged command outside the rules is refused by sudo; ``down`` removes the user, its sudoers file,
+the bastion and the route that kept this machine out of the lab."""
 
 from __future__ import annotations
 
@@ -94,10 +95,11 @@ def lab_directory(name: str) -> Path:
     return path
 
 
-def lab_inventory(directory: Path, prefix: str, octet: int, ssh_user: str | None) -> Path:
+def lab_inventory(directory: Path, prefix: str, octet: int, ssh_user: str | None, *, bastion: bool = False) -> Path:
     path = emulated_inventory(directory, prefix, octet, NODES)
     if ssh_user is not None:
-        text = path.read_text().replace("emulation:\n", f"emulation:\n  ssh_user: {ssh_user}\n  sudo_rules: printed\n")
+        text = path.read_text().replace("emulation:\n", f"emulation:\n  ssh_user: {ssh_user}\n  sudo_rules: printed\n"
+                                        f"  bastion: {'true' if bastion else 'false'}\n")  # fmt: skip
         path.write_text(text)
     return path
 
@@ -166,13 +168,15 @@ def user_processes(user: str) -> list[str]:
 @pytest.fixture(scope="module")
 def user_lab() -> Iterator[Path]:
     directory = lab_directory("he-sudo-user")
-    path = lab_inventory(directory, USER_PREFIX, 192, USER)
+    path = lab_inventory(directory, USER_PREFIX, 192, USER, bastion=True)
     try:
         with emulated_lab(path):
             yield path
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     assert not Path(f"/etc/sudoers.d/hil-testbed-{USER_PREFIX}").exists()
+    routes = subprocess.run(["ip", "route", "show", "10.192.0.0/24"], capture_output=True, text=True, check=True)
+    assert routes.stdout.strip() == "" and not Path(f"/run/netns/{USER_PREFIX}-bastion").exists()
     with pytest.raises(KeyError):
         pwd.getpwnam(USER)
 
@@ -181,14 +185,20 @@ def as_user(lab: Path, node: str, *argv: str) -> subprocess.CompletedProcess[str
     """``argv`` on ``node`` through its sshd, as the lab's SSH user (what the controller does)."""
     from testbed.emulation.resolved import load_lab
     from testbed.transport import open_transport
+    from testbed.transport.ssh import close_jump_hosts
 
     inventory = load_lab(lab)
-    with open_transport(inventory, inventory.node(node)) as t:
-        result = t.run(list(argv), timeout_s=60)
+    try:
+        with open_transport(inventory, inventory.node(node)) as t:
+            result = t.run(list(argv), timeout_s=60)
+    finally:
+        close_jump_hosts()  # the bastion's session as the user ends with the call
     return subprocess.CompletedProcess(argv, result.exit_code or 0, result.stdout, result.stderr)
 
 
-def test_the_demo_campaign_as_a_user_with_only_the_printed_rules_gives_the_tokens_it_gives_as_root(user_lab):
+def test_the_demo_campaign_through_a_bastion_as_a_user_with_only_the_printed_rules_gives_the_tokens_of_root_directly(
+    user_lab,
+):
     root_directory = lab_directory("he-sudo-root")
     try:
         root_lab = lab_inventory(root_directory, ROOT_PREFIX, 190, None)
@@ -199,7 +209,15 @@ def test_the_demo_campaign_as_a_user_with_only_the_printed_rules_gives_the_token
         shutil.rmtree(root_directory, ignore_errors=True)
     whoami = as_user(user_lab, "orin", "id", "-un")
     assert whoami.stdout.strip() == USER and whoami.returncode == 0
+    from testbed.emulation.resolved import load_lab
+
+    orin = load_lab(user_lab).node("orin")  # this machine has no route into the lab but to its bastion
+    direct = subprocess.run(["ip", "route", "get", str(orin.address)], capture_output=True, text=True, check=False)
+    assert direct.returncode != 0 and "No route to host" in direct.stderr, direct.stdout + direct.stderr
     as_user_tokens = run_campaign(user_lab, user_lab.parent)
+    manifest = json.loads(next((user_lab.parent / "out" / "runs").glob("*/manifest.json")).read_text())
+    reached = manifest["inventory"]["reached"]["orin"]["ssh"]
+    assert reached == f"{USER}@{orin.address}:22 via {USER}@10.192.0.254:22", reached
     assert set(as_user_tokens) == set(as_root)
     key = ["node", "request_id", "index"]
     for run_id, tokens in as_root.items():

@@ -11,6 +11,7 @@ import os
 import pwd
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -24,7 +25,7 @@ STOP_GRACE_S = 3.0
 GONE_WAIT_S = 10.0
 # down removes processes first, then what they live in, then the links between nodes, then puts back
 # the host settings it raised, then the SSH user's sudo rules and the user (emulation.ssh_user).
-UNDO_PHASES = ("process", "cgroup", "veth", "netns", "bridge", "sysctl", "sudoers", "user")
+UNDO_PHASES = ("process", "cgroup", "veth", "netns", "bridge", "route", "sysctl", "sudoers", "user")
 # The kernel's IPv4 neighbour (ARP) table is one table for every network namespace, limited by these
 # two host-wide settings (soft and hard); past the hard one, connect() fails with "No route to host".
 NEIGHBOUR_TABLE_SOFT = "net.ipv4.neigh.default.gc_thresh2"
@@ -74,6 +75,14 @@ def netns_pids(name: str) -> list[int]:
         return []
     proc = ip("netns", "pids", name, check=False)
     return [int(p) for p in proc.stdout.split() if p.isdigit()]
+
+
+def accepts_connections_in(netns: str, address: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether ``address:port`` accepts a TCP connection from inside the namespace ``netns``."""
+    probe = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), float(sys.argv[3])).close()"
+    done = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", probe, address, str(port),
+                           str(timeout_s)], capture_output=True, timeout=timeout_s + 10, check=False)  # fmt: skip
+    return done.returncode == 0
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -149,6 +158,25 @@ class HostChanges:
         ip("link", "set", host_name, "master", bridge, "up")
         ip("-n", netns, "addr", "add", f"{address}/{prefixlen}", "dev", inner_name)
         ip("-n", netns, "link", "set", inner_name, "up")
+
+    def point_to_point(
+        self, host_name: str, netns: str, inner_name: str, host_address: str, inner_address: str
+    ) -> None:
+        """A veth pair as a point-to-point link: ``host_name`` here with ``host_address``, ``inner_name`` in
+        ``netns`` with ``inner_address``, each with a route to the other's address alone."""
+        self._ours(host_name)
+        self.journal.record("veth", host_name, netns=netns)
+        ip("link", "add", host_name, "type", "veth", "peer", "name", inner_name, "netns", netns)
+        ip("addr", "add", host_address, "peer", f"{inner_address}/32", "dev", host_name)
+        ip("-n", netns, "addr", "add", inner_address, "peer", f"{host_address}/32", "dev", inner_name)
+        ip("link", "set", host_name, "up")
+        ip("-n", netns, "link", "set", inner_name, "up")
+
+    def unreachable_route(self, subnet: str) -> None:
+        """Make ``subnet`` unreachable from this machine ("No route to host", as a lab's internal network
+        is from outside it) instead of sending its packets to the default route."""
+        self.journal.record("route", f"{self.prefix}-unreachable", subnet=subnet)
+        ip("route", "add", "unreachable", subnet)
 
     def cgroup(self, name: str, cpus: float | None) -> CpuCgroup:
         self._ours(name)
@@ -272,6 +300,12 @@ def _undo_netns(entry: JournalEntry) -> None:
         ip("netns", "del", entry.name)
 
 
+def _undo_route(entry: JournalEntry) -> None:
+    subnet = entry.details["subnet"]
+    if ip("route", "show", "type", "unreachable", subnet, check=False).stdout.strip():
+        ip("route", "del", "unreachable", subnet)
+
+
 def _undo_sudoers(entry: JournalEntry) -> None:
     Path(entry.details["path"]).unlink(missing_ok=True)
 
@@ -309,4 +343,5 @@ _UNDO = {
     "veth": _undo_link,
     "netns": _undo_netns,
     "bridge": _undo_link,
+    "route": _undo_route,
 }

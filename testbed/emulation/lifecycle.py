@@ -29,7 +29,14 @@ from nodes.emulated import phones as phones_catalogue
 from nodes.emulated.cgroup import CpuCgroup, cgroup_version
 from testbed.emulation import host
 from testbed.emulation.journal import Journal
-from testbed.emulation.node_files import ADB_DEVICES_FILE, REPO, NodeFiles, nodes_ssh_config, write_node_tools
+from testbed.emulation.node_files import (
+    ADB_DEVICES_FILE,
+    REPO,
+    SYSTEM_PATH,
+    NodeFiles,
+    nodes_ssh_config,
+    write_node_tools,
+)
 from testbed.emulation.plan import NODE_DATA_INTERFACE, NODE_MGMT_INTERFACE, EmulationPlan, plan_emulation
 from testbed.emulation.resolved import RESOLVED_NAME, NodeAccess, source_digest, write_resolved_inventory
 from testbed.emulation.sshd_server import (
@@ -98,6 +105,9 @@ def up(inventory: Inventory, *, mode: str = "netns", say: Say = print) -> Emulat
         raise TestbedError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
     if mode == "netns":
         _require_netns_host(plan)
+    elif plan.bastion is not None:
+        raise TestbedError("emulation.bastion needs the netns mode (a management network that only the bastion "
+                           "reaches)")  # fmt: skip
     with _locked(plan.state_dir):
         journal = _journal(plan)
         if journal.exists():
@@ -117,6 +127,10 @@ def up(inventory: Inventory, *, mode: str = "netns", say: Say = print) -> Emulat
             build = _build_netns if mode == "netns" else _build_local
             access = build(plan, journal, keys, say)
             _attach_phones(plan, journal, access)
+            bastion = plan.bastion
+            jump = None
+            if bastion is not None:
+                jump = f"{plan.ssh_user or login_user()}@{bastion.address}:22"
             resolved = write_resolved_inventory(
                 inventory,
                 plan.state_dir,
@@ -125,6 +139,8 @@ def up(inventory: Inventory, *, mode: str = "netns", say: Say = print) -> Emulat
                 identity_file=keys.client_key,
                 known_hosts=keys.known_hosts,
                 node_config=nodes_ssh_config(keys),
+                jump=jump,
+                ssh_config=controller_ssh_config(keys) if jump else None,
             )
             load_inventory(resolved)  # what every later command will read must load
         except BaseException:
@@ -160,6 +176,10 @@ def _require_netns_host(plan: EmulationPlan) -> None:
 def _check_names_free(plan: EmulationPlan) -> None:
     """Refuse to build over interfaces, namespaces or subnets that are not ours."""
     taken = [b for b in (plan.mgmt_bridge, plan.data_bridge) if host.link_exists(b)]
+    if plan.bastion is not None:
+        bastion = plan.bastion
+        taken += [v for v in (bastion.mgmt_veth, bastion.outside_veth) if host.link_exists(v)]
+        taken += [f"namespace {bastion.netns}"] if host.netns_exists(bastion.netns) else []
     for node in plan.nodes:
         taken += [v for v in (node.host_mgmt_veth, node.host_data_veth) if host.link_exists(v)]
         taken += [f"namespace {node.netns}" for _ in [0] if host.netns_exists(node.netns)]
@@ -241,8 +261,47 @@ def _build_netns(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say)
     if user is not None:
         changes.sudoers(user.sudoers_path, sudoers_text(user.name, _standins(plan)))
     _wait_all(servers)
+    if plan.bastion is not None:
+        _build_bastion(plan, changes, keys, user)
     name = user.name if user is not None else login_user()
     return {n.name: NodeAccess(n.mgmt_address, 22, name, NODE_DATA_INTERFACE, n.data_address) for n in plan.nodes}
+
+
+def _build_bastion(plan: EmulationPlan, changes: host.HostChanges, keys: SshKeys, user: _SshUser | None) -> None:
+    """The lab's only way in: this machine gives up its address on the management bridge (its route to
+    the nodes) for a point-to-point link to the bastion, whose sshd forwards to the nodes; the SSH config
+    that names the bastion's key is written as a lab's ~/.ssh/config would name it."""
+    bastion = plan.bastion
+    assert bastion is not None
+    changes.netns(bastion.netns)
+    prefixlen = plan.mgmt_network.prefixlen
+    changes.veth_into(bastion.mgmt_veth, plan.mgmt_bridge, bastion.netns, NODE_MGMT_INTERFACE, bastion.address,
+                      prefixlen)  # fmt: skip
+    host.ip("addr", "del", f"{plan.host_mgmt_address}/{prefixlen}", "dev", plan.mgmt_bridge)
+    changes.unreachable_route(str(plan.mgmt_network))
+    changes.point_to_point(bastion.outside_veth, bastion.netns, "outside0", plan.host_mgmt_address, bastion.address)
+    directory = plan.state_dir / bastion.name
+    home = directory / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    if user is not None:
+        os.chown(home, user.uid, user.gid)
+    server = SshdServer(keys, address=bastion.address, port=22, name=bastion.name, files_dir=directory,
+                        environment={"HOME": str(home), "PATH": SYSTEM_PATH},
+                        host_key=generate_key(directory / "host_ed25519"), netns=bastion.netns,
+                        hostname=bastion.name, detached=True)  # fmt: skip
+    changes.process(server.launch(), f"sshd {bastion.name}")
+    server.wait_ready(SSHD_READY_S)
+    controller_ssh_config(keys).write_text(
+        f"# The emulated lab's bastion, as a lab's ~/.ssh/config names its jump host (`testbed emulate up`).\n"
+        f"Host {bastion.address}\n"
+        f"  IdentityFile {keys.client_key}\n"
+        f"  UserKnownHostsFile {keys.known_hosts}\n"
+    )
+
+
+def controller_ssh_config(keys: SshKeys) -> Path:
+    """The SSH config this machine reads for a lab behind a bastion (``ssh.config`` in the resolved inventory)."""
+    return keys.directory / "controller_ssh_config"
 
 
 def _standins(plan: EmulationPlan) -> dict[str, list[str]]:
@@ -421,6 +480,7 @@ def status(inventory: Inventory) -> EmulationStatus:
     mode = instance.mode if instance else None
     sshd_pids = {e.name.split(" ", 1)[1]: e.details for e in journal.entries()
                  if e.kind == "process" and e.name.startswith("sshd ")}  # fmt: skip
+    bastion_ok = plan.bastion is not None and accepts_connections(plan.bastion.address, 22)
     nodes = []
     for node_plan in plan.nodes:
         node = running.node(node_plan.name)
@@ -431,6 +491,11 @@ def status(inventory: Inventory) -> EmulationStatus:
         sshd_alive = isinstance(pid, int) and host.process_start_ticks(pid) == details.get("start_ticks")
         if not sshd_alive:
             problems.append("sshd is not running")
+        elif plan.bastion is not None:  # this machine has no route to the node: ask from the bastion
+            if not host.accepts_connections_in(plan.bastion.netns, target.host, target.port):
+                problems.append(f"sshd does not accept connections on {target.host}:{target.port} (from the bastion)")
+            if not bastion_ok:
+                problems.append(f"the bastion does not accept connections on {plan.bastion.address}:22")
         elif not accepts_connections(target.host, target.port):
             problems.append(f"sshd does not accept connections on {target.host}:{target.port}")
         quota = "not enforced (local mode)"

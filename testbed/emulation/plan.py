@@ -47,6 +47,19 @@ class EmulatedNodePlan:
 
 
 @dataclass(frozen=True)
+class BastionPlan:
+    """The lab's only way in (``emulation.bastion``): a namespace whose sshd listens on ``address``, held
+    both on the management bridge (where the nodes are) and on a point-to-point link from this machine,
+    which keeps no other route into the lab."""
+
+    netns: str
+    mgmt_veth: str  # this machine's end of its veth on the management bridge
+    outside_veth: str  # this machine's end of the point-to-point link to it
+    address: str
+    name: str = "bastion"  # its host name, and what its files are named by
+
+
+@dataclass(frozen=True)
 class EmulationPlan:
     prefix: str
     state_dir: Path
@@ -57,6 +70,7 @@ class EmulationPlan:
     host_mgmt_address: str
     nodes: tuple[EmulatedNodePlan, ...]
     ssh_user: str | None = None  # the nodes' SSH user, made by `up` with only the printed sudo rules
+    bastion: BastionPlan | None = None
 
     def node(self, name: str) -> EmulatedNodePlan:
         for node in self.nodes:
@@ -122,4 +136,17 @@ def plan_emulation(inventory: Inventory) -> EmulationPlan:
         host_mgmt_address=str(mgmt_hosts[0]),
         nodes=tuple(nodes),
         ssh_user=emulation.ssh_user,
+        bastion=_bastion(inventory, prefix, mgmt_hosts, len(nodes)) if emulation.bastion else None,
     )
+
+
+def _bastion(inventory: Inventory, prefix: str, mgmt_hosts: list, nodes: int) -> BastionPlan:
+    """The bastion takes the management subnet's last address (the nodes count up from its first)."""
+    if any(n.name == BastionPlan.name for n in inventory.nodes):
+        raise TestbedError(f"{inventory.path}: a node is named {BastionPlan.name!r}, the name emulation.bastion "
+                           "gives the lab's jump host; rename the node")  # fmt: skip
+    if nodes + 2 >= len(mgmt_hosts):
+        raise TestbedError(f"{inventory.path}: emulation.management_subnet has no address left for the bastion "
+                           f"({nodes} nodes); choose a larger subnet")  # fmt: skip
+    return BastionPlan(netns=f"{prefix}-{BastionPlan.name}", mgmt_veth=f"{prefix}bm", outside_veth=f"{prefix}bo",
+                       address=str(mgmt_hosts[-1]))  # fmt: skip

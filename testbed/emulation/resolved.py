@@ -60,8 +60,11 @@ def write_resolved_inventory(
     identity_file: Path,
     known_hosts: Path,
     node_config: Path,
+    jump: str | None = None,
+    ssh_config: Path | None = None,
 ) -> Path:
-    """Write the resolved inventory atomically (its presence means ``up`` finished)."""
+    """Write the resolved inventory atomically (its presence means ``up`` finished). ``jump``: every
+    emulated node is reached through this bastion, whose key ``ssh_config`` names."""
     data = expand_ranges(YamlSource.load(inventory.path))[0].data  # one entry a node, ranges written out
     emulation = data.setdefault("emulation", {})
     emulation["state_dir"] = str(state_dir)
@@ -86,6 +89,8 @@ def write_resolved_inventory(
             "known_hosts": str(known_hosts),
             "node_config": str(node_config),
         }
+        if jump is not None:
+            node["ssh"].update(jump=jump, config=str(ssh_config))
         node["data"] = {"interface": a.data_interface, "address": a.data_address}
     yaml = YAML(typ="rt")
     yaml.width = 120

@@ -278,6 +278,10 @@ class EmulationSettings(_Strict):
     # whose sudo allows only the rules the suite prints (testbed.provisioning.sudo_rules); netns mode only.
     ssh_user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]{0,30}$")] | None = None
     sudo_rules: Literal["printed"] = "printed"
+    # Reach the nodes only through a bastion, as most labs are: `up` makes a namespace with an sshd on the
+    # management network, the one address of the lab this machine can reach; every node is reached with
+    # ssh.jump through it, its key named in an SSH config (netns mode only).
+    bastion: StrictBool = False
     instance: EmulationInstance | None = None
 
 

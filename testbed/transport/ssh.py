@@ -59,6 +59,12 @@ T = TypeVar("T")
 _JUMP_HOSTS = JumpHosts()  # one connection per jump host, shared by every node behind it
 
 
+def close_jump_hosts() -> None:
+    """Close this process's connections to jump hosts (they live as long as the process: a long-lived
+    caller that is done with a lab ends them here; the next node behind one opens it again)."""
+    _JUMP_HOSTS.close()
+
+
 def _refused_host_key(t: SshTarget, name: str, reason: str) -> str:
     if "not found in known_hosts" in reason:
         return (f"host key of {t.host}:{t.port} is not in {t.known_hosts}; refusing to connect. Verify the node's "
