@@ -272,7 +272,7 @@ def judge(inventory: Inventory, node: NodeSpec, facts: NodeFacts) -> tuple[list[
     if kind.reached_by_ssh and inventory.settings_of(node).sudo and facts.sudo == "no":
         problems.append(
             f"sudo needs a password for {facts.user}; install the sudoers rules that `testbed provision` prints "
-            "for this node (only the suite's own commands, README: pointing it at a real lab), or set "
+            "for this node (only the suite's own commands, docs/real-lab.md), or set "
             "sudo: false (defaults, its group or the node) and log in as root"
         )
     if kind.discrete_gpus and node.gpus and len(facts.gpus) != node.gpus:

@@ -22,13 +22,47 @@ if TYPE_CHECKING:
     from testbed.transport.ssh import SshTransport
 
 
+CLOSE_WAIT_S = 5.0  # how long a close waits for a write in progress on the same stream
+
+
+class JumpStream:
+    """The channel through a jump host that a node's SSH connection runs in, used as its socket, with
+    each write and the close in one order. paramiko's channel releases its lock before it sends a
+    write's packet, so a close from another thread (the node's connection closing while its transport
+    thread still writes) could send CLOSE before that DATA; OpenSSH then drops the jump host's whole
+    connection ("data packet referred to nonexistent channel"), and every node behind it with it."""
+
+    def __init__(self, channel: paramiko.Channel) -> None:
+        self._channel = channel
+        self._lock = threading.Lock()
+
+    def send(self, data: bytes) -> int:
+        with self._lock:
+            return self._channel.send(data)  # (a full window times out within the channel's timeout)
+
+    def sendall(self, data: bytes) -> None:
+        with self._lock:
+            self._channel.sendall(data)
+
+    def close(self) -> None:
+        taken = self._lock.acquire(timeout=CLOSE_WAIT_S)
+        try:
+            self._channel.close()
+        finally:
+            if taken:
+                self._lock.release()
+
+    def __getattr__(self, name: str) -> object:  # recv, settimeout, fileno, getpeername, ...: the channel's
+        return getattr(self._channel, name)
+
+
 class JumpHost:
     """One jump host's connection, shared; :meth:`forward` opens a stream through it."""
 
     def __init__(self, transport: SshTransport) -> None:
         self.transport = transport
 
-    def forward(self, host: str, port: int) -> paramiko.Channel:
+    def forward(self, host: str, port: int) -> JumpStream:
         """A channel from the jump host to ``host:port``, opened within the hop's connect timeout. A
         connection that broke is opened again once; a refusal by the jump host is said as its own."""
         t = self.transport.target
@@ -38,8 +72,8 @@ class JumpHost:
             try:
                 if link is None or not link.is_active():
                     raise EOFError("connection closed")
-                return link.open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0),
-                                         timeout=t.connect_timeout_s)  # fmt: skip
+                return JumpStream(link.open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0),
+                                                    timeout=t.connect_timeout_s))  # fmt: skip
             except paramiko.ChannelException as exc:
                 raise NodeError(self.transport.node, f"jump host {t.user}@{t.host}:{t.port} cannot open a channel to "
                                 f"{host}:{port}: {exc.text} (is AllowTcpForwarding on there, and {host}:{port} "

@@ -46,7 +46,7 @@ from testbed.transport.base import (
     copy_from,
 )
 from testbed.transport.host_keys import HostKeyRefused, KnownHosts, certificates_first, known_hosts_name
-from testbed.transport.jump_hosts import JumpHosts
+from testbed.transport.jump_hosts import JumpHosts, JumpStream
 
 CONNECT_ATTEMPTS = 3
 BACKOFF_S = 0.5
@@ -301,7 +301,7 @@ class SshTransport(Transport):
             f"cannot connect to {t.describe()} after {CONNECT_ATTEMPTS} attempts: {type(error).__name__}: {error}",
         )
 
-    def _socket(self) -> socket.socket | paramiko.Channel:
+    def _socket(self) -> socket.socket | JumpStream:
         """A stream to the node's sshd: a TCP connection, or a channel through the last jump host."""
         t = self.target
         if not t.jumps:
