@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # iptables, libnetfilter-queue-dev and gcc (the NetfilterQueue build) and ethtool: the NFQUEUE delay path;
 # iputils-ping: link verify's round trips (ping -U); sudo: an emulated lab reached as a non-root user
 # (emulation.ssh_user) whose sudo allows only the rules the suite prints.
-SYSTEM_PACKAGES := openssh-server iperf3 iproute2 iptables ethtool iputils-ping libnetfilter-queue-dev gcc sudo
+SYSTEM_PACKAGES := openssh-server iperf3 iproute2 iptables ethtool iputils-ping libnetfilter-queue-dev gcc sudo strace
 PYTEST_ARGS ?=
 # Test files run side by side in TEST_WORKERS processes (pytest-xdist), a file's tests in one worker:
 # its labs (name prefix, subnets) and warm fixtures are its own, the longest files first (tests/conftest.py:

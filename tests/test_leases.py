@@ -41,6 +41,37 @@ def test_a_lease_is_taken_once_renewed_by_its_holder_and_refused_to_another_nami
     assert _answer(tmp_path, "force").state == "released"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the lease script as a second user")
+def test_a_lease_another_user_made_is_taken_over_without_an_o_creat_open_that_protected_regular_refuses():
+    """Controllers that log in as different users share one lease file in a sticky, world-writable
+    directory (/run/lock). fs.protected_regular (on in most distributions, off on this machine) refuses an
+    open with O_CREAT of another user's file there, so the script must open an existing lease file without
+    it: root's expired lease is taken by 'nobody', and strace shows no O_CREAT open of the existing file."""
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="lease-users-"))
+    try:
+        top.chmod(0o755)
+        lock = top / "lock"
+        lock.mkdir()
+        lock.chmod(0o1777)  # as /run/lock
+        assert _answer(lock, "take", "key-root", "root@ctl-1", ttl_s=1).state == "taken"
+        time.sleep(2.1)  # (the node's clock counts whole seconds)
+        trace = top / "strace.log"
+        request = lease_request("key-nobody", {"holder": "nobody@ctl-2", "campaign": "/c", "pid": "7"}, 60)
+        done = subprocess.run(["strace", "-f", "-u", "nobody", "-e", "trace=open,openat,creat", "-o", str(trace),
+                               "sh", "-c", lease_script("take")], input=request.decode(),
+                              env={"PATH": "/usr/bin:/bin", LEASE_DIR_ENV: str(lock)}, capture_output=True,
+                              text=True, timeout=30, check=True)  # fmt: skip
+        taken = parse_answer(done.stdout)
+        assert (taken.state, taken.lease.holder) == ("taken", "nobody@ctl-2"), done.stdout + done.stderr
+        opens = [line for line in trace.read_text().splitlines() if "hil-testbed.lease" in line]
+        assert opens and not [line for line in opens if "O_CREAT" in line], opens
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def test_a_lease_not_renewed_expires_and_its_old_holder_learns_it_was_lost(tmp_path):
     assert _answer(tmp_path, "take", "key-a", "alice@ctl-1", ttl_s=1).state == "taken"
     assert _answer(tmp_path, "take", "key-b", "bob@ctl-2").state == "held"
@@ -145,6 +176,38 @@ def test_a_second_controller_is_refused_naming_the_holder_and_a_killed_ones_leas
     assert reached["workdir"] == "~/hil-testbed" and reached["sudo"] is False
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
+def test_single_commands_that_change_nodes_are_refused_on_a_machine_another_holds_and_lease_it_themselves(lab):
+    """link apply/clear, power set/restore and provision take a lease for their own length: while another
+    controller (alice's campaign, elsewhere) holds orin, each is refused naming her and changes nothing;
+    once she gives it back, power set runs and gives its own lease back."""
+    from testbed.emulation.resolved import load_lab
+    from testbed.leases.keeper import Holder, LeaseKeeper
+    from tests.conftest import run_cli
+
+    inventory = load_lab(lab.inventory)
+    mode_file = lab.state / "nodes" / "orin" / "power_mode"
+    before = mode_file.read_text()
+    alice = Holder("alice", "other-controller", "/home/alice/results/sweep", 4242)
+    with LeaseKeeper(inventory, ["orin"], alice):
+        for argv in (("link", "apply"), ("link", "clear"), ("power", "set", "orin", "MODE_50W"),
+                     ("power", "restore"), ("provision", "--nodes", "orin")):  # fmt: skip
+            refused = run_cli(*argv, "-i", str(lab.inventory))
+            assert refused.returncode == 1, (argv, refused.stdout + refused.stderr)
+            said = " ".join(refused.stderr.split())
+            assert "leased to alice@other-controller (campaign /home/alice/results/sweep, pid 4242" in said, argv
+            assert "Nothing was changed" in said, argv
+        assert mode_file.read_text() == before
+        assert not [n for n in lab.nodes if (lab.home(n) / "netem" / "journal.json").exists()], "nothing shaped"
+        assert _leases(lab)["server"]["lease"] is None, "what a refused command took it gave back"
+    done = run_cli("power", "set", "orin", "MODE_50W", "-i", str(lab.inventory))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert mode_file.read_text().strip() == "3"
+    assert all(row["lease"] is None for row in _leases(lab).values()), "a command gives its lease back"
+    restored = run_cli("power", "restore", "-i", str(lab.inventory))
+    assert restored.returncode == 0 and mode_file.read_text() == before, restored.stdout + restored.stderr
+
+
 # --------------------------------------------------------------------------------------------
 # Two campaigns at once on disjoint machines of one lab
 
@@ -173,7 +236,8 @@ def _campaign(inventory: Path, name: str, server: str, device: str) -> str:
             f"  partition: {{device_layers: 2, stages: 1}}\n  devices: [{device}]\n"
             "  workload: {arrival: constant, rate_per_s: 2.0, requests_per_device: 2, max_new_tokens: 8}\n"
             "  telemetry: {enabled: false}\n  drain_s: 0.2\n"
-            "matrix:\n  method: [ushape, centralized]\norder: listed\nseed: 3\nrun_timeout_s: 120\n")
+            + ("  link: {verify_s: 1}\n" if name == "a" else "")  # (its iperf3 lines are planned too)
+            + "matrix:\n  method: [ushape, centralized]\norder: listed\nseed: 3\nrun_timeout_s: 120\n")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")

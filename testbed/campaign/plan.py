@@ -53,6 +53,7 @@ from testbed.links.handler_lifecycle import plan_handler_reports
 from testbed.links.plans import Driven, LinkPlan, link_plan
 from testbed.links.probe import NodeProbe, plan_probe, probe_nodes
 from testbed.links.trace_playback import plan_trace_players, plan_trace_stop
+from testbed.links.verify import plan_verification
 from testbed.target.emulation import paceable, plan_pacing
 from testbed.transport.base import command_line
 from testbed.transport.facts import facts_script
@@ -165,6 +166,7 @@ class RunPlan:
     commands: tuple[PlannedCommand, ...] = field(default=())
     probes: dict[str, NodeProbe] = field(default_factory=dict)  # tc state read when planning; apply reuses it
     services: tuple[ServicePlan, ...] = ()  # the devices' LLM service daemons (a context-serving method)
+    verify_s: float = 0.0  # iperf3 per shaped direction after shaping (link.verify_s); 0: none
 
     @property
     def tc_plans(self) -> tuple[TcPlan, ...]:
@@ -349,6 +351,7 @@ def plan_run(
     plan = RunPlan(
         run.run_id, attempt, node_run_id(run, attempt), names, devices, contexts, live, tuple(unresolved), power,
         links, shaping, trace, telemetry, split, mpiexec, launch, probes=probes, services=services,
+        verify_s=settings.link.verify_s if settings.link.shaped else 0.0,
     )  # fmt: skip
     leased = lease_machines(lab, campaign.nodes())
     return dataclasses.replace(plan, commands=tuple(plan_commands(lab, plan, leased)))
@@ -389,6 +392,8 @@ def plan_commands(lab: Inventory, plan: RunPlan, leased: Sequence[str] = ()) -> 
     if shaping.tc_plans:
         plan_shaping(lines, shaping, plan.probes, ctx)
         plan_trace_players(lines, shaping, ctx)
+        if plan.verify_s > 0:
+            plan_verification(lines, plan.links, plan.verify_s)
     if plan.telemetry is not None:
         plan_recording_start(lines, plan.telemetry, ctx)
     # stage (beside configure and telemetry): the run staged on its nodes, the warm pool of its shape

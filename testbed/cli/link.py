@@ -63,7 +63,8 @@ def link_apply(
     and iptables are read back and compared with the plan; if any node fails, every node is undone
     (exit 1). Applying again replaces the shaping in place."""
     from netem.plan import queue_limit_packets
-    from testbed.links.apply import apply_plans
+    from testbed.leases.keeper import command_leases
+    from testbed.links.apply import apply_plans, shapeable_nodes
     from testbed.links.plans import compile_plan
     from testbed.links.trace_playback import apply_trace
 
@@ -71,25 +72,31 @@ def link_apply(
     if sum(x is not None for x in (profile, links_file, trace)) > 1:
         raise TestbedError("give at most one of --profile, --links and --trace")
     started = None
-    try:
-        if trace:
-            result, started = apply_trace(inv, trace_targets(inv, trace), say=_say)
-        else:
-            if links_file is not None:
-                from testbed.inventory import links_from_file
+    traces, plans = None, []
+    if trace:
+        traces = trace_targets(inv, trace)
+    else:  # the links to shape, checked before any node is touched
+        if links_file is not None:
+            from testbed.inventory import links_from_file
 
-                links = links_from_file(inv, links_file)
-            elif profile is not None:
-                if profile not in inv.spec.link_profiles:
-                    known = ", ".join(inv.spec.link_profiles) or "none"
-                    raise TestbedError(f"--profile {profile}: no such profile in {inventory} (it has: {known})")
-                chosen = inv.spec.link_profiles[profile]
-                links = tuple(dataclasses.replace(lk, profile_name=profile, profile=chosen) for lk in inv.links)
+            links = links_from_file(inv, links_file)
+        elif profile is not None:
+            if profile not in inv.spec.link_profiles:
+                known = ", ".join(inv.spec.link_profiles) or "none"
+                raise TestbedError(f"--profile {profile}: no such profile in {inventory} (it has: {known})")
+            chosen = inv.spec.link_profiles[profile]
+            links = tuple(dataclasses.replace(lk, profile_name=profile, profile=chosen) for lk in inv.links)
+        else:
+            links = inv.links
+        if not links:
+            raise TestbedError(f"{inventory} has no links to shape; add 'links:' or pass --links FILE")
+        plans = compile_plan(inv, links)
+    try:
+        with command_leases(inv, shapeable_nodes(inv)):  # (it clears earlier shaping anywhere)
+            if traces is not None:
+                result, started = apply_trace(inv, traces, say=_say)
             else:
-                links = inv.links
-            if not links:
-                raise TestbedError(f"{inventory} has no links to shape; add 'links:' or pass --links FILE")
-            result = apply_plans(inv, compile_plan(inv, links), say=_say)
+                result = apply_plans(inv, plans, say=_say)
     except NodeError as exc:
         err.print("[red]error:[/] " + escape(str(exc)), highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
@@ -275,11 +282,14 @@ def link_clear(inventory: InventoryOption = Path("inventory.yaml")) -> None:
     remove only our qdiscs (handle 1f7b:, our ingress qdisc), ifb devices and iptables chains
     (TB-IN-*, TB-EG-* and the jumps into them), and check that each interface is back to what it
     was before the first apply. Works after the controller was killed mid-apply. Safe to
-    run again; exits 1 if a node could not be cleared."""
-    from testbed.links.apply import clear_nodes
+    run again; exits 1 if a node could not be cleared, or if another holder (a running campaign)
+    leases one of the machines (testbed lab leases; a holder that is gone: testbed lab release --force)."""
+    from testbed.leases.keeper import command_leases
+    from testbed.links.apply import clear_nodes, shapeable_nodes
 
     inv = load_lab(inventory)
-    result = clear_nodes(inv)
+    with command_leases(inv, shapeable_nodes(inv)):
+        result = clear_nodes(inv)
     for o in result.outcomes:
         if o.value is None:
             continue

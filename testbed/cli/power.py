@@ -63,11 +63,14 @@ def power_set(
                                               "(jetson_clocks; NVML locked clocks).")] = False,
 ) -> None:
     """Set a power mode on a node or group and read it back; exits 1 if any node reads back
-    something else. The state before the first change is journaled on the node."""
+    something else, or if another holder (a running campaign) leases its machine. The state before
+    the first change is journaled on the node."""
     from testbed.energy.power_modes import set_power
+    from testbed.leases.keeper import command_leases
 
     inv = load_lab(inventory)
-    result = set_power(inv, [target], mode, lock_clocks=lock_clocks)
+    with command_leases(inv, inv.select([target])):
+        result = set_power(inv, [target], mode, lock_clocks=lock_clocks)
     readings = list(result.values().values())
     if readings:
         out.print(_power_table(f"power mode {mode}, read back", readings))
@@ -81,9 +84,11 @@ def power_restore(inventory: InventoryOption = Path("inventory.yaml"), nodes: No
     """Put every node back to the power mode and clocks its journal recorded before the first
     change, read it back, and drop the journal. Nodes without a journal are left alone."""
     from testbed.energy.power_modes import restore_power
+    from testbed.leases.keeper import command_leases
 
     inv = load_lab(inventory)
-    result = restore_power(inv, nodes)
+    with command_leases(inv, inv.select(nodes)):
+        result = restore_power(inv, nodes)
     for o in result.outcomes:
         if o.ok:
             v = o.value

@@ -43,8 +43,9 @@ def provision_command(
     devices get the embedding, the first m layers, the final norm and the LM head, the server the
     middle layers, as content-hashed safetensors sent only when missing or damaged. Each node's
     versions (packages, torch, CUDA, MPI and its ABI, the wheel's hash) go to the state directory's
-    provisioned/<node>.json. Exits 1 when a node failed or has a problem, or when nodes differ in MPI
-    ABI or node code version."""
+    provisioned/<node>.json. Exits 1 when a node failed or has a problem, when nodes differ in MPI
+    ABI or node code version, or when another holder (a running campaign) leases a node's machine."""
+    from testbed.leases.keeper import command_leases
     from testbed.provisioning.provision import ProvisionOptions, provision
     from testbed.provisioning.weights import parse_partition
 
@@ -52,7 +53,8 @@ def provision_command(
     if partition is not None and model is None:
         raise TestbedError("--partition needs --model")
     options = ProvisionOptions(model=model, partition=parse_partition(partition) if partition else None)
-    result, across = provision(inv, nodes, options, max_parallel=parallel, say=_say)
+    with command_leases(inv, inv.select(nodes)):
+        result, across = provision(inv, nodes, options, max_parallel=parallel, say=_say)
     if as_json:
         payload = {
             "nodes": [

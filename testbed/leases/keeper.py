@@ -11,7 +11,8 @@ import hashlib
 import os
 import socket
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from testbed.transport.fanout import FanOutResult, fan_out
 
 LEASE_TTL_S = 120.0  # a holder that stops renewing loses its leases this long after its last renewal
 RENEW_FRACTION = 1 / 3  # renewed every third of the ttl: two renewals may fail before one expires
+COMMANDS_HOLDER = "testbed-commands"  # the "campaign" of single commands (command_leases)
 TTL_ENV = "TESTBED_LEASE_TTL_S"  # for a test (or a lab on a slow network) to change the ttl
 
 
@@ -170,3 +172,19 @@ class LeaseKeeper:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
+
+
+@contextmanager
+def command_leases(inventory: Inventory, nodes: Iterable[NodeSpec | str]) -> Iterator[None]:
+    """Leases for one command that changes nodes (``testbed link apply``, ``power set``, ``provision``):
+    taken on the machines of ``nodes`` before anything changes, renewed while it runs, given back when
+    it ends. A machine that another holder has (a campaign, another person's commands) refuses the
+    command, naming the holder, before anything changes (:class:`LeaseRefused`, exit 1). One person's
+    commands on one controller share a holder: ``link clear`` after a ``link apply`` that was killed
+    takes its lease over instead of waiting for it to expire."""
+    machines = lease_machines(inventory, nodes)
+    if not machines:
+        yield
+        return
+    with LeaseKeeper(inventory, machines, holder_for(COMMANDS_HOLDER)):
+        yield

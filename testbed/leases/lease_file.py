@@ -96,14 +96,14 @@ def lease_script(action: str) -> str:
         'taken=$(field taken_unix_s); [ "$mine" = 1 ] && [ -n "$taken" ] || taken=$now; '
         "printf 'key=%s\\nholder=%s\\ncampaign=%s\\npid=%s\\ntaken_unix_s=%s\\nrenewed_unix_s=%s\\n"
         "expires_unix_s=%s\\n' \"$key\" \"$holder\" \"$campaign\" \"$pid\" \"$taken\" \"$now\" "
-        '"$((now + ttl))" > "$f"'
+        '"$((now + ttl))" | put'
     )
     decide = {
         "take": f'if [ "$live" = 1 ] && [ "$mine" = 0 ]; then answer held; fi; {write}; '
                 'if [ "$mine" = 1 ]; then answer renewed; else answer taken; fi',
         "renew": f'if [ "$mine" = 0 ]; then answer lost; fi; {write}; answer renewed',
-        "release": 'if [ "$mine" = 0 ] && [ -s "$f" ]; then answer held; fi; : > "$f"; answer released',
-        "force": ': > "$f"; answer released',
+        "release": 'if [ "$mine" = 0 ] && [ -s "$f" ]; then answer held; fi; put </dev/null; answer released',
+        "force": 'put </dev/null; answer released',
         "show": 'if [ -s "$f" ]; then answer held; fi; answer free',
     }[action]
     read_request = (
@@ -116,7 +116,11 @@ def lease_script(action: str) -> str:
         read_request
         + f'd="${{{LEASE_DIR_ENV}:-{DEFAULT_DIR}}}"; f="$d/{FILE_NAME}"; umask 000; '
         f'[ -d "$d" ] || mkdir -p "$d" 2>/dev/null; '
-        f'exec 9<>"$f" 2>/dev/null || {{ echo "cannot open $f" >&2; exit 3; }}; '
+        # Another user's file in a sticky directory must be opened without O_CREAT (fs.protected_regular,
+        # on in most distributions, refuses it): created only when absent, locked read-only, written by dd.
+        f'[ -e "$f" ] || {{ : >> "$f"; }} 2>/dev/null; '
+        f'exec 9<"$f" 2>/dev/null || {{ echo "cannot open $f" >&2; exit 3; }}; '
+        'put() { dd of="$f" conv=nocreat status=none 2>/dev/null || { echo "cannot write $f" >&2; exit 3; }; }; '
         f'flock -w {LOCK_WAIT_S} 9 || {{ echo "{ANSWER} busy $(date +%s)"; exit 0; }}; '
         'now=$(date +%s); '
         'field() { sed -n "s/^$1=//p" "$f" | head -n 1; }; '
