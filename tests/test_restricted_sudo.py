@@ -12,6 +12,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -283,3 +284,71 @@ def test_a_privileged_command_that_times_out_is_ended_by_the_user_through_its_su
         for pid, _uid, cmdline in processes():
             if cmdline == f"sleep\0{marker}\0":
                 os.kill(pid, 9)
+
+
+def test_a_second_controller_user_sees_the_first_ones_lease_and_is_refused_naming_it(user_lab):
+    """Two people drive one lab from one controller machine, each as a user of their own with a key of
+    their own, both logging into the nodes as the lab's account through the bastion: while root's
+    controller holds orin, bob's `lab leases` shows root as its holder and his `power set` is refused
+    naming root, changing nothing; once root gives it back, bob's command runs."""
+    import getpass
+    import socket
+
+    from testbed.emulation.resolved import load_lab
+    from testbed.emulation.sshd_server import generate_key, reach_script
+    from testbed.leases.keeper import LeaseKeeper, holder_for
+
+    bob = f"hebob{os.getpid() % 100000}"
+    home = lab_directory("he-bob")
+    state = user_lab.parent / "state"
+    authorized = state / "keys" / "authorized_keys"
+    kept_keys = authorized.read_text()
+    subprocess.run(["useradd", "--no-create-home", "--home-dir", str(home), "--shell", "/bin/sh", bob], check=True)
+    try:
+        key = generate_key(home / "id_ed25519")
+        known = home / "known_hosts"
+        shutil.copy(state / "keys" / "known_hosts", known)
+        config = home / "ssh_config"
+        bastion = "10.192.0.254"
+        config.write_text(f"Host {bastion}\n  IdentityFile {key}\n  UserKnownHostsFile {known}\n")
+        resolved = (state / "inventory.yaml").read_text()  # his own copy, naming his key and files
+        mine = resolved.replace(str(state / "keys" / "client_ed25519"), str(key)).replace(
+            str(state / "keys" / "known_hosts"), str(known)).replace(
+            str(state / "keys" / "controller_ssh_config"), str(config))  # fmt: skip
+        (home / "inventory.yaml").write_text(mine)
+        subprocess.run(["chown", "-R", f"{bob}:", str(home)], check=True)
+        with authorized.open("a") as f:  # the lab's administrator authorizes bob's key
+            f.write(key.with_suffix(".pub").read_text())
+
+        # This machine's Python lives under /root (0700): bob's commands run in a mount namespace of their
+        # own that lets him reach it, as the emulated nodes' sessions do (a lab's controller would have a
+        # Python every user may run)
+        reach = reach_script([Path(sys.executable), Path(sys.base_prefix), REPO], home / ".reach")
+
+        def as_bob(*args: str) -> subprocess.CompletedProcess[str]:
+            argv = ["runuser", "-u", bob, "--", "env", f"HOME={home}", sys.executable, "-m", "testbed", *args,
+                    "-i", str(home / "inventory.yaml")]
+            return subprocess.run(["unshare", "--mount", "--propagation", "slave", "sh", "-c",
+                                   f'{reach} && exec "$@"' if reach else 'exec "$@"', "bob", *argv], cwd=REPO,
+                                  capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+
+        mode_file = state / "nodes" / "orin" / "power_mode"
+        before = mode_file.read_text()
+        root = f"{getpass.getuser()}@{socket.gethostname()}"
+        with LeaseKeeper(load_lab(user_lab), ["orin"], holder_for("/results/root-campaign")):
+            shown = as_bob("lab", "leases", "--json")
+            assert shown.returncode == 0, shown.stdout + shown.stderr
+            rows = {row["node"]: row for row in json.loads(shown.stdout)}
+            assert rows["orin"]["live"] and rows["orin"]["lease"]["holder"] == root, rows
+            refused = as_bob("power", "set", "orin", "MODE_30W")
+            said = " ".join(refused.stderr.split())
+            assert refused.returncode == 1 and f"leased to {root} (campaign /results/root-campaign" in said, said
+            assert mode_file.read_text() == before
+        done = as_bob("power", "set", "orin", "MODE_30W")
+        assert done.returncode == 0 and mode_file.read_text().strip() == "2", done.stdout + done.stderr
+        restored = as_bob("power", "restore")
+        assert restored.returncode == 0 and mode_file.read_text() == before, restored.stdout + restored.stderr
+    finally:
+        authorized.write_text(kept_keys)
+        subprocess.run(["userdel", bob], check=False)
+        shutil.rmtree(home, ignore_errors=True)
