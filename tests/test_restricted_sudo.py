@@ -352,3 +352,26 @@ def test_a_second_controller_user_sees_the_first_ones_lease_and_is_refused_namin
         authorized.write_text(kept_keys)
         subprocess.run(["userdel", bob], check=False)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_target_emulations_cpu_pacing_runs_as_the_user_without_a_rule_of_its_own(user_lab):
+    """CPU pacing (a campaign with ``target:``) is the emulation's own machinery, no real lab's: the user
+    paces and unpaces the node's CPU quota without sudo, and the power mode's quota comes back."""
+    from nodes.emulated.cgroup import CpuCgroup
+    from testbed.emulation.resolved import load_lab
+    from testbed.target.emulation import PACED_PERIOD_MS, pace_nodes, paced_cpus
+    from testbed.transport.ssh import close_jump_hosts
+
+    inventory = load_lab(user_lab)
+    group = CpuCgroup(f"{USER_PREFIX}-orin")
+    before = group.quota_cpus()
+    try:
+        paced = pace_nodes(inventory, ["orin"], True)
+        assert paced.ok, [o.error for o in paced.outcomes]
+        assert paced.values()["orin"]["paced"] and group.quota_cpus() == paced_cpus()
+        assert group.period_us() == PACED_PERIOD_MS * 1000
+        unpaced = pace_nodes(inventory, ["orin"], False)
+        assert unpaced.ok and not unpaced.values()["orin"]["paced"], [o.error for o in unpaced.outcomes]
+        assert group.quota_cpus() == before
+    finally:
+        close_jump_hosts()

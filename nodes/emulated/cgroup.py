@@ -85,6 +85,11 @@ class CpuCgroup:
             _write(os.path.join(self.quota_directory, "cpu.cfs_period_us"), str(period_us))
             _write(os.path.join(self.quota_directory, "cpu.cfs_quota_us"), str(quota_us))
 
+    def quota_files(self) -> List[str]:
+        """The files :meth:`set_quota_cpus` writes."""
+        names = ["cpu.max"] if self.version == 2 else ["cpu.cfs_quota_us", "cpu.cfs_period_us"]
+        return [os.path.join(self.quota_directory, n) for n in names]
+
     def period_us(self) -> int:
         if self.version == 2:
             return int(_read(os.path.join(self.quota_directory, "cpu.max")).split()[1])

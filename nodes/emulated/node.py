@@ -18,6 +18,7 @@ from nodes.emulated.cgroup import CpuCgroup, ProcessTreeCpu
 
 CONFIG_VARIABLE = "TESTBED_EMULATED_NODE"  # path of node.json; set in every SSH session of the node
 STANDIN_ROOT_VARIABLE = "TESTBED_STANDIN_ROOT"  # where the stand-in board files live
+PACING_DIRECTORY = "pacing"  # beside the power mode: the CPU pacing state of a target emulation
 
 
 class NotEmulated(Exception):
@@ -97,7 +98,9 @@ class EmulatedNode:
 
     @property
     def pacing_file(self) -> str:
-        return os.path.join(os.path.dirname(self.power_mode_file), "cpu_pacing")
+        """In a directory of its own, which a lab reached as a non-root user gives that user (pacing is the
+        emulation's own machinery, no rule a real lab needs; testbed.emulation.lifecycle)."""
+        return os.path.join(os.path.dirname(self.power_mode_file), PACING_DIRECTORY, "cpu_pacing")
 
     def cpu_pacing(self) -> Optional[Tuple[float, int]]:
         """(CPUs, period in us) while the node runs paced steps of a target emulation, else None."""

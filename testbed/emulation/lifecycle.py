@@ -241,7 +241,7 @@ def _build_netns(plan: EmulationPlan, journal: Journal, keys: SshKeys, say: Say)
         files = NodeFiles(plan.state_dir, node)
         files.create(mode="netns", cgroup=node.cgroup)
         if user is not None:
-            user.give(files)
+            user.give(files, group)
         server = SshdServer(
             keys,
             address=node.mgmt_address,
@@ -333,12 +333,16 @@ class _SshUser:
     sudoers_path: Path
     reach: tuple[Path, ...]  # what the user must reach on every node: this Python and the repository
 
-    def give(self, files: NodeFiles) -> None:
+    def give(self, files: NodeFiles, group: CpuCgroup) -> None:
         """The node's home, and the directory where the stand-in tegrastats (run as the user, as the real
-        one is) keeps its instances, to the user; root's own directory of the node (its /var/lib/hil-testbed)."""
-        for directory in (files.home, files.directory / "tegrastats"):
+        one is) keeps its instances, to the user; root's own directory of the node (its /var/lib/hil-testbed).
+        The CPU pacing of a target emulation (its state and the node cgroup's quota) is the user's too: it is
+        the emulation's own machinery, which no real lab runs, so no sudo rule of the printed ones."""
+        for directory in (files.home, files.directory / "tegrastats", files.pacing_dir):
             directory.mkdir(exist_ok=True)
             os.chown(directory, self.uid, self.gid)
+        for quota in group.quota_files():
+            os.chown(quota, self.uid, self.gid)
         files.root_state.mkdir(mode=0o755, exist_ok=True)
 
     def mounts(self, files: NodeFiles) -> str:

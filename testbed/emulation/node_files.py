@@ -15,7 +15,7 @@ from pathlib import Path
 from nodes.contracts.durable import write_json_atomic
 from nodes.emulated import boards, phones
 from nodes.emulated.adb import DEVICES_VARIABLE
-from nodes.emulated.node import CONFIG_VARIABLE, STANDIN_ROOT_VARIABLE
+from nodes.emulated.node import CONFIG_VARIABLE, PACING_DIRECTORY, STANDIN_ROOT_VARIABLE
 from testbed.emulation.plan import NODE_DATA_INTERFACE as DATA_INTERFACE
 from testbed.emulation.plan import EmulatedNodePlan
 from testbed.emulation.sshd_server import SshKeys, generate_key
@@ -92,6 +92,7 @@ class NodeFiles:
         self.jetson_bin = self.directory / "bin-jetson"  # its own: sudo drops the environment that names the node
         self.root_state = self.directory / "root-state"  # the node's /var/lib/hil-testbed (nodes.contracts.root_paths)
         self.lease_dir = self.directory / "lease"  # the node's /run/lock for its lease (testbed.leases), every user's
+        self.pacing_dir = self.directory / PACING_DIRECTORY  # its CPU pacing state (nodes.emulated.node)
         self.node_bin = state_dir / "bin-node"
         self.android_bin = state_dir / "bin-android"
         self.adb_bin = state_dir / "bin-adb"
@@ -101,6 +102,7 @@ class NodeFiles:
         self.home.mkdir(parents=True, exist_ok=True)
         self.lease_dir.mkdir(exist_ok=True)
         self.lease_dir.chmod(0o1777)  # as /run/lock: every user may add a file, none remove another's
+        self.pacing_dir.mkdir(exist_ok=True)
         generate_key(self.host_key)
         initial = self.node.initial_power_mode
         self.power_mode.write_text(f"{initial.id}\n" if initial else "")

@@ -156,7 +156,8 @@ def apply_on_node(
         stop_earlier_handler(transport, directory, probe.journal.handler_pidfile if probe.journal else None)
     commands = [c for p in plans for c in commands_for(p, probe.states)] + probe.held_commands(held)
     node_journal.write(transport, workdir, journal)  # names the held rules and the handler before they exist
-    transport.run_script(node_journal.commands_script(commands, transport.use_sudo), timeout_s=60.0).check()
+    transport.run_script(node_journal.commands_script(commands, transport.use_sudo),
+                         timeout_s=node_journal.commands_timeout_s(commands)).check()  # fmt: skip
     if directory is not None and queued:
         start_delay_handler(transport, directory, nfqueue.handler_config(held, seed=seed))
     states = read_states(transport, plan_devices(plans)) if plans else {}
@@ -195,7 +196,8 @@ def clear_on_node(transport: Transport, node: str, workdir: str) -> NodeCleared:
     states = read_states(transport, devices)
     commands = journal.held_undo_commands(read_listings(transport, held_paths)) + journal.undo_commands(states)
     if commands:
-        transport.run_script(node_journal.commands_script(commands, transport.use_sudo), timeout_s=60.0).check()
+        transport.run_script(node_journal.commands_script(commands, transport.use_sudo),
+                             timeout_s=node_journal.commands_timeout_s(commands)).check()  # fmt: skip
     after, listings = read_states(transport, devices), read_listings(transport, held_paths)
     leftovers = journal.snapshot_differences(after, listings)
     still_ours = journal.undo_commands(after) + journal.held_undo_commands(listings)

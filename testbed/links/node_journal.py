@@ -223,6 +223,15 @@ def remove_script(workdir: str) -> str:
     return f"rm -f {quote_path(journal_path(workdir))}"
 
 
+COMMANDS_BASE_S = 60.0
+PER_COMMAND_S = 2.0  # each under its own sudo, which may ask PAM (a server's 30 peers: about 250 commands)
+
+
+def commands_timeout_s(commands: Sequence[Sequence[str]]) -> float:
+    """How long :func:`commands_script` may take for ``commands``."""
+    return COMMANDS_BASE_S + PER_COMMAND_S * len(commands)
+
+
 def commands_script(commands: Sequence[Sequence[str]], sudo: bool) -> str:
     """sh that runs tc, ip and iptables commands in order (each with sudo, as the one fixed program
     :func:`testbed.provisioning.sudo_rules.privileged` makes it) and stops at the first failure, saying which."""
