@@ -82,7 +82,8 @@ def power_set(
 @power_app.command("restore")
 def power_restore(inventory: InventoryOption = Path("inventory.yaml"), nodes: NodesOption = None) -> None:
     """Put every node back to the power mode and clocks its journal recorded before the first
-    change, read it back, and drop the journal. Nodes without a journal are left alone."""
+    change, read it back, and drop the journal. Nodes without a journal are left alone. Exits 1 if a
+    node could not be restored, or if another holder (a running campaign) leases its machine."""
     from testbed.energy.power_modes import restore_power
     from testbed.leases.keeper import command_leases
 

@@ -173,7 +173,6 @@ class LeaseKeeper:
         self.release()
 
 
-
 @contextmanager
 def command_leases(inventory: Inventory, nodes: Iterable[NodeSpec | str]) -> Iterator[None]:
     """Leases for one command that changes nodes (``testbed link apply``, ``power set``, ``provision``):

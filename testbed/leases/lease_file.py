@@ -96,7 +96,7 @@ def lease_script(action: str) -> str:
         'taken=$(field taken_unix_s); [ "$mine" = 1 ] && [ -n "$taken" ] || taken=$now; '
         "printf 'key=%s\\nholder=%s\\ncampaign=%s\\npid=%s\\ntaken_unix_s=%s\\nrenewed_unix_s=%s\\n"
         "expires_unix_s=%s\\n' \"$key\" \"$holder\" \"$campaign\" \"$pid\" \"$taken\" \"$now\" "
-        '"$((now + ttl))" | put'
+        '"$((now + ttl))" | put || exit 3'
     )
     decide = {
         "take": f'if [ "$live" = 1 ] && [ "$mine" = 0 ]; then answer held; fi; {write}; '
