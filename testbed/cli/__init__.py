@@ -28,9 +28,11 @@ from testbed.cli import (  # noqa: F401
     telemetry,
     workers,
 )
-from testbed.cli.app import app, err
+from testbed.cli.app import app, err, with_short_helps
 
 __all__ = ["app", "main"]
+
+with_short_helps(app)  # each command's line in its group's listing: its help's first sentence
 
 
 def main() -> None:

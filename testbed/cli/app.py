@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperOption
 
 from testbed import __version__
 
@@ -28,9 +30,9 @@ emulate_app = typer.Typer(
 )
 app.add_typer(emulate_app, name="emulate")
 link_app = typer.Typer(
-    help="Shape the data-plane links between nodes with tc (an HTB class per destination, netem where "
-    "the kernel has it), read them back, measure them with iperf3, replay bandwidth traces, and undo "
-    "everything from the journal each node keeps.",
+    help="Shape the data-plane links between nodes with tc. An HTB class per destination, netem where "
+    "the kernel has it (else the NFQUEUE delay path); read them back, measure them with iperf3, replay "
+    "bandwidth traces, and undo everything from the journal each node keeps.",
     no_args_is_help=True,
 )
 app.add_typer(link_app, name="link")
@@ -107,3 +109,45 @@ def _print_outcome_errors(result: Any) -> None:
     for o in result.outcomes:
         if not o.ok:
             err.print(f"[red]{escape(o.node)}:[/] " + escape(o.error or ""), highlight=False, soft_wrap=True)
+
+
+# -- how --help reads ----------------------------------------------------------------------------------
+
+SHORT_HELP_CHARS = 90
+
+
+def short_help(doc: str) -> str:
+    """A command's line in its group's listing: the first sentence of its help; when that is long, without
+    its parentheses, then cut at its first colon or semicolon (the whole help is the command's own --help)."""
+    text = " ".join(doc.split())
+    sentence = re.split(r"(?<!\be\.g)(?<!\bi\.e)\. ", text, maxsplit=1)[0].rstrip(".")
+    if len(sentence) > SHORT_HELP_CHARS:
+        sentence = re.sub(r"\s*\([^()]*\)", "", sentence)
+    head = re.split(r"[:;] ", sentence, maxsplit=1)[0]
+    if len(sentence) > SHORT_HELP_CHARS and len(head) < len(sentence) and head.count("(") == head.count(")"):
+        sentence = head
+    return sentence + "."
+
+
+def with_short_helps(typer_app: typer.Typer) -> None:
+    """Give every command of ``typer_app`` and its groups the short line their listings show."""
+    for command in typer_app.registered_commands:
+        doc = command.help or (command.callback.__doc__ if command.callback else None)
+        if doc and command.short_help is None:
+            command.short_help = short_help(doc)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            info = group.typer_instance.info  # (unset fields hold typer's DefaultPlaceholder, not None)
+            if isinstance(info.help, str) and not isinstance(info.short_help, str):
+                info.short_help = short_help(info.help)
+            with_short_helps(group.typer_instance)
+
+
+def _flags_without_a_type(option: TyperOption, ctx: Any) -> str | None:
+    """An on/off option reads as a flag in --help (typer shows ``<bool>`` beside it otherwise, as if it
+    took a value)."""
+    return None if option.is_flag else _option_type(option, ctx)
+
+
+_option_type = TyperOption.display_type_rich
+TyperOption.display_type_rich = _flags_without_a_type  # type: ignore[method-assign]
