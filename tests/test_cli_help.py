@@ -1,6 +1,7 @@
-"""How ``--help`` reads: each group's listing gives every command one short line (its help's first
-sentence), a command's own --help its whole text, and on/off options read as flags, not as options
-that take a ``<bool>``. Through typer's runner on the real application."""
+"""How the command line reads: a long campaign says how long the runs left should take (the median
+run so far); each group's listing gives every command one short line (its help's first sentence), a
+command's own --help its whole text, and on/off options read as flags, not as options that take a
+``<bool>``. Through typer's runner on the real application."""
 
 from __future__ import annotations
 
@@ -64,3 +65,15 @@ def test_the_short_line_is_the_first_sentence_cut_at_a_colon_only_when_long():
     assert short_help(long) == "Reach every node in parallel and print its facts."
     kept = "Write the hosts as Ansible YAML (phones are left out: Ansible reaches them through hosts " + "x " * 20
     assert short_help(kept).startswith("Write the hosts as Ansible YAML (phones are left out: Ansible")
+
+
+def test_a_campaigns_eta_is_the_runs_left_at_the_median_run_time_so_far():
+    from testbed.campaign.display import eta_s, eta_text
+
+    assert eta_s([], 5) is None and eta_text([], 5) == ""  # before a run has finished: none
+    assert eta_s([10.0, 30.0, 20.0], 4) == 80.0
+    assert eta_text([10.0, 30.0, 20.0], 4) == "about 80 s left (4 runs at the median 20 s of 3)"
+    assert eta_text([600.0], 9) == "about 1.5 h left (9 runs at the median 600 s of 1)"
+    assert eta_text([600.0], 2) == "about 20 min left (2 runs at the median 600 s of 1)"
+    assert eta_text([3600.0, 3600.0], 3) == "about 3.0 h left (3 runs at the median 3600 s of 2)"
+    assert eta_s([5.0], 0) is None

@@ -59,6 +59,12 @@ class RunRow:
     failed_node: str | None
 
 
+def finished_seconds(rows: Sequence[RunRow]) -> list[float]:
+    """How long each run that finished (done or failed, its last attempt) took, from the ledger's times."""
+    return [r.ended_s - r.started_s for r in rows
+            if r.state in ("done", "failed") and r.started_s is not None and r.ended_s is not None]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class NodeRow:
     node: str

@@ -44,7 +44,7 @@ from nodes.contracts.durable import rename_durably, write_atomic, write_json_ato
 from nodes.contracts.journal_values import JournalValueError, checked_path
 from testbed.campaign.carryover import Carryover
 from testbed.campaign.execution import Report, execute_run
-from testbed.campaign.ledger import Ledger
+from testbed.campaign.ledger import Ledger, finished_seconds
 from testbed.campaign.plan import configured_nodes
 from testbed.campaign.restore_phase import release_nodes
 from testbed.campaign.run_state import Kept
@@ -346,7 +346,8 @@ def run_campaign(
                 held = _release_unneeded(campaign, held, configured_nodes(campaign, run.settings), say)
                 attempt = ledger.start(row.run_id)
                 report("run_start", {"run_id": row.run_id, "label": run.label(), "attempt": attempt,
-                                     "position": row.position, "counts": ledger.counts()})  # fmt: skip
+                                     "position": row.position, "counts": ledger.counts(),
+                                     "run_seconds": finished_seconds(ledger.runs())})  # fmt: skip
                 work = attempt_dir(directory, row.run_id, attempt)
                 following = _following(ledger, by_id, row.run_id)
                 keep = (configured_nodes(campaign, following.settings) if following and campaign.spec.warm_runs

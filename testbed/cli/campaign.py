@@ -104,14 +104,17 @@ def _print_dry_run(campaign: Any, as_json: bool) -> None:
 
 
 def _print_campaign_summary(summary: Any, as_json: bool) -> None:
-    from testbed.campaign.ledger import Ledger
+    from testbed.campaign.display import eta_s, eta_text
+    from testbed.campaign.ledger import Ledger, finished_seconds
 
     with Ledger.open(summary.directory / "ledger.sqlite") as ledger:
         rows, nodes = ledger.runs(), ledger.nodes()
+    left = summary.counts.get("todo", 0) + summary.counts.get("running", 0)
+    seconds = finished_seconds(rows)
     if as_json:
         out.print_json(data={"directory": str(summary.directory), "counts": summary.counts,
-                             "quarantined": summary.quarantined, "runs": jsonable(rows),
-                             "nodes": jsonable(nodes)})  # fmt: skip
+                             "quarantined": summary.quarantined, "eta_s": eta_s(seconds, left),
+                             "runs": jsonable(rows), "nodes": jsonable(nodes)})  # fmt: skip
         return
     c = summary.counts
     table = Table(title=f"campaign in {summary.directory}: {c['done']} done, {c['failed']} failed, "
@@ -127,6 +130,8 @@ def _print_campaign_summary(summary: Any, as_json: bool) -> None:
     for n in nodes:
         if n.quarantined_s is not None:
             out.print(f"[red]{escape(n.node)} quarantined[/]: {escape(n.reason or '')}", soft_wrap=True)
+    if eta := eta_text(seconds, left):
+        out.print(escape(eta), soft_wrap=True)
 
 
 @app.command("status")
@@ -135,7 +140,8 @@ def status_command(
     as_json: JsonOption = False,
 ) -> None:
     """Show a campaign's progress from its ledger: each run's state, attempts, time and failure
-    reason, and quarantined nodes. Reads only files; exits 1 while runs failed or remain."""
+    reason, quarantined nodes, and the time the runs left should take (at the median run time so far).
+    Reads only files; exits 1 while runs failed or remain."""
     from testbed.campaign.ledger import Ledger
     from testbed.campaign.runner import LEDGER, CampaignSummary
 
