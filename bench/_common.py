@@ -6,7 +6,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -15,18 +14,20 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from foundation.provenance import git_provenance
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict[str, Any]:
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    """The machine, the versions, and the code (commit, uncommitted changes and their hash)."""
     return {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "paramiko": version("paramiko"),
         "fabric": version("fabric"),
-        "git_sha": git.stdout.strip() or None,
+        "git": git_provenance(),
     }
 
 

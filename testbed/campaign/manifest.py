@@ -10,11 +10,9 @@ measured (stand-in tools, emulated boards, shaping this kernel cannot do).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from importlib import metadata
@@ -22,33 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from foundation.errors import TestbedError
+from foundation.provenance import git_provenance
 from nodes.contracts.durable import write_json_atomic
 from nodes.contracts.methods import method_named
 from testbed import __version__
 from testbed.campaign.spec import Campaign, PlannedRun
 from testbed.inventory import Inventory, kind_of
 
-REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("hil-testbed", "pandas", "pyarrow", "numpy", "pydantic", "paramiko", "fabric", "tokenizers", "rich")
 SECRET_FIELDS = ("password_env", "identity_file")
-def git_provenance(repo: Path = REPO) -> dict[str, Any]:
-    """The checkout's commit and a sha256 of its uncommitted changes (diff and untracked names)."""
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout if done.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    if commit is None:
-        return {"commit": None, "note": f"{repo} is not a git checkout"}
-    diff = git("diff", "HEAD", "--binary") or ""
-    untracked = git("ls-files", "--others", "--exclude-standard") or ""
-    dirty = bool(diff or untracked)
-    digest = hashlib.sha256((diff + "\0" + untracked).encode()).hexdigest() if dirty else None
-    return {"commit": commit.strip(), "dirty": dirty, "uncommitted_sha256": digest}
 
 
 def package_versions() -> dict[str, str | None]:
