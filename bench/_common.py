@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -99,3 +100,36 @@ def emulated_lab(inventory_text: Callable[[Path], str]) -> Iterator[Any]:
         finally:
             if down(load_inventory(path), say=lambda _: None):
                 print("warning: emulate down left something behind", file=sys.stderr)
+
+
+def left_on_nodes(prefix: str, state: Path) -> list[str]:
+    """What a campaign may leave set on an emulated lab's nodes (``prefix``, its ``state`` directory):
+    qdiscs on the data interface, our iptables chains, a power mode other than the first, link and power
+    journals, delay handlers still running and root's files of them. Empty when nothing is left."""
+    from testbed.provisioning.delay_handler import RUN_ROOT
+
+    left = []
+    for node in sorted(p.name for p in (state / "nodes").iterdir()):
+        ns = ["ip", "netns", "exec", f"{prefix}-{node}"]
+        qdiscs = json.loads(subprocess.run([*ns, "tc", "-j", "qdisc", "show", "dev", "data0"], capture_output=True,
+                                           text=True, check=True).stdout)  # fmt: skip
+        left += [f"{node}: qdisc {q['kind']}" for q in qdiscs if q["kind"] != "noqueue"]
+        mangle = subprocess.run([*ns, "iptables", "-w", "-t", "mangle", "-S"], capture_output=True, text=True,
+                                check=True).stdout  # fmt: skip
+        left += [f"{node}: {line}" for line in mangle.splitlines() if "TB-" in line]
+        mode = (state / "nodes" / node / "power_mode").read_text().strip()
+        if mode != "0":
+            left.append(f"{node}: power mode {mode}")
+    left += [str(p) for p in (state / "nodes").glob("*/home/hil-testbed/*/journal.json")]
+    for proc in Path("/proc").iterdir():  # the lab's delay handlers (their command lines name its state)
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace") if proc.name.isdigit() else ""
+        except OSError:
+            continue
+        if "link_delay_handler.py" in cmdline and str(state) in cmdline:
+            left.append(f"delay handler {proc.name}")
+    for rundir in Path(RUN_ROOT).glob("*"):  # root's files of this lab's handlers
+        named = rundir / "for"
+        if named.is_file() and str(state) in named.read_text(errors="replace"):
+            left.append(str(rundir))
+    return left

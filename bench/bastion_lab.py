@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pandas as pd
 
-from bench._common import write
+from bench._common import left_on_nodes, write
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "examples" / "campaigns" / "demo.yaml"
@@ -79,26 +79,6 @@ def hat_campaign(directory: Path) -> Path:
     return path
 
 
-def left_set(prefix: str, state: Path) -> list[str]:
-    """What a campaign may leave on the nodes: qdiscs, our iptables chains, power modes, journals, handlers."""
-    left = []
-    for node in sorted(p.name for p in (state / "nodes").iterdir()):
-        ns = ["ip", "netns", "exec", f"{prefix}-{node}"]
-        qdiscs = json.loads(subprocess.run([*ns, "tc", "-j", "qdisc", "show", "dev", "data0"], capture_output=True,
-                                           text=True, check=True).stdout)  # fmt: skip
-        left += [f"{node}: qdisc {q['kind']}" for q in qdiscs if q["kind"] != "noqueue"]
-        mangle = subprocess.run([*ns, "iptables", "-w", "-t", "mangle", "-S"], capture_output=True, text=True,
-                                check=True).stdout  # fmt: skip
-        left += [f"{node}: {line}" for line in mangle.splitlines() if "TB-" in line]
-        mode = (state / "nodes" / node / "power_mode").read_text().strip()
-        if mode != "0":
-            left.append(f"{node}: power mode {mode}")
-    left += [str(p) for p in (state / "nodes").glob("*/home/hil-testbed/*/journal.json")]
-    handlers = subprocess.run(["pgrep", "-f", f"link_delay_handler.py.*{state}"], capture_output=True, text=True)
-    left += [f"delay handler {pid}" for pid in handlers.stdout.split()]
-    return left
-
-
 def run_demo(inventory: Path, out: Path, campaign: Path = DEMO) -> dict:
     started = time.monotonic()
     ran = _cli("run", str(campaign), "-i", str(inventory), "--out", str(out), "--json", timeout_s=2400)
@@ -126,7 +106,7 @@ def on_lab(prefix: str, octet: int, user: str | None, lab: str) -> dict:
         manifest = json.loads(next((directory / "out" / "runs").glob("*/manifest.json")).read_text())
         result.update(reached_orin=manifest["inventory"]["reached"][orin["name"]]["ssh"],
                       direct_route_to_orin=route.stdout.strip() or route.stderr.strip(),
-                      left_set=left_set(prefix, directory / "state"))  # fmt: skip
+                      left_set=left_on_nodes(prefix, directory / "state"))  # fmt: skip
     finally:
         down = _cli("emulate", "down", "-i", str(inventory), timeout_s=300)
         if down.returncode != 0:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from testbed.provisioning.delay_handler import RUN_ROOT
+from bench._common import left_on_nodes
 from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
 
 pytestmark = [
@@ -117,32 +117,6 @@ def run_campaign(inventory: Path, directory: Path) -> dict[str, pd.DataFrame]:
     return {r["run_id"]: pd.read_parquet(out / "runs" / r["run_id"] / "tokens.parquet") for r in runs}
 
 
-def nodes_left_set(prefix: str, state: Path) -> list[str]:
-    """Whatever a campaign may leave on the nodes: qdiscs, iptables chains, journals, power modes,
-    delay handlers."""
-    left = []
-    for node in ("server", "orin", "xavier"):
-        ns = ["ip", "netns", "exec", f"{prefix}-{node}"]
-        qdiscs = json.loads(subprocess.run([*ns, "tc", "-j", "qdisc", "show", "dev", "data0"], capture_output=True,
-                                           text=True, check=True).stdout)  # fmt: skip
-        if any(q["kind"] not in ("noqueue",) for q in qdiscs):
-            left.append(f"{node}: qdiscs {qdiscs}")
-        mangle = subprocess.run([*ns, "iptables", "-w", "-t", "mangle", "-S"], capture_output=True, text=True,
-                                check=True).stdout  # fmt: skip
-        left += [f"{node}: {line}" for line in mangle.splitlines() if "TB-" in line]
-        mode = (state / "nodes" / node / "power_mode").read_text().strip()
-        if mode != "0":
-            left.append(f"{node}: power mode {mode}")
-    left += [str(p) for p in (state / "nodes").glob("*/home/hil-testbed/netem/journal.json")]
-    left += [str(p) for p in (state / "nodes").glob("*/home/hil-testbed/power/journal.json")]
-    left += [f"delay handler {pid}" for pid in handler_pids(state)]
-    for rundir in Path(RUN_ROOT).glob("*"):  # root's files of this lab's handlers
-        named = rundir / "for"
-        if named.is_file() and str(state) in named.read_text(errors="replace"):
-            left.append(str(rundir))
-    return left
-
-
 def processes() -> Iterator[tuple[int, int, str]]:
     """(pid, uid, command line) of every process."""
     for proc in Path("/proc").iterdir():
@@ -151,11 +125,6 @@ def processes() -> Iterator[tuple[int, int, str]]:
                 yield int(proc.name), proc.stat().st_uid, (proc / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-
-
-def handler_pids(state: Path) -> list[int]:
-    """The delay handlers of a lab (their command lines name the journal directory, in its state)."""
-    return [pid for pid, _uid, cmdline in processes() if "link_delay_handler.py" in cmdline and str(state) in cmdline]
 
 
 def user_processes(user: str) -> list[str]:
@@ -205,7 +174,7 @@ def test_the_demo_campaign_through_a_bastion_as_a_user_with_only_the_printed_rul
         root_lab = lab_inventory(root_directory, ROOT_PREFIX, 190, None)
         with emulated_lab(root_lab):
             as_root = run_campaign(root_lab, root_directory)
-            assert nodes_left_set(ROOT_PREFIX, root_directory / "state") == []
+            assert left_on_nodes(ROOT_PREFIX, root_directory / "state") == []
     finally:
         shutil.rmtree(root_directory, ignore_errors=True)
     whoami = as_user(user_lab, "orin", "id", "-un")
@@ -225,7 +194,7 @@ def test_the_demo_campaign_through_a_bastion_as_a_user_with_only_the_printed_rul
         merged = tokens.merge(as_user_tokens[run_id], on=key, suffixes=("_root", "_user"))
         assert len(merged) == len(tokens) == len(as_user_tokens[run_id]) > 0, run_id
         assert (merged.token_id_root == merged.token_id_user).all(), run_id
-    assert nodes_left_set(USER_PREFIX, user_lab.parent / "state") == []
+    assert left_on_nodes(USER_PREFIX, user_lab.parent / "state") == []
     deadline = time.monotonic() + 30
     while user_processes(USER) and time.monotonic() < deadline:  # sessions that are closing
         time.sleep(0.5)

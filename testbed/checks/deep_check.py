@@ -1,10 +1,11 @@
 """``testbed inventory check --deep``: whether a lab's nodes can run campaigns, not only be reached.
 
-Beyond the facts (:mod:`testbed.checks.inventory_check`), each Linux node is asked what provisioning
-asks (:func:`testbed.provisioning.provision.probe_readiness`: tc, ip and iperf3, the sudo rules the
-suite needs, NTP synchronisation, free disk where the workdir is against the weights it will hold),
-and a node that runs ranks imports the torch its workers will import (with CUDA where the node has
-a real GPU: PyPI's aarch64 wheels have none, a Jetson needs JetPack's). Then across nodes: every
+Beyond the facts (:mod:`testbed.checks.inventory_check`), each Linux node is asked and judged as
+provisioning does (:func:`testbed.provisioning.provision.probe_readiness` and ``judge_readiness``: tc,
+ip and iperf3, free disk where the workdir is against the weights it will hold), with NTP
+synchronisation a problem here, and a node that runs ranks imports the torch its workers will
+import (with CUDA where the node has a real GPU: PyPI's aarch64 wheels have none, a Jetson needs
+JetPack's). Then across nodes: every
 device and its server open TCP connections to each other's data-plane address on a port chosen at
 start, as MPI's ranks do, and each device opens the lab's endpoints (``endpoints:``); each power
 driver lists the modes it offers. Every problem comes with the command that fixes it.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -25,9 +25,9 @@ from urllib.parse import urlsplit
 from foundation.errors import TestbedError
 from testbed.checks.launch_reach import rank_nodes
 from testbed.inventory import Inventory, NodeSpec, kind_of
-from testbed.provisioning.provision import clock_unsynchronised, probe_readiness
+from testbed.provisioning.provision import clock_unsynchronised, judge_readiness, probe_readiness
 from testbed.transport import Transport, open_transport
-from testbed.transport.facts import NodeFacts, first_value
+from testbed.transport.facts import NodeFacts
 from testbed.transport.fanout import fan_out
 
 FIDELITY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "models" / "smollm2-135m"
@@ -138,21 +138,10 @@ def node_problems(inventory: Inventory, node: NodeSpec, t: Transport, facts: Nod
     settings = inventory.settings_of(node)
     workdir, venv = t.expand_path(settings.workdir), t.expand_path(settings.venv_path)
     values = probe_readiness(node, t, python=settings.python, venv=venv, workdir=workdir)
-    problems = []
-    tools = set(values.get("tool", []))
-    if "iperf3" not in tools and node.data is not None:
-        problems.append("iperf3 is missing (link verification measures each direction with it); fix: "
-                        "sudo apt-get install -y iperf3")  # fmt: skip
-    for tool in ("tc", "ip"):
-        if tool not in tools:
-            problems.append(f"{tool} is missing (link shaping); fix: sudo apt-get install -y iproute2")
-    free_kb = first_value(values, "workdir_free_kb")
-    existing = first_value(values, "workdir_existing") or workdir  # the workdir, or where it will be made
-    if free_kb.isdigit() and int(free_kb) / 2**20 < need_gib:
-        problems.append(f"{int(free_kb) / 2**20:.2f} GiB free where the workdir {workdir} is, {need_gib:.1f} GiB "
-                        f"needed for the venv and the weights; fix: free space there (du -xh "
-                        f"{shlex.quote(existing)} | sort -h | tail), or set workdir and venv (defaults, group or "
-                        "node) on a larger disk")  # fmt: skip
+    # what provisioning needs (tools, free disk; the sudo rules are inventory_check's own problem), and
+    # a clock that NTP does not keep, which provisioning only warns of
+    missing, _ = judge_readiness(node, facts, values, need_gib=need_gib, sudo_used=False)
+    problems = [f"{what} is missing; fix: {fix}" for what, fix in missing]
     unsynchronised = clock_unsynchronised(values)
     if unsynchronised:
         problems.append(unsynchronised)

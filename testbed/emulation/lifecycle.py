@@ -34,6 +34,7 @@ from testbed.emulation.node_files import (
     REPO,
     SYSTEM_PATH,
     NodeFiles,
+    controller_ssh_config,
     nodes_ssh_config,
     write_node_tools,
 )
@@ -297,11 +298,6 @@ def _build_bastion(plan: EmulationPlan, changes: host.HostChanges, keys: SshKeys
         f"  IdentityFile {keys.client_key}\n"
         f"  UserKnownHostsFile {keys.known_hosts}\n"
     )
-
-
-def controller_ssh_config(keys: SshKeys) -> Path:
-    """The SSH config this machine reads for a lab behind a bastion (``ssh.config`` in the resolved inventory)."""
-    return keys.directory / "controller_ssh_config"
 
 
 def _standins(plan: EmulationPlan) -> dict[str, list[str]]:

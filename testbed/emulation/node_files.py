@@ -41,6 +41,12 @@ def nodes_ssh_config(keys: SshKeys) -> Path:
     return keys.directory / "ssh_config"
 
 
+def controller_ssh_config(keys: SshKeys) -> Path:
+    """The SSH config this machine reads for a lab behind a bastion: what a lab member's ~/.ssh/config
+    is (``ssh.config`` in the resolved inventory)."""
+    return keys.directory / "controller_ssh_config"
+
+
 def write_node_tools(state_dir: Path, keys: SshKeys, identity: Path | None = None) -> None:
     """Tools on the nodes' PATH: the stand-in adb, phone tools and timedatectl (run with this Python), and an ``ssh``
     that trusts the other nodes, as in a lab whose nodes share keys (mpiexec launches ranks with it;

@@ -244,9 +244,12 @@ def judge_readiness(
                         install_hint(facts.user, values)))  # fmt: skip
     free_kb = first_value(values, "workdir_free_kb")
     if free_kb.isdigit() and int(free_kb) / 2**20 < need_gib:
+        where = first_value(values, "workdir_existing") or "the workdir"  # the workdir, or where it will be made
         missing.append(
-            (f"disk space ({int(free_kb) / 2**20:.1f} GiB free where the workdir is, {need_gib:.1f} GiB needed)",
-             "free space there, or point defaults.workdir (and venv) at a larger disk")
+            (f"disk space ({int(free_kb) / 2**20:.1f} GiB free where the workdir is, {need_gib:.1f} GiB needed "
+             "for the venv and the weights)",
+             f"free space there (du -xh {shlex.quote(where)} | sort -h | tail), or point defaults.workdir (and "
+             "venv; or a group's or node's) at a larger disk")
         )  # fmt: skip
     unsynchronised = clock_unsynchronised(values)
     if unsynchronised:
