@@ -54,9 +54,14 @@ def affine_fit(xs: list[float], ys: list[float]) -> dict[str, float]:
     return {"intercept": float(intercept), "slope": float(slope), "r2": 1.0 - residual / total if total else 1.0}
 
 
+RESULT_PATH_VARIABLE = "BENCH_RESULT_PATH"  # set by `testbed reproduce`: where an experiment's result goes
+
+
 def write(name: str, payload: dict[str, Any]) -> Path:
-    """``bench/results/NAME.json``, or NAME itself when it is a path ending in .json."""
-    path = Path(name) if name.endswith(".json") else RESULTS / f"{name}.json"
+    """``bench/results/NAME.json``, or NAME itself when it is a path ending in .json; when a reproduction
+    runs the bench, the path it names in ``$BENCH_RESULT_PATH`` instead."""
+    named = os.environ.get(RESULT_PATH_VARIABLE)
+    path = Path(named) if named else Path(name) if name.endswith(".json") else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     return path

@@ -29,3 +29,27 @@ def git_provenance(repo: Path = REPO) -> dict[str, Any]:
     dirty = bool(diff or untracked)
     digest = hashlib.sha256((diff + "\0" + untracked).encode()).hexdigest() if dirty else None
     return {"commit": commit.strip(), "dirty": dirty, "uncommitted_sha256": digest}
+
+
+def code_sha256(paths: list[str] | tuple[str, ...], repo: Path = REPO) -> str:
+    """A sha256 of the code a result depends on: every file git tracks under ``paths`` (files, folders or
+    globs relative to the checkout), by name and content as they are in the working tree now, so that a
+    result records what it ran and a page can say when the code moved on. Untracked files do not count
+    (a result file next to the code does not make it stale). A path written ``!PATH`` is left out."""
+    specs = [f":(exclude){p[1:]}" if p.startswith("!") else p for p in paths]
+    try:
+        done = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--", *specs], capture_output=True,
+                              timeout=60, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{repo}: cannot list the tracked files of {', '.join(paths)}: {exc}") from exc
+    names = sorted(n for n in done.stdout.decode().split("\0") if n)
+    wanted = [p for p in paths if not p.startswith("!") and not any(c in p for c in "*?[")]
+    missing = [p for p in wanted if not any(n == p or n.startswith(p.rstrip("/") + "/") for n in names)]
+    if missing:
+        raise ValueError(f"no tracked file under {', '.join(missing)} in {repo}")
+    digest = hashlib.sha256()
+    for name in names:
+        path = repo / name
+        content = path.read_bytes() if path.is_file() else b""  # deleted in the working tree: counts as empty
+        digest.update(name.encode() + b"\0" + hashlib.sha256(content).digest())
+    return digest.hexdigest()

@@ -25,6 +25,7 @@ from testbed.cli import (  # noqa: F401
     power,
     profile,
     provision,
+    reproduce,
     telemetry,
     workers,
 )

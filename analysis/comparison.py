@@ -1,0 +1,111 @@
+"""Groups of a campaign's runs side by side, with intervals: each group's mean TTFT, TBT and QoE with its
+95% interval (bootstrap over requests and repetitions, :mod:`analysis.uncertainty`), and each group's
+change against a baseline group measured on the same requests, marked when it is within noise.
+
+A request is the unit: ``(repetition, node, request_id)`` names the same request in every run of one
+repetition (a campaign gives one workload seed per repetition, so every method meets the same arrivals
+and prompts), which is what pairs a treatment's request with the baseline's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from analysis.load import CampaignData
+from analysis.metrics import qoe_table, request_latencies, served_requests, token_gaps_s
+from analysis.uncertainty import Interval, change_interval, mean_interval, within_noise
+
+PAIR_KEY = ["repetition", "node", "request_id"]
+# name -> (numerator column, denominator column or None, factor to the unit in the name)
+MEANS = {"ttft_ms": ("ttft_s", None, 1e3), "tbt_ms": ("gap_sum_s", "gaps", 1e3), "qoe": ("qoe", None, 1.0)}
+
+
+def request_units(data: CampaignData, by: Sequence[str]) -> pd.DataFrame:
+    """One row per completed request of the done runs: the ``by`` settings, its repetition, node and id,
+    ``ttft_s``, the sum of its gaps between tokens and their count (TBT's mean is their ratio over
+    requests), and its Andes ``qoe`` where requests carry QoE expectations (0 for one never served)."""
+    runs = data.runs[data.runs["state"] == "done"] if "state" in data.runs else data.runs
+    settings = runs[["run_id", "repetition", *by]]
+    if data.requests.empty:
+        return pd.DataFrame(columns=[*settings.columns, "node", "request_id", "ttft_s", "gap_sum_s", "gaps"])
+    units = request_latencies(data.requests)[["run_id", "node", "request_id", "ttft_s"]]
+    gaps = token_gaps_s(data.tokens).groupby(["run_id", "node", "request_id"])["gap_s"].agg(["sum", "count"])
+    units = units.merge(gaps.rename(columns={"sum": "gap_sum_s", "count": "gaps"}).reset_index(),
+                        on=["run_id", "node", "request_id"], how="left")  # fmt: skip
+    if {"expected_ttft_s", "expected_tds_tok_s"} <= set(data.requests.columns):
+        served = served_requests(data.requests, data.tokens, qoe_table(data.requests, data.tokens), runs, [])
+        units = units.merge(served[["run_id", "node", "request_id", "qoe"]], on=["run_id", "node", "request_id"],
+                            how="outer")  # fmt: skip
+    return units.merge(settings, on="run_id", how="inner")
+
+
+def _interval(units: pd.DataFrame, name: str) -> Interval | None:
+    numerator, denominator, factor = MEANS[name]
+    if numerator not in units or units[numerator].notna().sum() == 0:
+        return None
+    den = units[denominator] if denominator else None
+    return mean_interval(units[numerator], den, units["repetition"]).scaled(factor)
+
+
+def group_means(units: pd.DataFrame, by: Sequence[str]) -> list[dict[str, Any]]:
+    """Per group of ``by``: its settings, requests and repetitions, and each mean of :data:`MEANS` it has
+    with its interval (as :meth:`Interval.as_dict`)."""
+    rows = []
+    for values, part in units.groupby(list(by), sort=True, dropna=False) if by else [((), units)]:
+        row: dict[str, Any] = {"settings": _settings(by, values), "requests": len(part),
+                               "repetitions": int(part["repetition"].nunique())}  # fmt: skip
+        for name in MEANS:
+            interval = _interval(part, name)
+            if interval is not None:
+                row[name] = interval.as_dict()
+        rows.append(row)
+    return rows
+
+
+def _settings(by: Sequence[str], values: object) -> dict[str, Any]:
+    values = values if isinstance(values, tuple) else (values,)
+    return {column: _plain(value) for column, value in zip(by, values, strict=True)}
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def changes_against(units: pd.DataFrame, by: Sequence[str], baseline: Mapping[str, object]) -> list[dict[str, Any]]:
+    """Each group's change of every mean of :data:`MEANS` against its baseline, the group that differs from
+    it only in ``baseline``'s settings (e.g. ``{"method": "ushape"}``), on the requests both served
+    (paired by :data:`PAIR_KEY`): the relative change with its interval and whether it is within noise."""
+    rows = []
+    others = [c for c in by if c not in baseline]
+    for values, part in units.groupby(list(by), sort=True, dropna=False):
+        settings = _settings(by, values)
+        if all(settings[c] == v for c, v in baseline.items()):
+            continue
+        base = units
+        for column in by:
+            wanted = baseline.get(column, settings[column])
+            base = base[base[column] == wanted]
+        if base.empty:
+            continue
+        paired = part.merge(base, on=[*PAIR_KEY, *others], suffixes=("", "_base"))
+        row: dict[str, Any] = {"settings": settings, "against": {**{c: settings[c] for c in others}, **baseline},
+                               "pairs": len(paired)}  # fmt: skip
+        for name, (numerator, denominator, _) in MEANS.items():
+            if numerator not in paired or paired[numerator].notna().sum() == 0:
+                continue
+            change = change_interval(
+                paired[numerator], paired[f"{numerator}_base"],
+                paired[denominator] if denominator else None, paired[f"{denominator}_base"] if denominator else None,
+                paired["repetition"],
+            )  # fmt: skip
+            if not math.isnan(change.estimate):
+                row[name.split("_")[0] + "_change"] = {**change.as_dict(), "within_noise": within_noise(change)}
+        rows.append(row)
+    return rows

@@ -1,0 +1,166 @@
+"""One example campaign as a reproduction's experiment: run it on its emulated lab (brought up if it is
+not, and down again after), then summarise it with intervals: per group of runs (its matrix settings by
+default) the mean TTFT, TBT and QoE with their 95% intervals, each group's change against a baseline
+group on the same requests (marked when within noise), the paced steps that overran their target, and
+the ledger's counts. ``--set`` changes the campaign for a scale (more requests, more repetitions).
+
+    python bench/campaign_reproduction.py examples/campaigns/hat-table5.yaml --baseline method=ushape
+    python bench/campaign_reproduction.py examples/campaigns/andes-table4.yaml \\
+        --set base.workload.requests_per_device=250 --set repetitions=3 --work /var/tmp/andes --resume
+
+The changed campaign is written beside the original (``<name>.reproduce.yaml``, ignored by git) so its
+relative paths hold. Writes bench/results/campaign_reproduction.json unless the reproduction names the
+file. Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import write
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_setting(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=VALUE`` -> (["a", "b", "c"], VALUE read as YAML)."""
+    from ruamel.yaml import YAML
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set {text}: write KEY=VALUE (a dotted key of the campaign file, a YAML value)")
+    return key.split("."), YAML(typ="safe").load(value)
+
+
+def changed_campaign(source: Path, settings: list[tuple[list[str], Any]]) -> Path:
+    """The campaign with ``settings`` applied, beside ``source`` (its relative paths stay right)."""
+    from ruamel.yaml import YAML
+
+    yaml = YAML()
+    data = yaml.load(source.read_text())
+    for keys, value in settings:
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    path = source.with_name(f"{source.stem}.reproduce.yaml")
+    with path.open("w") as out:
+        yaml.dump(data, out)
+    return path
+
+
+def ledger_counts(out: Path) -> dict[str, int]:
+    if not (out / "ledger.sqlite").is_file():
+        return {}
+    with sqlite3.connect(f"file:{out / 'ledger.sqlite'}?mode=ro", uri=True, timeout=5) as db:
+        return dict(db.execute("SELECT state, COUNT(*) FROM runs GROUP BY state").fetchall())
+
+
+def fidelity(out: Path, by: list[str]) -> list[dict[str, Any]]:
+    """Per group: the share of all paced steps that overran and the runs with a node above the limit."""
+    from analysis.fidelity import violation_shares
+    from analysis.load import load
+
+    data = load(out)
+    if data.steps.empty:
+        return []
+    shares = violation_shares(data.steps).merge(data.runs[["run_id", *by]], on="run_id")
+    rows = []
+    for values, part in shares.groupby(by, sort=True) if by else [((), shares)]:
+        values = values if isinstance(values, tuple) else (values,)
+        rows.append({"settings": dict(zip(by, [v.item() if hasattr(v, "item") else v for v in values], strict=True)),
+                     "overrun_share": round(float(part["overruns"].sum() / part["steps"].sum()), 4),
+                     "worst_node_share": round(float(part["violation_share"].max()), 4),
+                     "flagged_runs": int(part.loc[part["flagged"], "run_id"].nunique()),
+                     "runs": int(part["run_id"].nunique())})  # fmt: skip
+    return rows
+
+
+def summary(out: Path, by: list[str], baseline: dict[str, Any]) -> dict[str, Any]:
+    from analysis.comparison import changes_against, group_means, request_units
+    from analysis.load import load
+
+    data = load(out)
+    by = [c for c in by if c in data.runs.columns]
+    units = request_units(data, by)
+    return {"by": by, "groups": group_means(units, by),
+            "changes": changes_against(units, by, baseline) if baseline else [],
+            "fidelity": fidelity(out, by)}  # fmt: skip
+
+
+def matrix_keys(campaign: Path) -> list[str]:
+    from ruamel.yaml import YAML
+
+    return [str(k) for k in (YAML(typ="safe").load(campaign.read_text()).get("matrix") or {})]
+
+
+def inventory_of(campaign: Path) -> Path:
+    from ruamel.yaml import YAML
+
+    written = YAML(typ="safe").load(campaign.read_text())["inventory"]
+    return (campaign.parent / written).resolve()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("campaign", type=Path, help="an example campaign file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="change the campaign (dotted key, YAML value); repeatable")  # fmt: skip
+    parser.add_argument("--by", help="comma-separated run settings to group by (default: the matrix's keys)")
+    parser.add_argument("--baseline", action="append", default=[], metavar="SETTING=VALUE",
+                        help="the group the others are compared with, e.g. method=ushape")  # fmt: skip
+    parser.add_argument("--work", type=Path, help="campaign directory (default: under /var/tmp, by campaign)")
+    parser.add_argument("--resume", action="store_true", help="go on with the campaign already in --work")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("needs root: the emulated testbed builds network namespaces")
+    source = args.campaign.resolve()
+    campaign = changed_campaign(source, [parse_setting(s) for s in args.set])
+    baseline = dict(parse_setting(b) for b in args.baseline)
+    baseline = {".".join(k): v for k, v in baseline.items()} if baseline else {}
+    by = args.by.split(",") if args.by else matrix_keys(campaign)
+    work = args.work or Path("/var/tmp/hil-testbed-reproduce") / source.stem
+    if work.exists() and not args.resume:
+        subprocess.run(["rm", "-rf", "--", str(work)], check=True)
+    work.mkdir(parents=True, exist_ok=True)
+
+    from testbed.emulation.lifecycle import down, status, up
+    from testbed.inventory import load_inventory
+
+    inventory = inventory_of(campaign)
+    lab = load_inventory(inventory)
+    was_up = status(lab).running
+    if not was_up and not up(lab, say=lambda _: None).ok:
+        raise SystemExit(f"could not bring the emulated lab {inventory} up")
+    started = time.monotonic()
+    try:
+        command = [sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(work / "out")]
+        with (work / "run.log").open("ab") as log:
+            exit_status = subprocess.run([*command, *(["--resume"] if args.resume and (work / "out").exists() else [])],
+                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode  # fmt: skip
+    finally:
+        if not was_up:
+            down(load_inventory(inventory), say=lambda _: None)
+    wall_s = time.monotonic() - started
+    result = {
+        "command": " ".join(["python", "bench/campaign_reproduction.py", *sys.argv[1:]]),
+        "campaign": str(source.relative_to(REPO)), "settings": args.set, "baseline": baseline,
+        "exit_status": exit_status, "campaign_wall_s": round(wall_s, 1), "ledger": ledger_counts(work / "out"),
+        "work": str(work), **summary(work / "out", by, baseline),
+    }  # fmt: skip
+    print(f"wrote {write('campaign_reproduction', result)}")
+    if exit_status not in (0, 1):
+        raise SystemExit(exit_status)
+
+
+if __name__ == "__main__":
+    main()

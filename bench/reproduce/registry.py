@@ -1,0 +1,110 @@
+"""What reproducing a paper means here: its experiments (a bench script and its arguments per scale, and
+the code its result depends on) and its headlines (the paper's number, and where ours is in a result).
+
+Scales: ``smoke`` (a few minutes: the pipeline end to end, what the tests run), ``reduced`` (tens of
+minutes a paper on this 2-core machine) and ``full`` (the paper's sizes as far as this machine allows;
+hours, resumable). A page shows each experiment's scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from analysis.uncertainty import Interval
+
+SCALES = ("smoke", "reduced", "full")
+# What every experiment's result depends on besides its own script and what it names.
+COMMON_CODE = ("bench/_common.py", "foundation")
+# A campaign experiment (bench/campaign_reproduction.py): the controller but its command line, the node
+# code it deploys, workloads and links, and the analysis its summary computes; the paper adds its
+# campaign files, inventories and models.
+CAMPAIGN_CODE = ("bench/campaign_reproduction.py", "testbed", "!testbed/cli", "nodes", "workloads", "netem",
+                 "analysis/comparison.py", "analysis/uncertainty.py", "analysis/load.py", "analysis/metrics.py",
+                 "analysis/fidelity.py", "analysis/cost_model.py")  # fmt: skip
+
+Result = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One result file: ``python SCRIPT ARGS...`` with the arguments of a scale (a scale it lacks is not
+    run at that scale). ``code``: the files and folders the result depends on (with its script and
+    :data:`COMMON_CODE`); their hash, recorded with the result, says when it is stale."""
+
+    name: str
+    what: str
+    script: str
+    scales: Mapping[str, tuple[str, ...]]
+    code: tuple[str, ...] = ()
+    gpu: bool = False  # needs a GPU: skipped, and said so, where there is none
+
+    def depends_on(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.script, *COMMON_CODE, *self.code)))
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One number of the paper (``figure``, ``quantity``, ``paper`` in ``unit``) and how to read ours from
+    ``experiment``'s result (None when the result lacks it). See :mod:`analysis.reproduction` for
+    ``no_effect`` and the verdicts."""
+
+    figure: str
+    quantity: str
+    unit: str
+    paper: float
+    experiment: str
+    ours: Callable[[Result], Interval | None]
+    no_effect: float | None = 0.0
+    note: str = ""
+    x: float | None = None
+    series: str = ""
+
+
+@dataclass(frozen=True)
+class Paper:
+    key: str  # the command's argument and the page's name: hat, andes, disco, llms, cocoserve
+    title: str
+    citation: str
+    experiments: tuple[Experiment, ...]
+    headlines: tuple[Headline, ...]
+    modeled: tuple[str, ...] = field(default=())  # inputs that are modeled and what they decide
+
+    def experiment(self, name: str) -> Experiment:
+        for experiment in self.experiments:
+            if experiment.name == name:
+                return experiment
+        raise KeyError(f"{self.key} has no experiment {name}")
+
+
+# -- reading ours from a campaign_reproduction result -------------------------------------------------
+
+
+def _matches(row: Mapping[str, Any], settings: Mapping[str, Any]) -> bool:
+    return all(row.get(k) == v for k, v in settings.items())
+
+
+def campaign_change(metric: str, settings: Mapping[str, Any]) -> Callable[[Result], Interval | None]:
+    """The change of ``metric`` ("ttft", "tbt", "qoe") of the group with ``settings`` against its baseline
+    in a bench/campaign_reproduction.py result, in percent."""
+
+    def read(result: Result) -> Interval | None:
+        for row in result.get("changes", []):
+            if _matches(row["settings"], settings) and f"{metric}_change" in row:
+                return Interval.from_dict(row[f"{metric}_change"]).scaled(100.0)
+        return None
+
+    return read
+
+
+def campaign_mean(metric: str, settings: Mapping[str, Any]) -> Callable[[Result], Interval | None]:
+    """The mean ``metric`` ("ttft_ms", "tbt_ms", "qoe") of the group with ``settings``."""
+
+    def read(result: Result) -> Interval | None:
+        for row in result.get("groups", []):
+            if _matches(row["settings"], settings) and metric in row:
+                return Interval.from_dict(row[metric])
+        return None
+
+    return read
