@@ -125,8 +125,7 @@ def main() -> None:
         raise SystemExit("needs root: the emulated testbed builds network namespaces")
     source = args.campaign.resolve()
     campaign = changed_campaign(source, [parse_setting(s) for s in args.set])
-    baseline = dict(parse_setting(b) for b in args.baseline)
-    baseline = {".".join(k): v for k, v in baseline.items()} if baseline else {}
+    baseline = {".".join(keys): value for keys, value in map(parse_setting, args.baseline)}
     by = args.by.split(",") if args.by else matrix_keys(campaign)
     work = args.work or Path("/var/tmp/hil-testbed-reproduce") / source.stem
     if work.exists() and not args.resume:
