@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analysis.cost_model import SERVICE_APIS, DispatchPrices
 from analysis.dispatch import budget_curves, cost_curves, migration_table, tail_reduction_table
-from analysis.report import markdown_table
+from analysis.report_document import markdown_table
 from bench._common import write
 from nodes.dispatch.controller import MigrationRule, plan_dispatch
 from nodes.dispatch.policy import LengthDistribution, ServerTtft, TokenCosts, constrained_endpoint

@@ -6,11 +6,16 @@ from __future__ import annotations
 from bench.reproduce.registry import SCALES, Paper
 
 
-def papers() -> dict[str, Paper]:
-    """Every paper with a reproduction, by key."""
-    from bench.reproduce import hat
+KEYS = ("hat", "andes", "disco", "llms", "cocoserve")
 
-    return {p.key: p for p in (hat.PAPER,)}
+
+def papers() -> dict[str, Paper]:
+    """Every paper with a reproduction (a module of this package named by its key, with ``PAPER``), by key."""
+    import importlib
+    import importlib.util
+
+    found = [k for k in KEYS if importlib.util.find_spec(f"bench.reproduce.{k}") is not None]
+    return {k: importlib.import_module(f"bench.reproduce.{k}").PAPER for k in found}
 
 
 __all__ = ["SCALES", "Paper", "papers"]

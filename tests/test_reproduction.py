@@ -1,0 +1,122 @@
+"""``testbed reproduce``: an experiment run with its provenance, its page generated from the result, a
+result marked stale when its code moves on, and every committed page regenerated identically from the
+committed results (so no number on a page can drift from its data)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from analysis.uncertainty import Interval
+from bench.reproduce import papers
+from bench.reproduce.pages import DOCS, render, write_page
+from bench.reproduce.registry import Experiment, Headline, Paper
+from bench.reproduce.runner import RESULTS, is_current, read_result, reproduce
+from foundation.provenance import code_sha256
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _table2_device(result: dict) -> Interval | None:
+    for row in result.get("table2_reduction_pct", []):
+        if row["regime"] == "device":
+            value = row["pixel7pro-bloom-1.1b"]
+            return Interval(value, float("nan"), float("nan"), result["requests"])
+    return None
+
+
+SWEEP = Experiment(
+    "sweep", "DiSCo's budget sweep, one trace and one device", "bench/disco_sweep.py",
+    {"smoke": ("--traces", "gpt", "--devices", "pixel7pro-bloom-1.1b", "--seeds", "2", "--requests", "100",
+               "--budgets", "3")},
+    ("nodes/dispatch", "nodes/endpoints", "analysis/dispatch.py"),
+)  # fmt: skip
+BROKEN = Experiment("broken", "a bench that fails", "bench/disco_sweep.py", {"smoke": ("--traces", "no-such")})
+PAPER = Paper(
+    "example", "An example paper", "a paper of the tests", (SWEEP, BROKEN),
+    (Headline("Table 2", "tail TTFT cut, device-constrained", "%", 26.39, "sweep", _table2_device),
+     Headline("Table 2", "a headline of the broken one", "%", 10.0, "broken", _table2_device)),
+)  # fmt: skip
+
+
+def test_an_experiment_is_run_with_its_provenance_and_its_page_generated(tmp_path):
+    results = tmp_path / "results"
+    outcomes = reproduce(PAPER, "smoke", results, log=lambda _: None)
+    assert [(o.experiment, o.state) for o in outcomes] == [("sweep", "done"), ("broken", "failed")]
+    assert "exit status 2" in outcomes[1].detail
+    result = read_result(results / "example" / "sweep.json")
+    record = result["reproduction"]
+    assert record["scale"] == "smoke" and record["experiment"] == "sweep"
+    assert record["command"].startswith("python bench/disco_sweep.py --traces gpt")
+    assert record["code_sha256"] == code_sha256(SWEEP.depends_on())
+    assert {"commit", "dirty"} <= set(record["git"]) and record["wall_s"] >= 0
+    assert result["machine"]["cpus"] >= 1 and is_current(result, SWEEP, "smoke")
+    assert not list((results / "example").glob(".*partial"))  # no half-written file is left
+    # with --resume a current result is kept, not run again
+    kept = reproduce(PAPER, "smoke", results, only=("sweep",), resume=True, log=lambda _: None)
+    assert [(o.state, o.detail) for o in kept] == [("kept", "current at this scale")]
+
+    page = write_page(PAPER, results, tmp_path / "docs")
+    text = page.read_text()
+    assert text.startswith("# An example paper: our reproduction")
+    assert "**2 headlines: 1 within ±25% of the paper's, 0 in the right direction, 0 missed (1 not run yet, " \
+           "1 without an interval).**" in text  # fmt: skip
+    assert "| tail TTFT cut, device-constrained | 26.39% |" in text
+    assert "(no interval)" in text and "| `broken` | a bench that fails | – | – | – | not run |" in text
+    assert (tmp_path / "docs" / "example" / "table-2.png").stat().st_size > 1000
+
+    # a result whose code hash is not today's is stale, on the page and in its count
+    result["reproduction"]["code_sha256"] = "0" * 64
+    (results / "example" / "sweep.json").write_text(json.dumps(result))
+    stale, _ = render(PAPER, results)
+    assert "1 stale" in stale and "within ±25% · **stale**" in stale and "**stale** (its code changed since)" in stale
+
+
+def test_the_code_hash_follows_tracked_files_only(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "code").mkdir(parents=True)
+    (repo / "code" / "a.py").write_text("A = 1\n")
+    (repo / "code" / "skip.py").write_text("B = 1\n")
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True)
+    before = code_sha256(["code"], repo)
+    (repo / "code" / "untracked.py").write_text("C = 1\n")  # a new file nobody added does not count
+    assert code_sha256(["code"], repo) == before
+    (repo / "code" / "a.py").write_text("A = 2\n")  # an edit does, committed or not
+    assert code_sha256(["code"], repo) != before
+    edited = code_sha256(["code", "!code/skip.py"], repo)
+    (repo / "code" / "skip.py").write_text("B = 2\n")  # a path left out with ! does not
+    assert code_sha256(["code", "!code/skip.py"], repo) == edited
+    with pytest.raises(ValueError, match="no tracked file under nothing"):
+        code_sha256(["nothing"], repo)
+
+
+def test_every_paper_s_code_paths_exist_and_its_headlines_name_its_experiments():
+    for paper in papers().values():
+        names = {e.name for e in paper.experiments}
+        assert all(h.experiment in names for h in paper.headlines), paper.key
+        for experiment in paper.experiments:
+            code_sha256(experiment.depends_on())  # raises on a path with no tracked file
+            assert (REPO / experiment.script).is_file() and experiment.scales
+
+
+def test_the_committed_pages_are_what_the_committed_results_give():
+    for paper in papers().values():
+        text, figures = render(paper, RESULTS)
+        page = DOCS / f"{paper.key}.md"
+        assert page.is_file(), f"{page} is missing: run `testbed reproduce {paper.key} --pages-only`"
+        assert page.read_text() == text, f"{page} differs from its results: run `testbed reproduce {paper.key} " \
+                                         "--pages-only` (and rerun what it marks stale)"  # fmt: skip
+        assert all((DOCS / name).is_file() for name in figures)
+
+
+def test_the_command_refuses_an_unknown_paper_or_scale_with_status_2():
+    for args in (["nope"], ["hat", "--scale", "huge"], ["hat", "--only", "nothing"]):
+        done = subprocess.run([sys.executable, "-m", "testbed", "reproduce", *args], capture_output=True, text=True,
+                              cwd=REPO)  # fmt: skip
+        assert done.returncode == 2, done
+        assert "reproduce" in done.stderr
