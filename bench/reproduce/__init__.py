@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from bench.reproduce.registry import SCALES, Paper
 
-
 KEYS = ("hat", "andes", "disco", "llms", "cocoserve")
 
 
