@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.load import CampaignData
 from analysis.metrics import qoe_table, request_latencies, served_requests, token_gaps_s
 from analysis.uncertainty import Interval, change_interval, mean_interval, within_noise
 
@@ -25,20 +24,21 @@ PAIR_KEY = ["repetition", "node", "request_id"]
 MEANS = {"ttft_ms": ("ttft_s", None, 1e3), "tbt_ms": ("gap_sum_s", "gaps", 1e3), "qoe": ("qoe", None, 1.0)}
 
 
-def request_units(data: CampaignData, by: Sequence[str]) -> pd.DataFrame:
-    """One row per completed request of the done runs: the ``by`` settings, its repetition, node and id,
-    ``ttft_s``, the sum of its gaps between tokens and their count (TBT's mean is their ratio over
+def request_units(requests: pd.DataFrame, tokens: pd.DataFrame, runs: pd.DataFrame, by: Sequence[str],
+                  qoe_alpha: float | None = None) -> pd.DataFrame:  # fmt: skip
+    """One row per completed request of the done ``runs``: the ``by`` settings, its repetition, node and
+    id, ``ttft_s``, the sum of its gaps between tokens and their count (TBT's mean is their ratio over
     requests), and its Andes ``qoe`` where requests carry QoE expectations (0 for one never served)."""
-    runs = data.runs[data.runs["state"] == "done"] if "state" in data.runs else data.runs
+    runs = runs[runs["state"] == "done"] if "state" in runs else runs
     settings = runs[["run_id", "repetition", *by]]
-    if data.requests.empty:
+    if requests.empty:
         return pd.DataFrame(columns=[*settings.columns, "node", "request_id", "ttft_s", "gap_sum_s", "gaps"])
-    units = request_latencies(data.requests)[["run_id", "node", "request_id", "ttft_s"]]
-    gaps = token_gaps_s(data.tokens).groupby(["run_id", "node", "request_id"])["gap_s"].agg(["sum", "count"])
+    units = request_latencies(requests)[["run_id", "node", "request_id", "ttft_s"]]
+    gaps = token_gaps_s(tokens).groupby(["run_id", "node", "request_id"])["gap_s"].agg(["sum", "count"])
     units = units.merge(gaps.rename(columns={"sum": "gap_sum_s", "count": "gaps"}).reset_index(),
                         on=["run_id", "node", "request_id"], how="left")  # fmt: skip
-    if {"expected_ttft_s", "expected_tds_tok_s"} <= set(data.requests.columns):
-        served = served_requests(data.requests, data.tokens, qoe_table(data.requests, data.tokens), runs, [])
+    if {"expected_ttft_s", "expected_tds_tok_s"} <= set(requests.columns):
+        served = served_requests(requests, tokens, qoe_table(requests, tokens, qoe_alpha), runs, [])
         units = units.merge(served[["run_id", "node", "request_id", "qoe"]], on=["run_id", "node", "request_id"],
                             how="outer")  # fmt: skip
     return units.merge(settings, on="run_id", how="inner")

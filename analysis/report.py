@@ -28,6 +28,7 @@ from analysis.report_sections import (
     dispatch_section,
     fidelity_section,
     gpu_serving_section,
+    intervals_section,
     serving_section,
 )
 from analysis.summary import attention_lines, write_summary
@@ -97,6 +98,19 @@ def method_lines(directory: Path) -> list[str]:
         lines.append(f"- **{name}**: {m.get('summary', '')} (prefill: {m.get('prefill')}, decode: {m.get('decode')})"
                      + (f". Read: {notes}." if notes else ""))  # fmt: skip
     return [*lines, ""]
+
+
+def _baseline(directory: Path, by: list[str]) -> dict[str, object]:
+    """What every group is compared with: the first value of the campaign's first matrix key among ``by``
+    (HAT's U-shape, Andes' first scheduler), as the campaign file lists it; none without a matrix."""
+    from ruamel.yaml import YAML
+
+    path = directory / "campaign.yaml"
+    matrix = (YAML(typ="safe").load(path.read_text()) or {}).get("matrix") if path.is_file() else None
+    for key, values in (matrix or {}).items():
+        if key in by and isinstance(values, list) and values:
+            return {key: values[0]}
+    return {}
 
 
 def build_report(campaign_dir: str | Path, options: ReportOptions | None = None) -> Path:
@@ -171,6 +185,8 @@ def build_report(campaign_dir: str | Path, options: ReportOptions | None = None)
               "their absolute latencies stand for the paper's testbed, not for this one's unscaled links.",
               ""]  # fmt: skip
     fidelity_section(report, data.steps, done)
+    interval_by = list(dict.fromkeys([*table_by, *axes]))
+    intervals_section(report, requests, tokens, done, interval_by, _baseline(directory, interval_by))
     if axes:
         r += ["## Latency by configuration", ""]
         report.table("latency_by_configuration", metrics.latency_table(requests, tokens, done, by=axes, gaps=gaps),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis import context_switching, dispatch, fidelity, gpu_serving, metrics, plots
+from analysis import comparison, context_switching, dispatch, fidelity, gpu_serving, metrics, plots
 from analysis.load import CampaignData
 from analysis.report_document import Report
 
@@ -32,6 +32,50 @@ def fidelity_section(report: Report, steps: pd.DataFrame, done: pd.DataFrame) ->
                          "raise `target.dilation` (or emulate fewer nodes) so that this machine keeps up.", ""]
     else:
         report.lines += [f"Every node of every run kept its overruns at or under {limit} of its steps.", ""]
+
+
+def _interval_text(value: dict | None, scale: float = 1.0, unit: str = "") -> str:
+    if not value:
+        return ""
+    estimate, low, high = (value[k] * scale for k in ("estimate", "low", "high"))
+    text = f"{estimate:.4g}{unit} [{low:.4g}, {high:.4g}]"
+    return text + (" (within noise)" if value.get("within_noise") else "")
+
+
+def intervals_section(report: Report, requests: pd.DataFrame, tokens: pd.DataFrame, done: pd.DataFrame,
+                      by: list[str], baseline: dict[str, object]) -> None:  # fmt: skip
+    """Means with their 95% intervals per group of ``by`` (bootstrap over requests and repetitions), and
+    each group's change against ``baseline`` on the same requests, marked where it is within noise."""
+    units = comparison.request_units(requests, tokens, done, by)
+    if units.empty:
+        return
+    means = comparison.group_means(units, by)
+    report.lines += ["## Means and differences with 95% intervals", ""]
+    rows = [{**m["settings"], "requests": m["requests"], "repetitions": m["repetitions"],
+             "ttft_ms": _interval_text(m.get("ttft_ms")), "tbt_ms": _interval_text(m.get("tbt_ms")),
+             "qoe": _interval_text(m.get("qoe"))} for m in means]  # fmt: skip
+    report.table("means_with_intervals", pd.DataFrame(rows).replace("", np.nan).dropna(axis=1, how="all"),
+                 "Mean TTFT and TBT (ms) and QoE per group, each with its 95% interval [low, high]: a bootstrap "
+                 "over requests, and over repetitions where there are several (a request's token gaps stay "
+                 "together).")  # fmt: skip
+    if not baseline:
+        return
+    changes = comparison.changes_against(units, by, baseline)
+    if not changes:
+        return
+    rows = [{**c["settings"], "pairs": c["pairs"], "ttft_change_pct": _interval_text(c.get("ttft_change"), 100, "%"),
+             "tbt_change_pct": _interval_text(c.get("tbt_change"), 100, "%"),
+             "qoe_change_pct": _interval_text(c.get("qoe_change"), 100, "%")} for c in changes]  # fmt: skip
+    against = ", ".join(f"{k}={v}" for k, v in baseline.items())
+    report.table("changes_with_intervals", pd.DataFrame(rows).replace("", np.nan).dropna(axis=1, how="all"),
+                 f"Each group's change of its mean against {against} (the group that differs only there), on the "
+                 "requests both served (the same request of the same repetition): the change with its 95% "
+                 "interval. *Within noise*: the interval includes no change, so this campaign cannot tell the "
+                 "two apart; run more requests or repetitions.")  # fmt: skip
+    noise = [c for c in changes if any((c.get(k) or {}).get("within_noise") for k in ("ttft_change", "tbt_change"))]
+    if noise:
+        report.lines += [f"**Within noise:** {len(noise)} of {len(changes)} groups differ from {against} by less "
+                         "than this campaign can resolve in TTFT or TBT.", ""]  # fmt: skip
 
 
 SERVING_AXES = ("workload.rate_per_s", "workload.arrival", "workload.cv", "workload.qoe", "serving.preemption_cap",

@@ -91,7 +91,7 @@ def summary(out: Path, by: list[str], baseline: dict[str, Any]) -> dict[str, Any
 
     data = load(out)
     by = [c for c in by if c in data.runs.columns]
-    units = request_units(data, by)
+    units = request_units(data.requests, data.tokens, data.runs, by)
     return {"by": by, "groups": group_means(units, by),
             "changes": changes_against(units, by, baseline) if baseline else [],
             "fidelity": fidelity(out, by)}  # fmt: skip

@@ -556,3 +556,22 @@ def test_report_of_runs_that_failed_before_any_request_finished(tmp_path: Path) 
     assert "nothing to report" in text and text.count("failed: workers: mpiexec exit status 9") == 8
     summary = pd.read_csv(campaign / "report" / "summary.csv")
     assert len(summary) == 8 and summary["requests"].isna().all()
+
+
+def test_report_gives_means_with_intervals_and_changes_against_the_first_method(built: Built) -> None:
+    out = built.directory / "report"
+    text = built.markdown.read_text()
+    assert "## Means and differences with 95% intervals" in text
+    means = pd.read_csv(out / "means_with_intervals.csv")
+    latency = pd.read_csv(out / "latency_by_configuration.csv")
+    for _, row in means.iterrows():  # the interval's estimate is the table's mean, inside its interval
+        key = (latency["method"] == row["method"]) & (latency["workload.rate_per_s"] == row["workload.rate_per_s"]) \
+            & (latency["power.orin"] == row["power.orin"])  # fmt: skip
+        estimate, low, high = (float(v) for v in re.findall(r"-?[\d.]+(?:e-?\d+)?", row["ttft_ms"])[:3])
+        assert estimate == pytest.approx(float(latency.loc[key, "ttft_ms_mean"].iloc[0]), rel=1e-3)
+        assert low <= estimate <= high
+    changes = pd.read_csv(out / "changes_with_intervals.csv")
+    # the campaign's matrix lists ushape first: centralized is compared with it, setting by setting
+    assert set(changes["method"]) == {"centralized"} and len(changes) == 4
+    assert (changes["pairs"] == 10).all()  # 2 devices x 5 requests, the same requests in both runs
+    assert "against method=ushape" in text
