@@ -16,6 +16,8 @@ file. Needs root (network namespaces).
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import sqlite3
 import subprocess
@@ -128,9 +130,17 @@ def main() -> None:
     baseline = {".".join(keys): value for keys, value in map(parse_setting, args.baseline)}
     by = args.by.split(",") if args.by else matrix_keys(campaign)
     work = args.work or Path("/var/tmp/hil-testbed-reproduce") / source.stem
+    # a campaign is resumed only with the same campaign and the same code (a reproduction names its hash)
+    identity = {"campaign_sha256": hashlib.sha256(campaign.read_bytes()).hexdigest(),
+                "code_sha256": os.environ.get("BENCH_CODE_SHA256")}  # fmt: skip
+    recorded = work / "identity.json"
+    if work.exists() and args.resume and (not recorded.is_file() or json.loads(recorded.read_text()) != identity):
+        print(f"{work}: its campaign or code differs from this one; starting it afresh", file=sys.stderr)
+        args.resume = False
     if work.exists() and not args.resume:
         subprocess.run(["rm", "-rf", "--", str(work)], check=True)
     work.mkdir(parents=True, exist_ok=True)
+    recorded.write_text(json.dumps(identity))
 
     from testbed.emulation.lifecycle import down, status, up
     from testbed.inventory import load_inventory

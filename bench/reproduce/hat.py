@@ -155,8 +155,8 @@ PAPER = Paper(
             "bench/campaign_reproduction.py",
             {
                 "smoke": (CAMPAIGN, *BASELINE, *SMOKE, "--work", "/var/tmp/hil-testbed-reproduce/hat-smoke"),
-                "reduced": (CAMPAIGN, *BASELINE, "--set", "repetitions=2"),
-                "full": (CAMPAIGN, *BASELINE, "--set", "repetitions=5", "--resume"),
+                "reduced": (CAMPAIGN, *BASELINE),
+                "full": (CAMPAIGN, *BASELINE, "--set", "repetitions=3", "--resume"),
             },
             CODE,
         ),
@@ -165,8 +165,8 @@ PAPER = Paper(
             "Table 5 on CNN/DM: the same methods emulating Vicuna-13B",
             "bench/campaign_reproduction.py",
             {
-                "reduced": (CAMPAIGN, *BASELINE, *CNNDM, "--set", "repetitions=2"),
-                "full": (CAMPAIGN, *BASELINE, *CNNDM, "--set", "repetitions=5", "--resume"),
+                "reduced": (CAMPAIGN, *BASELINE, *CNNDM),
+                "full": (CAMPAIGN, *BASELINE, *CNNDM, "--set", "repetitions=3", "--resume"),
             },
             CODE,
         ),
@@ -175,7 +175,7 @@ PAPER = Paper(
             "Fig. 6: U-shape, U-Sarathi and HAT at 4, 6 and 9 requests/s at the server (1, 1.5 and 2.25 a board)",
             "bench/campaign_reproduction.py",
             {
-                "reduced": (CAMPAIGN, *BASELINE, *RATES, "--set", "repetitions=1"),
+                "reduced": (CAMPAIGN, *BASELINE, *RATES),
                 "full": (CAMPAIGN, *BASELINE, *RATES, "--set", "repetitions=3", "--resume"),
             },
             CODE,

@@ -75,7 +75,7 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     command = " ".join(shlex.quote(a) for a in ["python", *argv[1:]])
     log(f"{paper.key}/{experiment.name} ({scale}): {command}")
     started = time.monotonic()
-    env = dict(os.environ, **{RESULT_PATH_VARIABLE: str(partial)}, PYTHONPATH=str(REPO))
+    env = dict(os.environ, **{RESULT_PATH_VARIABLE: str(partial)}, BENCH_CODE_SHA256=code, PYTHONPATH=str(REPO))
     try:
         exit_status = subprocess.run(argv, cwd=REPO, env=env, timeout=timeout_s).returncode
     except subprocess.TimeoutExpired:
