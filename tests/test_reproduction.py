@@ -66,7 +66,7 @@ def test_an_experiment_is_run_with_its_provenance_and_its_page_generated(tmp_pat
     assert "**2 headlines: 1 within ±25% of the paper's, 0 in the right direction, 0 missed (1 not run yet, " \
            "1 without an interval).**" in text  # fmt: skip
     assert "| tail TTFT cut, device-constrained | 26.39% |" in text
-    assert "(no interval)" in text and "| `broken` | a bench that fails | – | – | – | not run |" in text
+    assert "(no interval)" in text and "| `broken` | a bench that fails | – | – | – | – | not run |" in text
     assert (tmp_path / "docs" / "example" / "table-2.png").stat().st_size > 1000
 
     # a result whose code hash is not today's is stale, on the page and in its count

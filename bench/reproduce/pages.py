@@ -33,20 +33,36 @@ def comparisons(paper: Paper, results: Path = RESULTS) -> list[Comparison]:
     return out
 
 
+def _fidelity_text(result: dict) -> str:
+    """A paced campaign's overruns: the share of all its paced steps that overran, the worst node's share
+    and the runs flagged (a node over the limit), from a campaign experiment's ``fidelity`` record."""
+    rows = result.get("fidelity") or []
+    if not rows:
+        return "–"
+    worst = max(r["worst_node_share"] for r in rows)
+    flagged, runs = sum(r["flagged_runs"] for r in rows), sum(r["runs"] for r in rows)
+    share = max(r["overrun_share"] for r in rows)
+    return f"{share:.1%} of steps at most per group, worst node {worst:.1%}, {flagged} of {runs} runs flagged"
+
+
 def _experiment_rows(paper: Paper, results: Path) -> list[str]:
-    rows = ["| experiment | what | scale | wall time | commit | state |", "|---|---|---|---|---|---|"]
+    rows = ["| experiment | what | scale | wall time | commit | overran paced steps | state |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    commands = []
     for e in paper.experiments:
         result = read_result(result_path(results, paper, e))
         record = (result or {}).get("reproduction") or {}
         if not record:
-            rows.append(f"| `{e.name}` | {e.what} | – | – | – | not run |")
+            rows.append(f"| `{e.name}` | {e.what} | – | – | – | – | not run |")
             continue
         git = record.get("git") or {}
         commit = (git.get("commit") or "?")[:10] + (" (uncommitted changes)" if git.get("dirty") else "")
         state = "current" if is_current(result, e) else "**stale** (its code changed since)"
         minutes = record.get("wall_s", math.nan) / 60
-        rows.append(f"| `{e.name}` | {e.what} | {record.get('scale')} | {minutes:.1f} min | {commit} | {state} |")
-    return rows
+        rows.append(f"| `{e.name}` | {e.what} | {record.get('scale')} | {minutes:.1f} min | {commit} | "
+                    f"{_fidelity_text(result or {})} | {state} |")  # fmt: skip
+        commands.append(f"- `{e.name}`: `{record.get('command')}`")
+    return [*rows, "", "The commands that wrote them:", "", *commands] if commands else rows
 
 
 def render(paper: Paper, results: Path = RESULTS) -> tuple[str, dict[str, object]]:
