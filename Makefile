@@ -52,7 +52,7 @@ lint: $(STAMP)
 	$(BIN)/vermin -q -t=3.8- --violations --no-tips --eval-annotations nodes
 
 test: $(STAMP) system-packages lint models
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
 
 bench: $(STAMP) system-packages
 	$(BIN)/python bench/fanout.py

@@ -188,6 +188,16 @@ def test_warm_runs_compute_what_cold_runs_do_and_leave_the_nodes_set_only_betwee
     assert (cold_first["workers"]["start"], cold_second["workers"]["start"]) == ("cold", "cold")
     assert cold_first["workers"]["pool"] != cold_second["workers"]["pool"]
     assert cold_second["power"]["set"] == {"orin": "MODE_50W"} and cold_first["restore"]["power"]["orin"]["ok"]
+    # a reproduction's summary of the warm campaign: each method's means with intervals over its 3 requests,
+    # usarathi against ushape on the same 3 requests
+    from bench.campaign_reproduction import summary
+
+    digest = summary(warm_out, ["method"], {"method": "ushape"})
+    assert [g["settings"]["method"] for g in digest["groups"]] == ["usarathi", "ushape"]
+    for group in digest["groups"]:
+        assert group["requests"] == 3 and group["ttft_ms"]["low"] <= group["ttft_ms"]["estimate"] <= group["ttft_ms"]["high"]
+    (change,) = digest["changes"]
+    assert change["settings"] == {"method": "usarathi"} and change["pairs"] == 3 and "tbt_change" in change
     # the same requests give the same tokens, warm or cold
     for manifest in (first, second):
         warm_tokens = pd.read_parquet(warm_out / "runs" / manifest["run_id"] / "tokens.parquet")
