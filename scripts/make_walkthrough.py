@@ -1,7 +1,8 @@
-"""Write analysis/notebooks/walkthrough.ipynb (unexecuted) from the cells below.
+"""The cells of analysis/notebooks/walkthrough.ipynb: ``main`` writes them, unexecuted, to ``TARGET``.
 
-The notebook is generated so that its JSON stays reviewable and free of outputs; CI executes it
-(tests/test_notebook.py). Run: ``.venv/bin/python scripts/make_walkthrough.py``.
+The committed notebook is these cells executed on the sample campaign, with their outputs; write it with
+``.venv/bin/python -m tests.test_notebook`` (which calls this and executes the result), not by running
+this file alone. tests/test_notebook.py checks that the committed cells are these and runs them again.
 """
 
 from __future__ import annotations
