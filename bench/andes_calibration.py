@@ -7,7 +7,12 @@ is the nominal one (a finite bursty trace otherwise drifts 10-20% off it, enough
 Per rate and scheduler, over the seeds' requests pooled: mean QoE (Eq. 1) and its p10/p50, TTFT
 and per-request generation speed (TDS from the first token to the last) at p50, preemptions per
 request (all, and those the memory forced), generated tokens per second, the decision's median
-time; per scheduler, the capacity (highest rate with mean QoE >= 0.9). Also
+time; per scheduler, the capacity (highest rate with mean QoE >= 0.9). With 95% intervals
+(``analysis/uncertainty.py``: bootstrap over requests within seeds, and over seeds): each mean QoE and
+mean per-request speed, each scheduler's change against ``--baseline`` (fcfs) at every rate on the
+same requests (mean QoE, throughput over the seeds), and each capacity and capacity factor against
+the baseline (the sweep recomputed on every resample of the requests, the same resample for every
+scheduler and rate, so the factor is paired). Also
 the speed of the memory-bound batch, 1 / latency(B_mem), B_mem = M / the mean context of a request
 in flight: the number Andes Fig. 3 puts at >= 6.6 tokens/s, which the profile is calibrated against,
 and which decides the capacity gain (6.6 / 4.8 = 1.38x reading, 6.6 / 3.3 = 2x speaking).
@@ -42,7 +47,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.metrics import capacity_per_s, qoe
+from analysis.metrics import QOE_THRESHOLD, capacity_per_s, qoe
+from analysis.uncertainty import CONFIDENCE, RESAMPLES, SEED, Interval, change_interval, mean_interval
 from bench._common import write
 from nodes.contracts.compute_profile import step_seconds
 from nodes.contracts.target_model import builtin
@@ -127,12 +133,15 @@ def run(scheduler: str, rate_per_s: float, count: int, seed: int, sc: Scenario) 
 
     by_key = run_closed_loop(state, requests, iteration_s)
     stamps = {key[1]: np.array(times) for key, times in by_key.items()}
+    tokens = sum(len(t) for t in stamps.values())
+    span_s = max(t[-1] for t in stamps.values() if len(t)) - float(arrivals[0])
+    # per request, in request order (the same requests for every scheduler at one seed: they pair)
     return {"qoe": np.array([qoe(stamps[i] - arrivals[i], 1.0, float(speeds[i])) if len(stamps[i]) else 0.0
                              for i in range(count)]),
-            "ttft_s": np.array([stamps[i][0] - arrivals[i] for i in range(count) if len(stamps[i])]),
-            "tds": np.array([(len(t) - 1) / (t[-1] - t[0]) for t in stamps.values() if len(t) > 1 and t[-1] > t[0]]),
-            "tokens_per_s": sum(len(t) for t in stamps.values()) / (max(t[-1] for t in stamps.values() if len(t))
-                                                                    - float(arrivals[0])),
+            "ttft_s": np.array([stamps[i][0] - arrivals[i] if len(stamps[i]) else np.nan for i in range(count)]),
+            "tds": np.array([(len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else np.nan
+                             for t in (stamps[i] for i in range(count))]),
+            "tokens": tokens, "span_s": span_s, "tokens_per_s": tokens / span_s,
             "preemptions": state.preemptions_total, "forced": state.forced_total, "requests": count,
             "decisions_s": np.array(decisions_s)}  # fmt: skip
 
@@ -141,18 +150,99 @@ def summarise(scheduler: str, rate_per_s: float, runs: list[dict]) -> dict:
     """One scheduler at one rate over its seeds: percentiles over all their requests pooled, the
     throughput the seeds' mean, preemptions per request over all requests."""
     pooled = {name: np.concatenate([r[name] for r in runs]) for name in ("qoe", "ttft_s", "tds", "decisions_s")}
+    seeds = np.repeat(np.arange(len(runs)), [r["requests"] for r in runs])
     requests = sum(r["requests"] for r in runs)
     return {"scheduler": scheduler, "rate_per_s": rate_per_s, "seeds": len(runs),
             "qoe_mean": round(float(pooled["qoe"].mean()), 4),
+            "qoe_mean_interval": mean_interval(pooled["qoe"], clusters=seeds).as_dict(),
             "qoe_seed_means": [round(float(r["qoe"].mean()), 4) for r in runs],
             "qoe_p10": round(float(np.percentile(pooled["qoe"], 10)), 4),
             "qoe_p50": round(float(np.median(pooled["qoe"])), 4),
-            "ttft_p50_s": round(float(np.median(pooled["ttft_s"])), 3),
-            "tds_p50_tok_s": round(float(np.median(pooled["tds"])), 3),
+            "ttft_p50_s": round(float(np.nanmedian(pooled["ttft_s"])), 3),
+            "tds_p50_tok_s": round(float(np.nanmedian(pooled["tds"])), 3),
+            "tds_mean_interval": mean_interval(pooled["tds"], clusters=seeds).as_dict(),
             "output_tokens_per_s": round(float(np.mean([r["tokens_per_s"] for r in runs])), 1),
             "preemptions_per_request": round(sum(r["preemptions"] for r in runs) / requests, 3),
             "forced_preemptions_per_request": round(sum(r["forced"] for r in runs) / requests, 3),
             "decision_ms_median": round(float(np.median(pooled["decisions_s"])) * 1e3, 3)}  # fmt: skip
+
+
+def changes_against(runs: dict[tuple[str, float], list[dict]], baseline: str) -> list[dict]:
+    """Each scheduler against ``baseline`` at every rate, on the same requests (seed by seed): the mean
+    QoE's factor, paired by request and clustered by seed, and the throughput's change over the seeds
+    (generated tokens over each run's span: one unit a seed, so no interval from one seed)."""
+    rows = []
+    for (scheduler, rate), mine in sorted(runs.items()):
+        if scheduler == baseline or (baseline, rate) not in runs:
+            continue
+        base = runs[baseline, rate]
+        seeds = np.repeat(np.arange(len(mine)), [r["requests"] for r in mine])
+        change = change_interval(np.concatenate([r["qoe"] for r in mine]), np.concatenate([r["qoe"] for r in base]),
+                                 clusters=seeds)  # fmt: skip
+        throughput = change_interval([r["tokens"] for r in mine], [r["tokens"] for r in base],
+                                     [r["span_s"] for r in mine], [r["span_s"] for r in base])  # fmt: skip
+        if len(mine) < 2:  # one seed: one unit, no interval
+            throughput = Interval(throughput.estimate, float("nan"), float("nan"), 1)
+        rows.append({"scheduler": scheduler, "rate_per_s": rate, "against": baseline,
+                     "qoe_factor": _shifted(change, 1.0).as_dict(),
+                     "throughput_change": throughput.as_dict()})  # fmt: skip
+    return rows
+
+
+def _shifted(interval: Interval, by: float) -> Interval:
+    """A relative change as a factor (``by`` = 1): the same interval moved by ``by``."""
+    return Interval(interval.estimate + by, interval.low + by, interval.high + by, interval.units,
+                    interval.confidence)  # fmt: skip
+
+
+def capacity_intervals(runs: dict[tuple[str, float], list[dict]], schedulers: list[str], rates: list[float],
+                       baseline: str | None, resamples: int = RESAMPLES) -> dict:  # fmt: skip
+    """Andes Sec. 6.1's capacity (the highest rate whose mean QoE is at least 0.9, every lower rate too)
+    of each scheduler and its factor against ``baseline``, with bootstrap intervals: every resample
+    draws seeds with replacement and requests with replacement within each drawn seed, the same draw
+    for every scheduler and rate (their requests are the same), and recomputes every mean QoE and the
+    capacities from them. A resample where a capacity is undefined (even the lowest rate fails) is
+    left out of that interval."""
+    rng = np.random.default_rng(SEED)
+    qoe_of = {key: np.stack([r["qoe"] for r in mine]) for key, mine in runs.items()}  # (seeds, requests)
+    seeds, count = next(iter(qoe_of.values())).shape
+    order = np.argsort(rates)
+    sorted_rates = np.asarray(rates, dtype="float64")[order]
+    samples: dict[str, list[np.ndarray]] = {s: [] for s in schedulers}
+    for start in range(0, resamples, 100):
+        size = min(100, resamples - start)
+        chosen = rng.integers(0, seeds, size=(size, seeds))[:, :, None]
+        units = rng.integers(0, count, size=(size, seeds, count))
+        for scheduler in schedulers:
+            means = np.stack([qoe_of[scheduler, rates[k]][chosen, units].mean(axis=(1, 2)) for k in order], axis=1)
+            samples[scheduler].append(_capacities(sorted_rates, means))
+    drawn = {s: np.concatenate(v) for s, v in samples.items()}
+    out: dict[str, dict] = {"capacity_per_s": {}, "capacity_factor": {}}
+    estimate = {s: capacity_per_s(rates, [float(qoe_of[s, r].mean()) for r in rates]) for s in schedulers}
+    for scheduler in schedulers:
+        out["capacity_per_s"][scheduler] = _interval(estimate[scheduler], drawn[scheduler], seeds * count).as_dict()
+        if baseline in schedulers and scheduler != baseline:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                factor = drawn[scheduler] / drawn[baseline]
+            out["capacity_factor"][scheduler] = _interval(estimate[scheduler] / estimate[baseline], factor,
+                                                          seeds * count).as_dict()  # fmt: skip
+    return out
+
+
+def _capacities(rates: np.ndarray, means: np.ndarray) -> np.ndarray:
+    """:func:`capacity_per_s` of every row of ``means`` (rates sorted ascending)."""
+    passing = means >= QOE_THRESHOLD
+    upto = np.where(passing.all(axis=1), len(rates), np.argmin(passing, axis=1))
+    return np.where(upto > 0, rates[np.maximum(upto - 1, 0)], np.nan)
+
+
+def _interval(estimate: float, samples: np.ndarray, units: int) -> Interval:
+    samples = samples[np.isfinite(samples)]
+    if not len(samples) or not np.isfinite(estimate):
+        return Interval(float(estimate), float("nan"), float("nan"), units)
+    tail = 100 * (1 - CONFIDENCE) / 2
+    low, high = np.percentile(samples, [tail, 100 - tail])
+    return Interval(float(estimate), float(low), float(high), units)
 
 
 def result_name(args: argparse.Namespace) -> str:
@@ -185,6 +275,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=600, help="requests a run")
     parser.add_argument("--rates", default="1,1.5,2,2.5,3,3.5,4", help="requests/s over the server")
     parser.add_argument("--schedulers", default="fcfs,rr,andes")
+    parser.add_argument("--baseline", default="fcfs", help="the scheduler the others' changes are against")
     parser.add_argument("--seed", type=int, default=1, help="the first seed")
     parser.add_argument("--seeds", type=int, default=3, help="runs per scheduler and rate, seeds seed, seed+1, ...")
     parser.add_argument("--trace", default="reading", choices=["reading", "speaking"], help="TDS_exp table")
@@ -197,8 +288,11 @@ def main() -> None:
                         help="Andes' delta t in seconds (default: the mean completion time so far)")  # fmt: skip
     parser.add_argument("--memory-scale", type=float, default=1.0,
                         help="multiply the KV capacity and the swap room by this (a short run fills them)")  # fmt: skip
-    parser.add_argument("--charge-decisions", action="store_true",
-                        help="add each decision's measured time to its iteration (the solver's end-to-end cost)")
+    parser.add_argument(
+        "--charge-decisions",
+        action="store_true",
+        help="add each decision's measured time to its iteration (the solver's end-to-end cost)",
+    )
     args = parser.parse_args()
     profile = load_profile(profile_path(args.profile, REPO / "examples" / "profiles"))
     one = profile.rates()
@@ -211,20 +305,25 @@ def main() -> None:
     in_flight = LENGTH_MODELS[args.prompts].mean_tokens + OUTPUT_LENGTH_MODELS["sharegpt"].mean_tokens / 2
     b_mem = int(capacity * args.memory_scale // in_flight)
     memory_bound = step_seconds(rates, model, model.layers, [(1, int(in_flight))] * b_mem, head_tokens=b_mem)
-    results = []
-    for scheduler in args.schedulers.split(","):
-        for rate in [float(r) for r in args.rates.split(",")]:
-            runs = [run(scheduler, rate, args.requests, args.seed + k, scenario) for k in range(args.seeds)]
-            results.append(summarise(scheduler, rate, runs))
+    results, runs = [], {}
+    schedulers, rates = args.schedulers.split(","), [float(r) for r in args.rates.split(",")]
+    for scheduler in schedulers:
+        for rate in rates:
+            runs[scheduler, rate] = [run(scheduler, rate, args.requests, args.seed + k, scenario)
+                                     for k in range(args.seeds)]  # fmt: skip
+            results.append(summarise(scheduler, rate, runs[scheduler, rate]))
             print(results[-1], flush=True)
     capacities = {}
-    for scheduler in args.schedulers.split(","):
+    for scheduler in schedulers:
         mine = [r for r in results if r["scheduler"] == scheduler]
         capacities[scheduler] = capacity_per_s([r["rate_per_s"] for r in mine], [r["qoe_mean"] for r in mine])
+    baseline = args.baseline if args.baseline in schedulers else None
     summary = {"kv_capacity_tokens": int(capacity * args.memory_scale), "memory_bound_batch": b_mem,
                "memory_bound_step_s": round(memory_bound, 4), "memory_bound_speed_tok_s": round(1 / memory_bound, 2),
-               "capacity_per_s": capacities}  # fmt: skip
-    print(summary)
+               "capacity_per_s": capacities, "baseline": baseline,
+               "intervals": capacity_intervals(runs, schedulers, rates, baseline),
+               "changes": changes_against(runs, baseline) if baseline else []}  # fmt: skip
+    print({k: v for k, v in summary.items() if k != "changes"})
     command = " ".join(["python", "bench/andes_calibration.py", *sys.argv[1:]])
     settings = {"trace": args.trace, "prompts": args.prompts, "arrival": args.arrival,
                 "cv": args.cv if args.arrival == "gamma" else None,

@@ -17,10 +17,15 @@ Everything here is measured on this machine's GPU with the engine's own code (no
 - ``nvml``: the telemetry sampler's NVML source at 100 ms while a decode layer runs a duty cycle of known
   busy share (0 to 100% of each 200 ms): NVML's ``gpu_util_pct`` and power against the share.
 
-    python bench/cocoserve_gpu.py --out DIR            # on a GPU: about 3 minutes
-    python bench/cocoserve_gpu.py --quick --out DIR    # on a CPU: small shapes, no NVML (checks the script)
+Each measured time is repeated (``--reps``, ``--decode-reps``) and each figure the reproduction reads
+has its 95% interval (:mod:`analysis.uncertainty`): a copy's mean seconds, the change of a decode step
+when its batch is halved, the restart extrapolated to 40 layers per repetition.
 
-Writes DIR/cocoserve_gpu.json and DIR/cocoserve_gpu_profile.jsonl (default bench/results/).
+    python bench/cocoserve_gpu.py                      # on a GPU: about 3 minutes
+    python bench/cocoserve_gpu.py --quick --out /tmp/gpu_quick.json   # on a CPU: small shapes, no NVML
+
+One invocation writes one result, bench/results/cocoserve_gpu.json (or what ``--out`` names; the
+profile's rows are in it, and in ``--profile-jsonl`` when given), saved again after each section.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import affine_fit  # noqa: E402
+from analysis.uncertainty import mean_interval, unpaired_change_interval  # noqa: E402
+from bench._common import affine_fit, write  # noqa: E402
 from bench.disco_gpu_premise import SHAPES, random_checkpoint  # noqa: E402
 
 RESTART = """
@@ -118,7 +124,7 @@ def copy_cost(shape: str, device: str, counts: list[int], staged_max: int, reps:
                 moved = sum(t.numel() * t.element_size() for layer_copy in copies for t in layer_copy)
                 del copies
             rows.append({"path": path, "layers": k, "bytes": moved, "seconds": statistics.median(times),
-                         "seconds_all": times})  # fmt: skip
+                         "seconds_all": times, "seconds_mean": mean_interval(times).as_dict()})  # fmt: skip
     fits = {}
     for path in ("device", "staged"):
         mine = [r for r in rows if r["path"] == path]
@@ -137,18 +143,25 @@ def restart_cost(checkpoint: Path, device: str, counts: list[int], reps: int, at
     """A fresh instance of k layers, from the process's start to its first step's end."""
     rows = []
     for k in counts:
-        for _ in range(reps):
+        for rep in range(reps):
             started = time.time()
             done = subprocess.run([sys.executable, "-c", RESTART, repr(started), str(checkpoint), device, str(k)],
                                   cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
             wall = time.time() - started
             if done.returncode != 0:
                 raise RuntimeError(f"restart of {k} layers failed: {done.stderr[-1500:]}")
-            rows.append({"layers": k, "seconds": wall, **json.loads(done.stdout.strip().splitlines()[-1])})
+            rows.append({"layers": k, "rep": rep, "seconds": wall,
+                         **json.loads(done.stdout.strip().splitlines()[-1])})  # fmt: skip
     medians = {k: statistics.median(r["seconds"] for r in rows if r["layers"] == k) for k in counts}
     fit = affine_fit(list(medians), list(medians.values()))
+    per_rep = []  # each repetition's own fit over the layer counts, read at ``at_layers``
+    for rep in range(reps):
+        mine = [r for r in rows if r["rep"] == rep]
+        line = affine_fit([r["layers"] for r in mine], [r["seconds"] for r in mine])
+        per_rep.append(line["intercept"] + line["slope"] * at_layers)
     return {"rows": rows, "median_s": medians, "fit": fit, "at_layers": at_layers,
-            "extrapolated_s": fit["intercept"] + fit["slope"] * at_layers}  # fmt: skip
+            "extrapolated_s": fit["intercept"] + fit["slope"] * at_layers, "extrapolated_per_rep_s": per_rep,
+            "extrapolated_mean_s": mean_interval(per_rep).as_dict()}  # fmt: skip
 
 
 class DecodeSteps:
@@ -206,8 +219,8 @@ class DecodeSteps:
         sync(self.device)
 
 
-def timed(step: Any, reps: int) -> float:
-    """Median seconds of ``step`` over ``reps`` runs after three to warm up."""
+def timed_all(step: Any, reps: int) -> list[float]:
+    """Seconds of ``step`` in each of ``reps`` runs after three to warm up."""
     for _ in range(3):
         step()
     times = []
@@ -215,24 +228,34 @@ def timed(step: Any, reps: int) -> float:
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times
+
+
+def timed(step: Any, reps: int) -> float:
+    """Median seconds of ``step`` over ``reps`` runs after three to warm up."""
+    return statistics.median(timed_all(step, reps))
 
 
 def decode_by_batch(shape: str, device: str, batches: list[int], context: int, reps: int) -> dict[str, Any]:
     """:class:`DecodeSteps` at each batch size, and what halving the batch (a replica's share: Eq. 3's
-    time by share) saves in each."""
+    time by share) saves in each: the median's saving, and the change of the mean step with its interval
+    (Eq. 1 has a layer's time proportional to its batch share: -50%)."""
     layer, config = one_layer(shape, device)
     rows = []
     for batch in batches:
         steps = DecodeSteps(layer, config, device, batch, context)
-        rows.append({"batch": batch, "engine_s": timed(steps.engine, reps), "batched_s": timed(steps.batched, reps)})
+        engine, batched = timed_all(steps.engine, reps), timed_all(steps.batched, reps)
+        rows.append({"batch": batch, "engine_s": statistics.median(engine), "batched_s": statistics.median(batched),
+                     "engine_all_s": engine, "batched_all_s": batched})  # fmt: skip
         del steps
     by_batch = {r["batch"]: r for r in rows}
     for r in rows:
         half = by_batch.get(r["batch"] // 2)
-        r["engine_half_saves"] = 1 - half["engine_s"] / r["engine_s"] if half else None
-        r["batched_half_saves"] = 1 - half["batched_s"] / r["batched_s"] if half else None
-    return {"context": context, "rows": rows}
+        for path in ("engine", "batched"):
+            r[f"{path}_half_saves"] = 1 - half[f"{path}_s"] / r[f"{path}_s"] if half else None
+            r[f"{path}_half_change"] = (unpaired_change_interval(half[f"{path}_all_s"], r[f"{path}_all_s"]).as_dict()
+                                        if half else None)  # fmt: skip
+    return {"context": context, "reps": reps, "rows": rows}
 
 
 def nvml_duty(shape: str, device: str, shares: list[float], phase_s: float, period_s: float,
@@ -300,8 +323,11 @@ def nvml_duty(shape: str, device: str, shares: list[float], phase_s: float, peri
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", default="cocoserve_gpu", help="result name under bench/results, or a .json path")
+    parser.add_argument("--profile-jsonl", type=Path, help="also write the profile's rows here")
     parser.add_argument("--quick", action="store_true", help="small shapes on the CPU: checks the script")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of each copy and restart")
+    parser.add_argument("--decode-reps", type=int, default=10, help="timed decode steps per batch and path")
     parser.add_argument("--nvml-period-s", type=float, default=1.0, help="the duty cycle's period")
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out")
     args = parser.parse_args()
@@ -310,15 +336,14 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     shape = "1b" if args.quick else "13b"
     skip = set(filter(None, args.skip.split(",")))
-    args.out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"device": device, "shape": shape, "torch": torch.__version__,
+    result: dict[str, Any] = {"command": " ".join(["python", "bench/cocoserve_gpu.py", *sys.argv[1:]]),
+                              "device": device, "shape": shape, "torch": torch.__version__,
                               "gpu": torch.cuda.get_device_name() if device == "cuda" else None}  # fmt: skip
-    path = args.out / "cocoserve_gpu.json"
 
     def save(section: str, started: float, value: Any) -> None:
         result[section] = value
         result.setdefault("section_s", {})[section] = round(time.monotonic() - started, 2)
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        write(args.out, result)  # the same file each time: what is done so far
         print(section, "done in", result["section_s"][section], "s", flush=True)
 
     with tempfile.TemporaryDirectory() as work:
@@ -332,20 +357,21 @@ def main() -> int:
             argv = [sys.executable, "-m", "nodes.workers.profile_engine", "--model", str(checkpoint), "--device",
                     device, "--dtype", "bfloat16", "--threads", "4", "--reps", "5", *grid]  # fmt: skip
             done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
-            (args.out / "cocoserve_gpu_profile.jsonl").write_text(done.stdout)
-            save("profile", began, {"exit": done.returncode, "rows": len(done.stdout.splitlines()),
-                                    "stderr": done.stderr[-1500:]})  # fmt: skip
+            if args.profile_jsonl:
+                args.profile_jsonl.write_text(done.stdout)
+            rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+            save("profile", began, {"exit": done.returncode, "rows": rows, "stderr": done.stderr[-1500:]})
         if "copy" not in skip:
             began = time.monotonic()
             counts = [1, 2, 4] if args.quick else [1, 2, 5, 10, 20, 30, 40]
-            save("copy", began, copy_cost(shape, device, counts, 4 if args.quick else 20, 3))
+            save("copy", began, copy_cost(shape, device, counts, max(counts), args.reps))
         if "restart" not in skip:
             began = time.monotonic()
-            save("restart", began, restart_cost(checkpoint, device, [1, 2, 4], 2, 40))
+            save("restart", began, restart_cost(checkpoint, device, [1, 2, 4], args.reps, 40))
     if "decode" not in skip:
         began = time.monotonic()
         batches = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128, 256]
-        save("decode", began, decode_by_batch(shape, device, batches, 64 if args.quick else 512, 10))
+        save("decode", began, decode_by_batch(shape, device, batches, 64 if args.quick else 512, args.decode_reps))
     if "nvml" not in skip and device == "cuda":
         began = time.monotonic()
         for path_kind in ("engine", "batched"):
@@ -357,9 +383,10 @@ def main() -> int:
         one = next(r["seconds"] for r in copy["rows"] if r["path"] == "device" and r["layers"] == 1)
         result["restart_over_one_layer_op"] = {"measured_4_layers": restart["median_s"][4] / one,
                                                "extrapolated_40_layers": restart["extrapolated_s"] / one}  # fmt: skip
-        path.write_text(json.dumps(result, indent=1) + "\n")
-    brief = {k: v for k, v in result.items() if not k.startswith(("copy", "restart", "nvml", "decode"))}
+    path = write(args.out, result)
+    brief = {k: v for k, v in result.items() if not k.startswith(("copy", "restart", "nvml", "decode", "profile"))}
     print(json.dumps(brief, indent=1))
+    print(f"wrote {path}")
     return 0
 
 

@@ -45,7 +45,10 @@ def is_current(result: dict[str, Any] | None, experiment: Experiment, scale: str
     record = (result or {}).get("reproduction") or {}
     if scale is not None and record.get("scale") != scale:
         return False
-    return record.get("code_sha256") == code_sha256(experiment.depends_on(), REPO)
+    try:
+        return record.get("code_sha256") == code_sha256(experiment.depends_on(), REPO)
+    except (ValueError, RuntimeError):  # a path it depends on is not tracked (yet): nothing to compare with
+        return False
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,10 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     partial.unlink(missing_ok=True)
-    code = code_sha256(experiment.depends_on(), REPO)
+    try:
+        code = code_sha256(experiment.depends_on(), REPO)
+    except (ValueError, RuntimeError) as exc:  # e.g. a new script not committed yet: no hash, no result
+        return Outcome(experiment.name, "failed", 0.0, None, f"{exc}; commit it first")
     provenance = machine()["git"]
     started_utc = datetime.now(UTC).isoformat(timespec="seconds")
     command = " ".join(shlex.quote(a) for a in ["python", *argv[1:]])

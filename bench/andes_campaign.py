@@ -1,0 +1,172 @@
+"""An Andes campaign on real ranks as a reproduction's experiment, in Andes Table 4's layout with intervals.
+
+Runs bench/campaign_reproduction.py with the same arguments (the campaign on its emulated lab, then
+per group of runs the mean TTFT, TBT and QoE and the paired changes against ``--baseline``, with
+intervals), then reads the campaign's requests and tokens again and adds, per group (the matrix's
+settings): QoE (Eq. 1, every request with an expectation; one never served counts 0, brief pitfall 8),
+TTFT (s) and TDS before the client's buffer ((n - 1) / (t_last - t_first) tokens/s, pitfall 9) at
+p10/p50/p90 as Table 4 prints them, preemptions per request (Fig. 13) and generated tokens per second
+(Fig. 12); and each group's differences of those percentiles against the baseline group on the same
+requests (``(repetition, node, request_id)``: every scheduler meets the same arrivals and prompts).
+Intervals: 95% percentile bootstrap over requests within repetitions and over repetitions (as
+``analysis/uncertainty.py``), the same resample for both sides of a paired difference.
+
+    python bench/andes_campaign.py examples/campaigns/andes-table4.yaml --baseline serving.scheduler=fcfs \\
+        --set base.workload.requests_per_device=250 --set base.workload.rate_per_s=0.4375
+
+Writes bench/results/andes_campaign.json unless a reproduction names the file. Needs root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from analysis.uncertainty import CONFIDENCE, RESAMPLES, SEED, Interval, mean_interval
+from bench._common import RESULT_PATH_VARIABLE, write
+
+REPO = Path(__file__).resolve().parent.parent
+PERCENTILES = (10, 50, 90)  # Table 4's
+METRICS = ("qoe", "ttft_s", "tds_tok_s")
+PAIR_KEY = ["repetition", "node", "request_id"]
+
+
+def run_campaign(args: list[str]) -> dict[str, Any]:
+    """bench/campaign_reproduction.py with ``args``: its result (the campaign's summary and where it ran)."""
+    with tempfile.TemporaryDirectory(prefix="andes-campaign-") as folder:
+        path = Path(folder) / "campaign_reproduction.json"
+        env = dict(os.environ, **{RESULT_PATH_VARIABLE: str(path)})
+        status = subprocess.run([sys.executable, str(REPO / "bench" / "campaign_reproduction.py"), *args],
+                                cwd=REPO, env=env).returncode  # fmt: skip
+        if status != 0 or not path.is_file():
+            raise SystemExit(status or 1)
+        result = json.loads(path.read_text())
+    result.pop("machine", None)
+    return result
+
+
+def served(out: Path, by: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every request with a QoE expectation of the done runs (its ``by`` settings, repetition, QoE, TTFT,
+    TDS and preemptions), and each done run's generated tokens per second with its settings."""
+    from analysis.load import load
+    from analysis.metrics import qoe_table, served_requests, throughput
+
+    data = load(out)
+    runs = data.runs[data.runs["state"] == "done"]
+    columns = [*by, *(["repetition"] if "repetition" not in by else [])]
+    frame = served_requests(data.requests, data.tokens, qoe_table(data.requests, data.tokens), runs, columns)
+    completed = frame["completed"].astype(bool) if "completed" in frame else True
+    frame["ttft_s"] = (frame["first_token_s"] - frame["arrival_s"]).where(completed)
+    frame["preemptions"] = frame["serving_preemptions"].fillna(0) if "serving_preemptions" in frame else np.nan
+    rates = throughput(data.requests).merge(runs[["run_id", *columns]], on="run_id")
+    return frame, rates
+
+
+def resamples(clusters: np.ndarray, count: int = RESAMPLES, seed: int = SEED) -> list[np.ndarray]:
+    """Index arrays of ``count`` two-stage bootstrap resamples: clusters (repetitions) with replacement,
+    then the units of each drawn cluster with replacement."""
+    rng = np.random.default_rng(seed)
+    labels = np.unique(clusters)
+    members = [np.flatnonzero(clusters == label) for label in labels]
+    out = []
+    for _ in range(count):
+        drawn = rng.integers(0, len(labels), len(labels)) if len(labels) > 1 else [0]
+        out.append(np.concatenate([members[k][rng.integers(0, len(members[k]), len(members[k]))] for k in drawn]))
+    return out
+
+
+def _percentiles(values: np.ndarray) -> np.ndarray:
+    """p10/p50/p90 of every column (NaN left out; NaN for a column without values): shape (3, columns)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanpercentile(values, PERCENTILES, axis=0)
+
+
+def _interval(estimate: float, samples: np.ndarray, units: int) -> dict[str, float]:
+    samples = samples[np.isfinite(samples)]
+    if not np.isfinite(estimate) or not len(samples):
+        return Interval(float(estimate), float("nan"), float("nan"), units).as_dict()
+    tail = 100 * (1 - CONFIDENCE) / 2
+    low, high = np.percentile(samples, [tail, 100 - tail])
+    return Interval(float(estimate), float(low), float(high), units).as_dict()
+
+
+def _by_metric(estimate: np.ndarray, samples: np.ndarray, units: int) -> dict[str, dict[str, dict[str, float]]]:
+    """{metric: {"p10": interval, ...}} from estimates (3, metrics) and samples (resamples, 3, metrics)."""
+    return {metric: {f"p{pct}": _interval(estimate[p, m], samples[:, p, m], units)
+                     for p, pct in enumerate(PERCENTILES)} for m, metric in enumerate(METRICS)}  # fmt: skip
+
+
+def _settings(by: list[str], values: object) -> dict[str, Any]:
+    values = values if isinstance(values, tuple) else (values,)
+    return {c: v.item() if isinstance(v, np.generic) else v for c, v in zip(by, values, strict=True)}
+
+
+def table4(frame: pd.DataFrame, rates: pd.DataFrame, by: list[str], baseline: dict[str, Any]) -> dict[str, Any]:
+    """Per group: Table 4's percentiles with intervals, mean QoE and preemptions per request with
+    intervals, throughput; per group against its baseline group: the paired differences (treatment -
+    baseline) and relative changes (treatment / baseline - 1) of every percentile."""
+    groups, changes = [], []
+    for values, part in frame.groupby(by, sort=True, dropna=False) if by else [((), frame)]:
+        settings = _settings(by, values)
+        data = part[list(METRICS)].to_numpy(dtype="float64")
+        idx = resamples(part["repetition"].to_numpy())
+        samples = np.stack([_percentiles(data[i]) for i in idx])
+        mine = rates
+        for column, value in settings.items():
+            mine = mine[mine[column] == value]
+        groups.append({"settings": settings, "requests": len(part), "repetitions": int(part["repetition"].nunique()),
+                       "percentiles": _by_metric(_percentiles(data), samples, len(part)),
+                       "qoe_mean": mean_interval(part["qoe"], clusters=part["repetition"]).as_dict(),
+                       "preemptions_per_request": mean_interval(part["preemptions"],
+                                                                clusters=part["repetition"]).as_dict(),
+                       "output_tokens_per_s": float(mine["output_tokens_per_s"].mean()),
+                       "runs_output_tokens_per_s": [float(v) for v in mine["output_tokens_per_s"]]})  # fmt: skip
+        if not baseline or all(settings.get(c) == v for c, v in baseline.items()):
+            continue
+        others = [c for c in by if c not in baseline]
+        base = frame
+        for column in by:
+            base = base[base[column] == baseline.get(column, settings[column])]
+        paired = part.merge(base, on=[*PAIR_KEY, *others], suffixes=("", "_base"))
+        if paired.empty:
+            continue
+        t = paired[list(METRICS)].to_numpy(dtype="float64")
+        b = paired[[f"{m}_base" for m in METRICS]].to_numpy(dtype="float64")
+        idx = resamples(paired["repetition"].to_numpy())
+        sample_t = np.stack([_percentiles(t[i]) for i in idx])
+        sample_b = np.stack([_percentiles(b[i]) for i in idx])
+        est_t, est_b = _percentiles(t), _percentiles(b)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            changes.append({"settings": settings, "against": {**{c: settings[c] for c in others}, **baseline},
+                            "pairs": len(paired),
+                            "difference": _by_metric(est_t - est_b, sample_t - sample_b, len(paired)),
+                            "change": _by_metric(est_t / est_b - 1, sample_t / sample_b - 1, len(paired))})  # fmt: skip
+    return {"percentiles": list(PERCENTILES), "groups": groups, "changes": changes}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        subprocess.run([sys.executable, str(REPO / "bench" / "campaign_reproduction.py"), "--help"], check=False)
+        return
+    result = run_campaign(sys.argv[1:])
+    frame, rates = served(Path(result["work"]) / "out", list(result["by"]))
+    result["table4"] = table4(frame, rates, list(result["by"]), dict(result.get("baseline") or {}))
+    result["command"] = " ".join(["python", "bench/andes_campaign.py", *sys.argv[1:]])
+    print(f"wrote {write('andes_campaign', result)}")
+
+
+if __name__ == "__main__":
+    main()
