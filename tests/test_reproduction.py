@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pytest
 
 from analysis.uncertainty import Interval
@@ -73,6 +74,7 @@ def test_an_experiment_is_run_with_its_provenance_and_its_page_generated(tmp_pat
     result["reproduction"]["code_sha256"] = "0" * 64
     (results / "example" / "sweep.json").write_text(json.dumps(result))
     stale, _ = render(PAPER, results)
+    plt.close("all")
     assert "1 stale" in stale and "within ±25% · **stale**" in stale and "**stale** (its code changed since)" in stale
 
 
@@ -112,6 +114,7 @@ def test_the_committed_pages_are_what_the_committed_results_give():
         assert page.read_text() == text, f"{page} differs from its results: run `testbed reproduce {paper.key} " \
                                          "--pages-only` (and rerun what it marks stale)"  # fmt: skip
         assert all((DOCS / name).is_file() for name in figures)
+        plt.close("all")
 
 
 def test_the_command_refuses_an_unknown_paper_or_scale_with_status_2():
