@@ -22,10 +22,18 @@ dimension) largest magnitude over the context, the largest channel's against the
 Targets (issue 24; issue 40 on SmolLM2): static INT2 loses most; llms-50's perplexity increase over
 INT8 at most half of static INT4's (per-context for a pretrained model); llms-50 better than random-50.
 
+Every window's negative log-likelihood and agreement per scheme is kept (``per_window``), and
+``intervals`` has 95% bootstrap intervals over windows (analysis/uncertainty.py's seed and resamples;
+the schemes are scored on the same windows, so they are resampled together): each scheme's
+perplexity, its rise over INT8 and its greedy agreement against INT8's; llms-50's rise against the
+static INT4's (``llms50_rise_over_static4``); and llms-50's compression over INT8 (8 bits over its
+chunks' mean bits, the quantisation's scales left out).
+
     python bench/llms_compression.py               # the tiny model, 40 windows
     python bench/llms_compression.py --model examples/models/smollm2-135m
 
-Writes bench/results/llms_compression.json (the tiny model) or llms_compression_<model>.json.
+Writes bench/results/llms_compression.json (the tiny model) or llms_compression_<model>.json (``--out``
+names another).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from analysis import uncertainty
 from bench._common import write
 from nodes.context_service.chunk_codec import dequantize, quantize
 from nodes.context_service.compression_levels import level_counts, plan_levels
@@ -101,12 +110,63 @@ def outlier_ratio(states: torch.Tensor) -> float:
     return float(peaks.max() / peaks.median())
 
 
+def bootstrap(per_window: dict[str, np.ndarray], statistic) -> tuple[float, float, float]:
+    """``statistic`` (of arrays with one value a window) on the windows, and its 95% bootstrap interval
+    over RESAMPLES resamples of the windows (every array resampled with the same draw)."""
+    rng = np.random.default_rng(uncertainty.SEED)
+    windows = len(next(iter(per_window.values())))
+    values = []
+    for _ in range(uncertainty.RESAMPLES):
+        drawn = rng.integers(0, windows, size=windows)
+        values.append(statistic({k: v[drawn] for k, v in per_window.items()}))
+    samples = np.asarray(values, dtype="float64")
+    samples = samples[np.isfinite(samples)]
+    tail = 100 * (1 - uncertainty.CONFIDENCE) / 2
+    low, high = np.percentile(samples, [tail, 100 - tail]) if len(samples) else (math.nan, math.nan)
+    return float(statistic(per_window)), float(low), float(high)
+
+
+def intervals(per_window: dict[str, np.ndarray], static4: str) -> dict[str, dict]:
+    """The summaries of the module's docstring, each an :class:`analysis.uncertainty.Interval` as a dict."""
+    windows = len(per_window["tokens"])
+
+    def ppl(data: dict[str, np.ndarray], scheme: str) -> float:
+        return math.exp(data[f"nll/{scheme}"].sum() / data["tokens"].sum())
+
+    def agreement(data: dict[str, np.ndarray], scheme: str) -> float:
+        return data[f"agree/{scheme}"].sum() / data["tokens"].sum()
+
+    def rise_ratio(data: dict[str, np.ndarray]) -> float:
+        base = ppl(data, "int8")
+        static = ppl(data, static4) - base
+        return (ppl(data, "llms-50") - base) / static if static > 0 else math.nan
+
+    def compression(data: dict[str, np.ndarray]) -> float:
+        return 8 * data["chunks"].sum() / data["bits"].sum()
+
+    def interval(statistic) -> dict:
+        return uncertainty.Interval(*bootstrap(per_window, statistic), windows).as_dict()
+
+    out: dict[str, dict] = {}
+    for scheme in SCHEMES:
+        out[f"perplexity/{scheme}"] = interval(lambda d, s=scheme: ppl(d, s))
+        out[f"rise_over_int8/{scheme}"] = interval(lambda d, s=scheme: ppl(d, s) - ppl(d, "int8"))
+        out[f"agreement/{scheme}"] = interval(lambda d, s=scheme: agreement(d, s))
+        out[f"agreement_change_vs_int8/{scheme}"] = interval(
+            lambda d, s=scheme: agreement(d, s) / agreement(d, "int8") - 1
+        )
+    out["llms50_rise_over_static4"] = interval(rise_ratio)
+    out["llms50_compression_over_int8"] = interval(compression)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(TINY), help="checkpoint directory (default: the tiny model)")
     parser.add_argument("--context", type=int, help="context tokens a window (default 192 tiny, 448 pretrained)")
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="result name under bench/results, or a .json path (default: by the model)")
     args = parser.parse_args()
     torch.manual_seed(0)
     directory = Path(args.model).resolve()
@@ -129,6 +189,7 @@ def main() -> int:
     outliers: dict[int, dict[str, list[float]]] = {layer: {"keys": [], "values": []} for layer in model.layer_ids}
     scored = 0
     done = 0
+    windows: dict[str, list[float]] = {"tokens": [], "chunks": [], "bits": []}
     while done < args.windows:
         start = int(rng.integers(len(text)))
         chars = max(4000, 10 * (context + SCORED))  # past the tokens a window needs, wrapping at the end
@@ -154,10 +215,16 @@ def main() -> int:
             totals[scheme] += nll
             if scheme == "fp32":
                 reference = argmax
-            agree[scheme] += sum(a == b for a, b in zip(argmax, reference, strict=True))
+            agreed = sum(a == b for a, b in zip(argmax, reference, strict=True))
+            agree[scheme] += agreed
+            windows.setdefault(f"nll/{scheme}", []).append(nll)
+            windows.setdefault(f"agree/{scheme}", []).append(agreed)
             if scheme == "llms-50":
                 for bits, n in level_counts(levels).items():
                     counts[bits] = counts.get(bits, 0) + n
+                windows["chunks"].append(len(levels))
+                windows["bits"].append(sum(levels))
+        windows["tokens"].append(SCORED)
         scored += SCORED
         done += 1
     results = {s: {"perplexity": math.exp(totals[s] / scored), "greedy_agreement": agree[s] / scored} for s in SCHEMES}
@@ -176,12 +243,14 @@ def main() -> int:
     print(verdict)
     per_layer = {str(layer): {kind: round(float(np.median(v)), 2) for kind, v in ratios.items()}
                  for layer, ratios in outliers.items()}  # fmt: skip
-    name = "llms_compression" if directory == TINY.resolve() else f"llms_compression_{directory.name}"
+    name = args.out or ("llms_compression" if directory == TINY.resolve() else f"llms_compression_{directory.name}")
     path = write(name, {
         "command": " ".join(["python", "bench/llms_compression.py", *sys.argv[1:]]), "model": str(directory),
         "text": source, "seconds": round(time.perf_counter() - began, 1), "windows": done, "scored_tokens": scored,
         "context_tokens": context, "chunk_tokens": CHUNK, "llms50_level_counts": counts,
-        "schemes": results, "targets": verdict,
+        "schemes": results, "targets": verdict, "static_int4": static4,
+        "intervals": intervals({k: np.asarray(v, dtype="float64") for k, v in windows.items()}, static4),
+        "per_window": windows,
         "outliers": {"statistic": "per layer, median over windows of (largest channel's peak magnitude / median "
                                   "channel's) over the context", "per_layer": per_layer},
     })  # fmt: skip
