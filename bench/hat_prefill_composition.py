@@ -6,7 +6,7 @@ network, server and the rest (:mod:`analysis.prefill_composition`), and writes t
 the floor no chunk size can beat: U-shape's TTFT with all its device and server compute hidden.
 
     .venv/bin/python bench/hat_prefill_composition.py results/hat4-smollm2 \
-        --out bench/results/hat_lab4_table5_smollm2/prefill_composition.json
+        --out hat_prefill_composition      # bench/results/hat_prefill_composition.json
 """
 
 from __future__ import annotations
