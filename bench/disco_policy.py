@@ -10,7 +10,9 @@ median 0.4 s, GPT-4o-mini-like), then solve Algorithm 3 (DiSCo-S: the length thr
     python bench/disco_policy.py
     python bench/disco_policy.py --repeats 50
 
-Writes bench/results/disco_policy.json: per policy and sample count, the median and p90 time in ms.
+Writes bench/results/disco_policy.json: per policy and sample count, the median, p90 and mean time in
+ms, the mean with its 95% interval over the timed computations (``analysis.uncertainty``), and every
+time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from analysis.uncertainty import mean_interval
 from bench._common import write
 from nodes.dispatch.policy import LengthDistribution, ServerTtft, length_threshold, wait_map
 
@@ -60,8 +63,9 @@ def main() -> None:
                 times.append(time.perf_counter() - start)
             ms = np.array(times) * 1e3
             rows.append({"policy": name, "samples": count, "median_ms": round(float(np.median(ms)), 3),
-                         "p90_ms": round(float(np.percentile(ms, 90)), 3)})  # fmt: skip
-            print(rows[-1], flush=True)
+                         "p90_ms": round(float(np.percentile(ms, 90)), 3),
+                         "mean_ms": mean_interval(ms).as_dict(), "times_ms": ms.round(4).tolist()})  # fmt: skip
+            print({k: v for k, v in rows[-1].items() if k != "times_ms"}, flush=True)
     command = " ".join(["python", "bench/disco_policy.py", *sys.argv[1:]])
     path = write("disco_policy", {"command": command, "budget": args.budget, "results": rows,
                                   "targets_ms_at_100k": {"disco-s": 20.0, "disco-d": 30.0}})  # fmt: skip
