@@ -12,8 +12,11 @@ import pytest
 from tests.conftest import run_cli
 
 
-def host_state() -> tuple[str, list[str]]:
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+def host_state() -> tuple[list[str], list[str]]:
+    """Doctor's scratch namespaces and cgroups (named tbdoctor<pid>) on this host; other test files' labs
+    come and go meanwhile, so only doctor's own names count."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    netns = sorted(line.split()[0] for line in listed.splitlines() if line.startswith("tbdoctor"))
     cgroups = sorted(p.name for p in Path("/sys/fs/cgroup").rglob("tbdoctor*")) if os.geteuid() == 0 else []
     return netns, cgroups
 
