@@ -21,6 +21,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from analysis.uncertainty import Interval
 
@@ -132,15 +133,28 @@ def comparison_table(comparisons: Sequence[Comparison]) -> str:
 
 
 def comparison_figure(title: str, comparisons: Sequence[Comparison]):  # -> matplotlib Figure
-    """The paper's values and ours on the paper's axes: curves over ``x`` where the headlines have one
-    (a sweep), otherwise bars per headline; ours with its interval."""
+    """The paper's values and ours on the paper's axes, one panel per unit: curves over ``x`` where the
+    headlines have one (a sweep), otherwise bars per headline; ours with its interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    units = list(dict.fromkeys(c.unit for c in comparisons)) or [""]
+    sizes = [max(1, sum(c.unit == u for c in comparisons)) for u in units]
+    fig, axes = plt.subplots(1, len(units), figsize=(7.0 + 1.2 * (len(units) - 1), 3.8), dpi=100, squeeze=False,
+                             gridspec_kw={"width_ratios": sizes})  # fmt: skip
+    for ax, unit in zip(axes[0], units, strict=True):
+        _panel(ax, [c for c in comparisons if c.unit == unit])
+        ax.set_ylabel("%" if unit == "%" else "×" if unit == "x" else unit)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _panel(ax: Any, comparisons: Sequence[Comparison]) -> None:  # ax: a matplotlib Axes
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7.0, 3.6), dpi=100)
     if comparisons and all(c.x is not None for c in comparisons):
         for series in dict.fromkeys(c.series for c in comparisons):
             points = sorted((c for c in comparisons if c.series == series), key=lambda c: c.x or 0.0)
@@ -156,14 +170,9 @@ def comparison_figure(title: str, comparisons: Sequence[Comparison]):  # -> matp
         ax.bar(positions - 0.2, [c.paper for c in comparisons], 0.4, label="paper", color="0.7")
         values, low, high = _error_bars(comparisons)
         ax.bar(positions + 0.2, values, 0.4, yerr=[low, high], capsize=3, label="ours", color="tab:blue")
-        ax.set_xticks(positions, [_short(c.quantity) for c in comparisons], rotation=20, ha="right", fontsize=8)
+        ax.set_xticks(positions, [_short(c.quantity) for c in comparisons], rotation=25, ha="right", fontsize=7)
         ax.axhline(0.0, color="black", linewidth=0.6)
-    units = sorted({c.unit for c in comparisons})
-    ax.set_ylabel(", ".join("%" if u == "%" else "×" if u == "x" else u for u in units))
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    ax.legend(fontsize=7)
 
 
 def _measured(c: Comparison) -> bool:
