@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from analysis.uncertainty import Interval
+from bench.disco_sweep import PAPER_TABLE2
 from bench.reproduce.registry import CAMPAIGN_CODE, Experiment, Headline, Paper, Result
 
 WORK = "/var/tmp/hil-testbed-reproduce"
@@ -26,13 +27,9 @@ DEVICE_NAMES = {"pixel7pro-bloom-1.1b": "Pixel 7 Pro B-1.1B", "pixel7pro-bloom-5
 TRACES = {"gpt": "GPT", "llama": "LLaMA", "deepseek": "DeepSeek", "command": "Command"}
 REGIMES = {"server": "server-constrained", "device": "device-constrained"}
 
-# DiSCo Table 2: average P99 TTFT reduction against Stoch over the budget range, %, devices as DEVICES
-TABLE2 = {
-    ("gpt", "server"): (23.85, 37.41, 44.04), ("gpt", "device"): (26.39, 21.48, 16.32),
-    ("llama", "server"): (11.08, 23.09, 26.29), ("llama", "device"): (35.67, 29.30, 21.29),
-    ("deepseek", "server"): (0.00, 3.88, 15.53), ("deepseek", "device"): (30.91, 28.01, 25.08),
-    ("command", "server"): (47.93, 50.93, 52.23), ("command", "device"): (34.78, 31.53, 24.42),
-}  # fmt: skip
+# DiSCo Table 2 (average P99 TTFT reduction against Stoch over the budget range, %, devices as DEVICES):
+# the sweep's own copy, which it also prints beside its cells
+TABLE2 = PAPER_TABLE2
 # DiSCo Table 3: mean delay_num of migrated requests (tokens) per trace and regime; TBT P99 (s) per regime
 TABLE3_DELAY = {
     ("gpt", "server"): 4.21, ("gpt", "device"): 6.59, ("llama", "server"): 5.53, ("llama", "device"): 10.01,

@@ -18,12 +18,18 @@ from bench.reproduce.runner import REPO, RESULTS, is_current, read_result, resul
 DOCS = REPO / "docs" / "reproductions"
 
 
-def comparisons(paper: Paper, results: Path = RESULTS) -> list[Comparison]:
+def _results(paper: Paper, results: Path) -> tuple[dict[str, dict | None], dict[str, bool]]:
+    """Each experiment's result (None where none) and whether it is current: its code hashed once."""
+    loaded = {e.name: read_result(result_path(results, paper, e)) for e in paper.experiments}
+    current = {e.name: loaded[e.name] is not None and is_current(loaded[e.name], e) for e in paper.experiments}
+    return loaded, current
+
+
+def comparisons(paper: Paper, results: Path = RESULTS,
+                found: tuple[dict[str, dict | None], dict[str, bool]] | None = None) -> list[Comparison]:  # fmt: skip
     """Every headline of ``paper`` with ours read from its experiment's result (None where none)."""
     out = []
-    loaded = {e.name: read_result(result_path(results, paper, e)) for e in paper.experiments}
-    current = {name: result is not None and is_current(result, paper.experiment(name))
-               for name, result in loaded.items()}  # fmt: skip
+    loaded, current = found or _results(paper, results)
     for h in paper.headlines:
         result = loaded[h.experiment]
         ours = h.ours(result) if result is not None else None
@@ -45,19 +51,19 @@ def _fidelity_text(result: dict) -> str:
     return f"{share:.1%} of steps at most per group, worst node {worst:.1%}, {flagged} of {runs} runs flagged"
 
 
-def _experiment_rows(paper: Paper, results: Path) -> list[str]:
+def _experiment_rows(paper: Paper, loaded: dict[str, dict | None], current: dict[str, bool]) -> list[str]:
     rows = ["| experiment | what | scale | wall time | commit | overran paced steps | state |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip
     commands = []
     for e in paper.experiments:
-        result = read_result(result_path(results, paper, e))
+        result = loaded[e.name]
         record = (result or {}).get("reproduction") or {}
         if not record:
             rows.append(f"| `{e.name}` | {e.what} | – | – | – | – | not run |")
             continue
         git = record.get("git") or {}
         commit = (git.get("commit") or "?")[:10] + (" (uncommitted changes)" if git.get("dirty") else "")
-        state = "current" if is_current(result, e) else "**stale** (its code changed since)"
+        state = "current" if current[e.name] else "**stale** (its code changed since)"
         minutes = record.get("wall_s", math.nan) / 60
         rows.append(f"| `{e.name}` | {e.what} | {record.get('scale')} | {minutes:.1f} min | {commit} | "
                     f"{_fidelity_text(result or {})} | {state} |")  # fmt: skip
@@ -67,7 +73,8 @@ def _experiment_rows(paper: Paper, results: Path) -> list[str]:
 
 def render(paper: Paper, results: Path = RESULTS) -> tuple[str, dict[str, object]]:
     """The page's markdown and its figures by file name (relative to docs/reproductions/)."""
-    found = comparisons(paper, results)
+    loaded, current = _results(paper, results)
+    found = comparisons(paper, results, (loaded, current))
     source = results / paper.key
     source_text = source.relative_to(REPO) if source.is_relative_to(REPO) else source
     lines = [f"# {paper.title}: our reproduction", "",
@@ -87,7 +94,7 @@ def render(paper: Paper, results: Path = RESULTS) -> tuple[str, dict[str, object
         figures[name] = comparison_figure(figure.split("|")[0].strip(), rows)
     if paper.modeled:
         lines += ["## What is modeled, and what it decides", ""] + [f"- {m}" for m in paper.modeled] + [""]
-    lines += ["## Experiments", "", *_experiment_rows(paper, results), ""]
+    lines += ["## Experiments", "", *_experiment_rows(paper, loaded, current), ""]
     return "\n".join(lines), figures
 
 

@@ -76,13 +76,10 @@ def reproduce(
         raise TestbedError(f"reproduce: no paper {unknown[0]!r}; choose one of {', '.join(known)} or all")
     if scale not in reproductions.SCALES:
         raise TestbedError(f"reproduce --scale: {scale!r}; choose one of {', '.join(reproductions.SCALES)}")
-    for key in keys:
-        names = {e.name for e in known[key].experiments}
-        wrong = [o for o in only or [] if o not in names]
-        if wrong and paper != "all":
-            raise TestbedError(
-                f"reproduce --only: {key} has no experiment {wrong[0]!r}; it has {', '.join(sorted(names))}"
-            )
+    names = {e.name for key in keys for e in known[key].experiments}
+    wrong = [o for o in only or [] if o not in names]
+    if wrong:  # with 'all', a name no paper has is as wrong as with one paper
+        raise TestbedError(f"reproduce --only: {paper} has no experiment {wrong[0]!r}; see --list")
     failed = False
     for key in keys:
         chosen = known[key]
