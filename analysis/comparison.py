@@ -57,7 +57,7 @@ def group_means(units: pd.DataFrame, by: Sequence[str]) -> list[dict[str, Any]]:
     with its interval (as :meth:`Interval.as_dict`)."""
     rows = []
     for values, part in units.groupby(list(by), sort=True, dropna=False) if by else [((), units)]:
-        row: dict[str, Any] = {"settings": _settings(by, values), "requests": len(part),
+        row: dict[str, Any] = {"settings": settings_of(by, values), "requests": len(part),
                                "repetitions": int(part["repetition"].nunique())}  # fmt: skip
         for name in MEANS:
             interval = _interval(part, name)
@@ -67,14 +67,18 @@ def group_means(units: pd.DataFrame, by: Sequence[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _settings(by: Sequence[str], values: object) -> dict[str, Any]:
+def settings_of(by: Sequence[str], values: object) -> dict[str, Any]:
+    """A pandas group's key (one value, or a tuple of them) as ``{setting: plain value}`` of ``by``."""
     values = values if isinstance(values, tuple) else (values,)
-    return {column: _plain(value) for column, value in zip(by, values, strict=True)}
+    return {column: plain(value) for column, value in zip(by, values, strict=True)}
 
 
-def _plain(value: object) -> object:
+def plain(value: object) -> object:
+    """A numpy scalar or array as Python's own (what JSON takes); anything else as it is."""
     if isinstance(value, np.generic):
         return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
     return value
 
 
@@ -85,7 +89,7 @@ def changes_against(units: pd.DataFrame, by: Sequence[str], baseline: Mapping[st
     rows = []
     others = [c for c in by if c not in baseline]
     for values, part in units.groupby(list(by), sort=True, dropna=False):
-        settings = _settings(by, values)
+        settings = settings_of(by, values)
         if all(settings[c] == v for c, v in baseline.items()):
             continue
         base = units

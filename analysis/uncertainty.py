@@ -9,12 +9,14 @@ clusters with replacement, then the units inside each drawn cluster with replace
 bootstrap of Davison and Hinkley, Sec. 3.8; each cluster draws its units once per resample, also when it
 is drawn twice). A change of a treatment against a baseline measured on the same requests (the same
 workload seed per repetition) resamples the pairs together, which is what makes small effects visible.
+Any other statistic (a percentile, a capacity, a ratio of percentiles) is recomputed on the same two-stage
+resamples (``statistic_interval``, ``statistic_samples``), its interval their percentile interval.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,25 +54,95 @@ class Interval:
                         float(data.get("confidence", CONFIDENCE)))  # fmt: skip
 
 
+def _unit_draws(inverse: np.ndarray, clusters: int, resamples: int,
+                rng: np.random.Generator) -> Iterator[tuple[int, int, int, np.ndarray]]:  # fmt: skip
+    """The second stage of the two-stage draw, drawn from ``rng`` before the first: for each cluster (``inverse``
+    numbers each unit's, 0 to ``clusters`` - 1), ``(cluster, start, stop, rows)``, ``rows`` the unit
+    indices that resamples ``start`` to ``stop`` draw from it with replacement (a row each; at most 256
+    resamples at a time, for bounded memory)."""
+    for c in range(clusters):
+        members = np.flatnonzero(inverse == c)
+        for start in range(0, resamples, 256):
+            stop = min(start + 256, resamples)
+            yield c, start, stop, members[rng.integers(0, len(members), size=(stop - start, len(members)))]
+
+
+def _cluster_draws(clusters: int, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """The first stage, drawn after the units: (resamples, clusters) the clusters each resample draws with
+    replacement (a single cluster is always drawn: nothing to draw)."""
+    if clusters == 1:
+        return np.zeros((resamples, 1), dtype="int64")
+    return rng.integers(0, clusters, size=(resamples, clusters))
+
+
 def _resampled_sums(arrays: Sequence[np.ndarray], clusters: np.ndarray, resamples: int,
                     rng: np.random.Generator) -> list[np.ndarray]:  # fmt: skip
     """For each of ``arrays`` (one value a unit), its sum over the units of each of ``resamples`` two-stage
     resamples: clusters drawn with replacement, then the units of each cluster (the same draw for every
-    array, so that pairs and a ratio's numerator and denominator stay together)."""
+    array, so that pairs and a ratio's numerator and denominator stay together). The draws are
+    :func:`cluster_resamples`', summed a cluster at a time instead of listing each resample's units."""
     labels, inverse = np.unique(clusters, return_inverse=True)
     per_cluster = np.zeros((len(arrays), len(labels), resamples))
-    for c in range(len(labels)):
-        members = np.flatnonzero(inverse == c)
-        for start in range(0, resamples, 256):  # bounded memory: 256 resamples of a cluster at a time
-            stop = min(start + 256, resamples)
-            drawn = members[rng.integers(0, len(members), size=(stop - start, len(members)))]
-            for a, values in enumerate(arrays):
-                per_cluster[a, c, start:stop] = values[drawn].sum(axis=1)
-    if len(labels) == 1:
-        return [per_cluster[a, 0] for a in range(len(arrays))]
-    chosen = rng.integers(0, len(labels), size=(resamples, len(labels)))
-    columns = np.arange(resamples)[:, None]
+    for c, start, stop, drawn in _unit_draws(inverse, len(labels), resamples, rng):
+        for a, values in enumerate(arrays):
+            per_cluster[a, c, start:stop] = values[drawn].sum(axis=1)
+    chosen, columns = _cluster_draws(len(labels), resamples, rng), np.arange(resamples)[:, None]
     return [per_cluster[a][chosen, columns].sum(axis=1) for a in range(len(arrays))]
+
+
+def cluster_resamples(clusters: Sequence[object] | np.ndarray, resamples: int = RESAMPLES,
+                      seed: int = SEED) -> list[np.ndarray]:  # fmt: skip
+    """Row indices of ``resamples`` two-stage resamples of units whose clusters are ``clusters`` (one
+    label a unit): the clusters with replacement, then the units of each cluster with replacement (a
+    cluster drawn twice brings the same units twice), the draws :func:`mean_interval` sums. One cluster
+    (all labels alike) is a plain resample of the units."""
+    labels, inverse = np.unique(np.asarray(clusters), return_inverse=True)
+    if not len(labels):
+        return [np.zeros(0, dtype="int64") for _ in range(resamples)]
+    rng = np.random.default_rng(seed)
+    drawn = [np.empty((resamples, int(np.sum(inverse == c))), dtype="int64") for c in range(len(labels))]
+    for c, start, stop, rows in _unit_draws(inverse, len(labels), resamples, rng):
+        drawn[c][start:stop] = rows
+    chosen = _cluster_draws(len(labels), resamples, rng)
+    return [np.concatenate([drawn[c][r] for c in chosen[r]]) for r in range(resamples)]
+
+
+def statistic_samples(values: np.ndarray, statistic: Callable[[np.ndarray], float | np.ndarray],
+                      clusters: Sequence[object] | np.ndarray | None = None, *, resamples: int = RESAMPLES,
+                      seed: int = SEED) -> np.ndarray:  # fmt: skip
+    """``statistic`` on each of :func:`cluster_resamples`' resamples of ``values`` (its first axis the
+    units, ``clusters`` their labels, None one cluster; a 2-D array's row is a unit with its paired
+    columns, which stay together): shape (resamples, *the statistic's shape), the same draws for every
+    statistic of the same clusters, so that statistics of a unit's columns stay paired."""
+    values = np.asarray(values)
+    group = np.zeros(len(values), dtype="int64") if clusters is None else np.asarray(clusters)
+    if len(group) != len(values):
+        raise ValueError("one cluster label a unit")
+    draws = cluster_resamples(group, resamples, seed)
+    return np.array([statistic(values[rows]) for rows in draws], dtype="float64")
+
+
+def percentile_interval(estimate: float, samples: np.ndarray, units: int,
+                        confidence: float = CONFIDENCE) -> Interval:  # fmt: skip
+    """``estimate`` with the percentile interval of its bootstrap ``samples`` (non-finite ones left out),
+    resting on ``units``; NaN bounds where no sample is finite or the estimate itself is not."""
+    if not math.isfinite(estimate):
+        return Interval(float(estimate), math.nan, math.nan, units, confidence)
+    low, high = _percentiles(np.asarray(samples, dtype="float64").ravel(), confidence)
+    return Interval(float(estimate), low, high, units, confidence)
+
+
+def statistic_interval(values: np.ndarray, statistic: Callable[[np.ndarray], float],
+                       clusters: Sequence[object] | np.ndarray | None = None, *, confidence: float = CONFIDENCE,
+                       resamples: int = RESAMPLES, seed: int = SEED) -> Interval:  # fmt: skip
+    """``statistic`` (one number) of ``values`` (its first axis the units: a 2-D array keeps a unit's
+    paired columns together) with its percentile interval over :func:`statistic_samples`. The statistic
+    sees every unit, NaN ones too (it decides what they mean); no unit gives NaN throughout."""
+    values = np.asarray(values)
+    if not len(values):
+        return Interval(math.nan, math.nan, math.nan, 0, confidence)
+    samples = statistic_samples(values, statistic, clusters, resamples=resamples, seed=seed)
+    return percentile_interval(float(statistic(values)), samples, len(values), confidence)
 
 
 def _percentiles(samples: np.ndarray, confidence: float) -> tuple[float, float]:

@@ -18,6 +18,7 @@ from typing import Any
 from foundation.provenance import git_provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"
+GENERATED = ("bench/results", "docs/reproductions")  # results and the pages made of them: not code changes
 
 
 def machine() -> dict[str, Any]:
@@ -28,7 +29,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "paramiko": version("paramiko"),
         "fabric": version("fabric"),
-        "git": git_provenance(),
+        "git": git_provenance(leave_out=GENERATED),
     }
 
 

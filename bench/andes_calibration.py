@@ -48,7 +48,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analysis.metrics import QOE_THRESHOLD, capacity_per_s, qoe
-from analysis.uncertainty import CONFIDENCE, RESAMPLES, SEED, Interval, change_interval, mean_interval
+from analysis.uncertainty import (
+    RESAMPLES,
+    Interval,
+    change_interval,
+    mean_interval,
+    percentile_interval,
+    statistic_samples,
+)
 from bench._common import write
 from nodes.contracts.compute_profile import step_seconds
 from nodes.contracts.target_model import builtin
@@ -203,29 +210,28 @@ def capacity_intervals(runs: dict[tuple[str, float], list[dict]], schedulers: li
     for every scheduler and rate (their requests are the same), and recomputes every mean QoE and the
     capacities from them. A resample where a capacity is undefined (even the lowest rate fails) is
     left out of that interval."""
-    rng = np.random.default_rng(SEED)
     qoe_of = {key: np.stack([r["qoe"] for r in mine]) for key, mine in runs.items()}  # (seeds, requests)
     seeds, count = next(iter(qoe_of.values())).shape
     order = np.argsort(rates)
     sorted_rates = np.asarray(rates, dtype="float64")[order]
-    samples: dict[str, list[np.ndarray]] = {s: [] for s in schedulers}
-    for start in range(0, resamples, 100):
-        size = min(100, resamples - start)
-        chosen = rng.integers(0, seeds, size=(size, seeds))[:, :, None]
-        units = rng.integers(0, count, size=(size, seeds, count))
-        for scheduler in schedulers:
-            means = np.stack([qoe_of[scheduler, rates[k]][chosen, units].mean(axis=(1, 2)) for k in order], axis=1)
-            samples[scheduler].append(_capacities(sorted_rates, means))
-    drawn = {s: np.concatenate(v) for s, v in samples.items()}
+    # one row a request (seed by seed), one column a scheduler and rate (rates ascending)
+    qoe = np.stack([qoe_of[s, rates[k]].reshape(-1) for s in schedulers for k in order], axis=1)
+
+    def capacities_of(resample: np.ndarray) -> np.ndarray:  # one a scheduler
+        return _capacities(sorted_rates, resample.mean(axis=0).reshape(len(schedulers), len(rates)))
+
+    capacities = statistic_samples(qoe, capacities_of, np.repeat(np.arange(seeds), count), resamples=resamples)
+    drawn = {s: capacities[:, i] for i, s in enumerate(schedulers)}
     out: dict[str, dict] = {"capacity_per_s": {}, "capacity_factor": {}}
     estimate = {s: capacity_per_s(rates, [float(qoe_of[s, r].mean()) for r in rates]) for s in schedulers}
     for scheduler in schedulers:
-        out["capacity_per_s"][scheduler] = _interval(estimate[scheduler], drawn[scheduler], seeds * count).as_dict()
+        out["capacity_per_s"][scheduler] = percentile_interval(estimate[scheduler], drawn[scheduler],
+                                                               seeds * count).as_dict()  # fmt: skip
         if baseline in schedulers and scheduler != baseline:
             with np.errstate(invalid="ignore", divide="ignore"):
                 factor = drawn[scheduler] / drawn[baseline]
-            out["capacity_factor"][scheduler] = _interval(estimate[scheduler] / estimate[baseline], factor,
-                                                          seeds * count).as_dict()  # fmt: skip
+            out["capacity_factor"][scheduler] = percentile_interval(estimate[scheduler] / estimate[baseline],
+                                                                    factor, seeds * count).as_dict()  # fmt: skip
     return out
 
 
@@ -234,15 +240,6 @@ def _capacities(rates: np.ndarray, means: np.ndarray) -> np.ndarray:
     passing = means >= QOE_THRESHOLD
     upto = np.where(passing.all(axis=1), len(rates), np.argmin(passing, axis=1))
     return np.where(upto > 0, rates[np.maximum(upto - 1, 0)], np.nan)
-
-
-def _interval(estimate: float, samples: np.ndarray, units: int) -> Interval:
-    samples = samples[np.isfinite(samples)]
-    if not len(samples) or not np.isfinite(estimate):
-        return Interval(float(estimate), float("nan"), float("nan"), units)
-    tail = 100 * (1 - CONFIDENCE) / 2
-    low, high = np.percentile(samples, [tail, 100 - tail])
-    return Interval(float(estimate), float(low), float(high), units)
 
 
 def result_name(args: argparse.Namespace) -> str:

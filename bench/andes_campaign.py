@@ -1,6 +1,6 @@
 """An Andes campaign on real ranks as a reproduction's experiment, in Andes Table 4's layout with intervals.
 
-Runs bench/campaign_reproduction.py with the same arguments (the campaign on its emulated lab, then
+Runs bench/campaign_reproduction.py's ``run`` with the same arguments (the campaign on its emulated lab, then
 per group of runs the mean TTFT, TBT and QoE and the paired changes against ``--baseline``, with
 intervals), then reads the campaign's requests and tokens again and adds, per group (the matrix's
 settings): QoE (Eq. 1, every request with an expectation; one never served counts 0, brief pitfall 8),
@@ -19,11 +19,7 @@ Writes bench/results/andes_campaign.json unless a reproduction names the file. N
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,27 +29,13 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.uncertainty import CONFIDENCE, RESAMPLES, SEED, Interval, mean_interval
-from bench._common import RESULT_PATH_VARIABLE, write
+from analysis.uncertainty import mean_interval, percentile_interval, statistic_samples
+from bench import campaign_reproduction
+from bench._common import write
 
-REPO = Path(__file__).resolve().parent.parent
 PERCENTILES = (10, 50, 90)  # Table 4's
 METRICS = ("qoe", "ttft_s", "tds_tok_s")
 PAIR_KEY = ["repetition", "node", "request_id"]
-
-
-def run_campaign(args: list[str]) -> dict[str, Any]:
-    """bench/campaign_reproduction.py with ``args``: its result (the campaign's summary and where it ran)."""
-    with tempfile.TemporaryDirectory(prefix="andes-campaign-") as folder:
-        path = Path(folder) / "campaign_reproduction.json"
-        env = dict(os.environ, **{RESULT_PATH_VARIABLE: str(path)})
-        status = subprocess.run([sys.executable, str(REPO / "bench" / "campaign_reproduction.py"), *args],
-                                cwd=REPO, env=env).returncode  # fmt: skip
-        if status != 0 or not path.is_file():
-            raise SystemExit(status or 1)
-        result = json.loads(path.read_text())
-    result.pop("machine", None)
-    return result
 
 
 def served(out: Path, by: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -73,19 +55,6 @@ def served(out: Path, by: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
     return frame, rates
 
 
-def resamples(clusters: np.ndarray, count: int = RESAMPLES, seed: int = SEED) -> list[np.ndarray]:
-    """Index arrays of ``count`` two-stage bootstrap resamples: clusters (repetitions) with replacement,
-    then the units of each drawn cluster with replacement."""
-    rng = np.random.default_rng(seed)
-    labels = np.unique(clusters)
-    members = [np.flatnonzero(clusters == label) for label in labels]
-    out = []
-    for _ in range(count):
-        drawn = rng.integers(0, len(labels), len(labels)) if len(labels) > 1 else [0]
-        out.append(np.concatenate([members[k][rng.integers(0, len(members[k]), len(members[k]))] for k in drawn]))
-    return out
-
-
 def _percentiles(values: np.ndarray) -> np.ndarray:
     """p10/p50/p90 of every column (NaN left out; NaN for a column without values): shape (3, columns)."""
     with warnings.catch_warnings():
@@ -93,18 +62,9 @@ def _percentiles(values: np.ndarray) -> np.ndarray:
         return np.nanpercentile(values, PERCENTILES, axis=0)
 
 
-def _interval(estimate: float, samples: np.ndarray, units: int) -> dict[str, float]:
-    samples = samples[np.isfinite(samples)]
-    if not np.isfinite(estimate) or not len(samples):
-        return Interval(float(estimate), float("nan"), float("nan"), units).as_dict()
-    tail = 100 * (1 - CONFIDENCE) / 2
-    low, high = np.percentile(samples, [tail, 100 - tail])
-    return Interval(float(estimate), float(low), float(high), units).as_dict()
-
-
 def _by_metric(estimate: np.ndarray, samples: np.ndarray, units: int) -> dict[str, dict[str, dict[str, float]]]:
     """{metric: {"p10": interval, ...}} from estimates (3, metrics) and samples (resamples, 3, metrics)."""
-    return {metric: {f"p{pct}": _interval(estimate[p, m], samples[:, p, m], units)
+    return {metric: {f"p{pct}": percentile_interval(estimate[p, m], samples[:, p, m], units).as_dict()
                      for p, pct in enumerate(PERCENTILES)} for m, metric in enumerate(METRICS)}  # fmt: skip
 
 
@@ -121,8 +81,7 @@ def table4(frame: pd.DataFrame, rates: pd.DataFrame, by: list[str], baseline: di
     for values, part in frame.groupby(by, sort=True, dropna=False) if by else [((), frame)]:
         settings = _settings(by, values)
         data = part[list(METRICS)].to_numpy(dtype="float64")
-        idx = resamples(part["repetition"].to_numpy())
-        samples = np.stack([_percentiles(data[i]) for i in idx])
+        samples = statistic_samples(data, _percentiles, part["repetition"].to_numpy())
         mine = rates
         for column, value in settings.items():
             mine = mine[mine[column] == value]
@@ -144,9 +103,8 @@ def table4(frame: pd.DataFrame, rates: pd.DataFrame, by: list[str], baseline: di
             continue
         t = paired[list(METRICS)].to_numpy(dtype="float64")
         b = paired[[f"{m}_base" for m in METRICS]].to_numpy(dtype="float64")
-        idx = resamples(paired["repetition"].to_numpy())
-        sample_t = np.stack([_percentiles(t[i]) for i in idx])
-        sample_b = np.stack([_percentiles(b[i]) for i in idx])
+        both = statistic_samples(np.hstack([t, b]), _percentiles, paired["repetition"].to_numpy())  # one draw
+        sample_t, sample_b = both[..., : len(METRICS)], both[..., len(METRICS) :]
         est_t, est_b = _percentiles(t), _percentiles(b)
         with np.errstate(invalid="ignore", divide="ignore"):
             changes.append({"settings": settings, "against": {**{c: settings[c] for c in others}, **baseline},
@@ -159,9 +117,8 @@ def table4(frame: pd.DataFrame, rates: pd.DataFrame, by: list[str], baseline: di
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
-        subprocess.run([sys.executable, str(REPO / "bench" / "campaign_reproduction.py"), "--help"], check=False)
-        return
-    result = run_campaign(sys.argv[1:])
+        campaign_reproduction.run(["--help"])
+    result = campaign_reproduction.run(sys.argv[1:])
     frame, rates = served(Path(result["work"]) / "out", list(result["by"]))
     result["table4"] = table4(frame, rates, list(result["by"]), dict(result.get("baseline") or {}))
     result["command"] = " ".join(["python", "bench/andes_campaign.py", *sys.argv[1:]])

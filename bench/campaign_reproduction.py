@@ -19,7 +19,6 @@ import argparse
 import hashlib
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import time
@@ -28,19 +27,25 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from analysis.comparison import plain
 from bench._common import write
+from bench.campaign import ledger_counts
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_setting(text: str) -> tuple[list[str], Any]:
-    """``a.b.c=VALUE`` -> (["a", "b", "c"], VALUE read as YAML)."""
+    """``a.b.c=VALUE`` -> (["a", "b", "c"], VALUE read as YAML); under ``matrix`` the rest of the key is one
+    matrix key (``matrix.serving.scheduler=[fcfs, andes]`` -> (["matrix", "serving.scheduler"], [...]))."""
     from ruamel.yaml import YAML
 
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise SystemExit(f"--set {text}: write KEY=VALUE (a dotted key of the campaign file, a YAML value)")
-    return key.split("."), YAML(typ="safe").load(value)
+    keys = key.split(".")
+    if keys[0] == "matrix" and len(keys) > 2:  # a matrix key is itself a dotted setting: matrix.workload.rate_per_s
+        keys = ["matrix", ".".join(keys[1:])]
+    return keys, YAML(typ="safe").load(value)
 
 
 def changed_campaign(source: Path, settings: list[tuple[list[str], Any]]) -> Path:
@@ -60,13 +65,6 @@ def changed_campaign(source: Path, settings: list[tuple[list[str], Any]]) -> Pat
     return path
 
 
-def ledger_counts(out: Path) -> dict[str, int]:
-    if not (out / "ledger.sqlite").is_file():
-        return {}
-    with sqlite3.connect(f"file:{out / 'ledger.sqlite'}?mode=ro", uri=True, timeout=5) as db:
-        return dict(db.execute("SELECT state, COUNT(*) FROM runs GROUP BY state").fetchall())
-
-
 def fidelity(out: Path, by: list[str]) -> list[dict[str, Any]]:
     """Per group: the share of all paced steps that overran and the runs with a node above the limit."""
     from analysis.fidelity import violation_shares
@@ -79,7 +77,7 @@ def fidelity(out: Path, by: list[str]) -> list[dict[str, Any]]:
     rows = []
     for values, part in shares.groupby(by, sort=True) if by else [((), shares)]:
         values = values if isinstance(values, tuple) else (values,)
-        rows.append({"settings": dict(zip(by, [v.item() if hasattr(v, "item") else v for v in values], strict=True)),
+        rows.append({"settings": dict(zip(by, [plain(v) for v in values], strict=True)),
                      "overrun_share": round(float(part["overruns"].sum() / part["steps"].sum()), 4),
                      "worst_node_share": round(float(part["violation_share"].max()), 4),
                      "flagged_runs": int(part.loc[part["flagged"], "run_id"].nunique()),
@@ -112,8 +110,12 @@ def inventory_of(campaign: Path) -> Path:
     return (campaign.parent / written).resolve()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(argv: list[str]) -> dict[str, Any]:
+    """The campaign of ``argv`` (this script's arguments) run on its lab and summarised: the result this
+    script writes. Other benches that add measures of their own to a campaign call this. Exits when the
+    controller failed (an exit status other than 0, or 1 for a campaign with failed runs)."""
+    parser = argparse.ArgumentParser(prog="bench/campaign_reproduction.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("campaign", type=Path, help="an example campaign file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="change the campaign (dotted key, YAML value); repeatable")  # fmt: skip
@@ -122,7 +124,7 @@ def main() -> None:
                         help="the group the others are compared with, e.g. method=ushape")  # fmt: skip
     parser.add_argument("--work", type=Path, help="campaign directory (default: under /var/tmp, by campaign)")
     parser.add_argument("--resume", action="store_true", help="go on with the campaign already in --work")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("needs root: the emulated testbed builds network namespaces")
     source = args.campaign.resolve()
@@ -161,14 +163,18 @@ def main() -> None:
             down(load_inventory(inventory), say=lambda _: None)
     wall_s = time.monotonic() - started
     result = {
-        "command": " ".join(["python", "bench/campaign_reproduction.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "bench/campaign_reproduction.py", *argv]),
         "campaign": str(source.relative_to(REPO)), "settings": args.set, "baseline": baseline,
         "exit_status": exit_status, "campaign_wall_s": round(wall_s, 1), "ledger": ledger_counts(work / "out"),
         "work": str(work), **summary(work / "out", by, baseline),
     }  # fmt: skip
-    print(f"wrote {write('campaign_reproduction', result)}")
     if exit_status not in (0, 1):
-        raise SystemExit(exit_status)
+        raise SystemExit(f"the campaign's controller failed (exit status {exit_status}); see {work / 'run.log'}")
+    return result
+
+
+def main() -> None:
+    print(f"wrote {write('campaign_reproduction', run(sys.argv[1:]))}")
 
 
 if __name__ == "__main__":

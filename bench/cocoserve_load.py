@@ -47,6 +47,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from analysis.comparison import plain  # noqa: E402
+
 TINY = REPO / "examples" / "models" / "tiny"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 LOW_MAX_RATE = 30.0  # Sec. 6.1: low load 3-30 requests/s, high 31-50
@@ -212,13 +214,9 @@ def loads_of(rates: list[float], low_max_rate: float) -> dict[str, list[float]]:
     return loads
 
 
-def _plain(value: Any) -> Any:
-    return value.item() if hasattr(value, "item") else value
-
-
 def jsonable(value: Any) -> Any:
     """``value`` with numpy's scalars as Python's and paths as text (what ``bench._common.write`` takes)."""
-    return json.loads(json.dumps(value, default=lambda v: str(v) if isinstance(v, Path) else _plain(v)))
+    return json.loads(json.dumps(value, default=lambda v: str(v) if isinstance(v, Path) else plain(v)))
 
 
 def group_means(units: Any, runs: Any, loads: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -313,19 +311,12 @@ def campaign(args: argparse.Namespace) -> dict[str, Any]:
 
     from analysis import gpu_serving, metrics
     from analysis.load import load
+    from bench import campaign_reproduction
 
     work = args.work or Path("/var/tmp/hil-testbed-reproduce") / args.campaign.stem
-    with tempfile.TemporaryDirectory(prefix="cocoserve-campaign-") as tmp:
-        written = Path(tmp) / "campaign_reproduction.json"
-        argv = [sys.executable, str(REPO / "bench" / "campaign_reproduction.py"), str(args.campaign),
-                *[part for setting in args.set for part in ("--set", setting)], "--baseline", args.baseline,
-                "--work", str(work), *(["--resume"] if args.resume else [])]  # fmt: skip
-        env = dict(os.environ, BENCH_RESULT_PATH=str(written), PYTHONPATH=str(REPO))
-        exit_status = subprocess.run(argv, cwd=REPO, env=env, check=False).returncode
-        if not written.is_file():
-            raise SystemExit(f"bench/campaign_reproduction.py wrote no summary (exit status {exit_status})")
-        summary = json.loads(written.read_text())
-    summary.pop("machine", None)
+    summary = campaign_reproduction.run([
+        str(args.campaign), *[part for setting in args.set for part in ("--set", setting)], "--baseline", args.baseline,
+        "--work", str(work), *(["--resume"] if args.resume else [])])  # fmt: skip
     data = load(work / "out")
     runs = data.runs[data.runs["state"] == "done"]
     requests = data.requests[data.requests["run_id"].isin(runs["run_id"])]
@@ -350,14 +341,14 @@ def campaign(args: argparse.Namespace) -> dict[str, Any]:
                             stream="campaign")  # fmt: skip
         rows.append({
             "config": config[run_id], "method": run["method"], "rate_per_s": rate, "repetition": int(run["repetition"]),
-            "seed": _plain(run["seed"]), "run_id": run_id, "requests": len(one),
+            "seed": plain(run["seed"]), "run_id": run_id, "requests": len(one),
             "output_tokens_per_s": float(tput["output_tokens_per_s"]), "requests_per_s": float(tput["requests_per_s"]),
             "e2e_mean_s": float(one["e2e_s"].mean()), "oom_rate": float(one["out_of_memory"].mean()),
             "slo_attainment": float(1 - one["violated"].mean()),
             "peak_memory_gb": float(memory["peak_bytes"].get(run_id, float("nan"))) / 1e9,
-            "gpus_used": _plain(memory["gpus_used"].get(run_id, float("nan"))),
-            "overrun_share": _plain(overrun.get(run_id, float("nan"))),
-            "actions": [[_plain(a.time_s), a.kind, _plain(a.layer)] for a in ops.itertuples()] if len(ops) else [],
+            "gpus_used": plain(memory["gpus_used"].get(run_id, float("nan"))),
+            "overrun_share": plain(overrun.get(run_id, float("nan"))),
+            "actions": [[plain(a.time_s), a.kind, plain(a.layer)] for a in ops.itertuples()] if len(ops) else [],
         })  # fmt: skip
         units.append(one)
     runs_frame = pd.DataFrame(rows)

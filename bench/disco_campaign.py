@@ -1,7 +1,7 @@
-"""DiSCo's live campaigns as a reproduction's experiment: run an example campaign the way
-bench/campaign_reproduction.py does (its own code, imported: the emulated lab brought up and down, the
-generic summary of means and paired changes), then what DiSCo's page needs besides, with 95% intervals
-by bootstrap over requests (pairs kept together; repetitions as clusters):
+"""DiSCo's live campaigns as a reproduction's experiment: run an example campaign with
+bench/campaign_reproduction.py's ``run`` (the emulated lab brought up and down, the generic summary of
+means and paired changes), then what DiSCo's page needs besides, with 95% intervals by bootstrap over
+requests (pairs kept together; repetitions as clusters):
 
 - Table 2 live: per service and regime, the P99 TTFT reduction of DiSCo against Stoch averaged over the
   campaign's budgets, on the same requests (a repetition's requests and the trace endpoint's per-request
@@ -21,11 +21,7 @@ reproduction names the file. Needs root (network namespaces).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,34 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from analysis.comparison import PAIR_KEY
 from analysis.cost_model import DispatchPrices, dispatch_regime
 from analysis.dispatch import DISPATCH_DEFAULTS
-from analysis.uncertainty import CONFIDENCE, RESAMPLES, SEED, Interval, change_interval, mean_interval
-from bench._common import RESULT_PATH_VARIABLE, write
+from analysis.uncertainty import Interval, change_interval, mean_interval, statistic_interval
+from bench import campaign_reproduction
+from bench._common import write
 
-REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {"dispatch.policy": "policy", "dispatch.budget": "budget", "dispatch.service": "service",
             "dispatch.device_speed": "device", "dispatch.migration": "migration", "dispatch.regime": "forced_regime",
             "dispatch.server_endpoint": "server_endpoint"}  # fmt: skip
-
-
-def run_campaign(argv: list[str]) -> dict[str, Any]:
-    """bench/campaign_reproduction.py's main on ``argv``; its result (the generic summary, the work dir)."""
-    from bench import campaign_reproduction
-
-    saved_argv, saved_path = sys.argv, os.environ.get(RESULT_PATH_VARIABLE)
-    with tempfile.TemporaryDirectory(prefix="disco-campaign-") as tmp:
-        path = Path(tmp) / "campaign_reproduction.json"
-        sys.argv, os.environ[RESULT_PATH_VARIABLE] = ["bench/campaign_reproduction.py", *argv], str(path)
-        try:
-            campaign_reproduction.main()
-        finally:
-            sys.argv = saved_argv
-            if saved_path is None:
-                os.environ.pop(RESULT_PATH_VARIABLE, None)
-            else:
-                os.environ[RESULT_PATH_VARIABLE] = saved_path
-        result = json.loads(path.read_text())
-    result.pop("machine", None)
-    return result
 
 
 def request_table(out: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -110,31 +85,6 @@ def request_table(out: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return requests.reset_index(drop=True), gaps
 
 
-def _draws(clusters: np.ndarray, rng: np.random.Generator, resamples: int) -> list[np.ndarray]:
-    """Row indices of ``resamples`` two-stage resamples (clusters, then rows inside each drawn cluster)."""
-    labels = np.unique(clusters)
-    members = [np.flatnonzero(clusters == label) for label in labels]
-    out = []
-    for _ in range(resamples):
-        chosen = rng.integers(0, len(labels), len(labels)) if len(labels) > 1 else np.zeros(1, dtype="int64")
-        out.append(np.concatenate([members[c][rng.integers(0, len(members[c]), len(members[c]))] for c in chosen]))
-    return out
-
-
-def bootstrap(values: np.ndarray, clusters: np.ndarray, statistic: Callable[[np.ndarray], float]) -> Interval:
-    """``statistic`` of the rows of ``values`` (one row a request, its columns the groups it is paired
-    across) with its percentile interval, the rows resampled together (analysis.uncertainty's seed,
-    resamples and confidence)."""
-    if not len(values):
-        return Interval(np.nan, np.nan, np.nan, 0)
-    rng = np.random.default_rng(SEED)
-    samples = np.array([statistic(values[rows]) for rows in _draws(np.asarray(clusters), rng, RESAMPLES)])
-    samples = samples[np.isfinite(samples)]
-    tail = 100 * (1 - CONFIDENCE) / 2
-    low, high = np.percentile(samples, [tail, 100 - tail]) if len(samples) else (np.nan, np.nan)
-    return Interval(float(statistic(values)), float(low), float(high), len(values))
-
-
 def _p99(values: np.ndarray) -> np.ndarray:
     return np.percentile(values, 99, axis=0)
 
@@ -156,11 +106,15 @@ def table2_live(requests: pd.DataFrame) -> list[dict[str, Any]]:
             q = _p99(v)
             return float(np.mean(100.0 * (1.0 - q[1::2] / q[0::2])))
 
+        def average_change(v: np.ndarray) -> float:
+            return float(np.mean(100 * (v[:, 1::2].mean(0) / v[:, 0::2].mean(0) - 1)))
+
         per_budget = []
         for k, b in enumerate(budgets):
             pair = values[:, 2 * k : 2 * k + 2]
             mean_change = change_interval(pair[:, 1], pair[:, 0], clusters=clusters).scaled(100.0)
-            p99_change = bootstrap(pair, clusters, lambda v: float(100.0 * (_p99(v)[1] / _p99(v)[0] - 1.0)))
+            p99_change = statistic_interval(pair, lambda v: float(100.0 * (_p99(v)[1] / _p99(v)[0] - 1.0)),
+                                            clusters)  # fmt: skip
             realised = {}
             for policy in (stoch, disco):
                 spent = part[(part["policy"] == policy) & (part["budget"] == b)]
@@ -171,10 +125,10 @@ def table2_live(requests: pd.DataFrame) -> list[dict[str, Any]]:
                                "stoch_p99_ttft_s": float(_p99(pair[:, 0])),
                                "disco_p99_ttft_s": float(_p99(pair[:, 1]))})  # fmt: skip
         rows.append({"service": service, "regime": regime, "device": part["device"].iloc[0], "budgets": budgets,
-                     "requests": len(values), "reduction_pct": bootstrap(values, clusters, reduction).as_dict(),
-                     "average_mean_ttft_change_pct": bootstrap(
-                         values, clusters, lambda v: float(np.mean(100 * (v[:, 1::2].mean(0) / v[:, 0::2].mean(0) - 1)))
-                     ).as_dict(), "per_budget": per_budget})  # fmt: skip
+                     "requests": len(values),
+                     "reduction_pct": statistic_interval(values, reduction, clusters).as_dict(),
+                     "average_mean_ttft_change_pct": statistic_interval(values, average_change, clusters).as_dict(),
+                     "per_budget": per_budget})  # fmt: skip
     return rows
 
 
@@ -200,7 +154,7 @@ def migration_live(requests: pd.DataFrame, gaps: pd.DataFrame) -> list[dict[str,
             pooled = np.concatenate([moved_gaps[int(i)] for i in rows[:, 0]] or [np.zeros(0)])
             return float(np.percentile(pooled, 99)) if len(pooled) else float("nan")
 
-        tbt = bootstrap(np.arange(len(moved))[:, None], moved["repetition"].to_numpy(), gap_p99)
+        tbt = statistic_interval(np.arange(len(moved))[:, None], gap_p99, moved["repetition"].to_numpy())
         rows.append({
             "policy": policy, "regime": paired["regime"].iloc[0], "budget": budget, "pairs": len(paired),
             "cost_cut_pct": Interval(-100 * cost.estimate, -100 * cost.high, -100 * cost.low, cost.units).as_dict(),
@@ -225,7 +179,7 @@ def main() -> None:
         print(__doc__)
         raise SystemExit(0 if len(sys.argv) > 1 else 2)
     argv = sys.argv[1:]
-    campaign = run_campaign(argv)
+    campaign = campaign_reproduction.run(argv)
     out = Path(campaign["work"]) / "out"
     requests, gaps = request_table(out)
     checks = replay_check(out)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from analysis.cost_model import SERVICE_APIS, DispatchPrices
 from analysis.dispatch import budget_curves, cost_curves, migration_table, tail_reduction_table
 from analysis.report_document import markdown_table
-from analysis.uncertainty import CONFIDENCE, RESAMPLES, SEED, Interval, mean_interval
+from analysis.uncertainty import Interval, mean_interval, statistic_interval
 from bench._common import write
 from nodes.dispatch.controller import MigrationRule, plan_dispatch
 from nodes.dispatch.policy import LengthDistribution, ServerTtft, TokenCosts, constrained_endpoint
@@ -138,20 +138,12 @@ def sweep(args: argparse.Namespace, calibration_services: Services = SERVICES,
 # -- the numbers the reproduction page reads, with intervals over the seeds ----------------------------
 
 
-def over_seeds(matrix: np.ndarray, reduce: Callable[[np.ndarray], np.ndarray]) -> Interval:
-    """``reduce`` of the seeds' mean (``matrix``: one row a seed; ``reduce`` maps rows of means to one
-    value a row, e.g. the best budget's) with its percentile interval from resampling the seeds, as
-    :mod:`analysis.uncertainty` does for means (its seed, resamples and confidence)."""
-    matrix = np.asarray(matrix, dtype="float64")
-    n = matrix.shape[0]
+def over_seeds(matrix: np.ndarray, reduce: Callable[[np.ndarray], float]) -> Interval:
+    """``reduce`` of the seeds' mean (``matrix``: one row a seed; ``reduce`` maps the means, one a
+    column, to one value, e.g. the best budget's) with its percentile interval from resampling the seeds
+    (:func:`analysis.uncertainty.statistic_interval`)."""
     with np.errstate(invalid="ignore"):
-        estimate = float(reduce(np.nanmean(matrix, axis=0)[None])[0])
-        draws = np.random.default_rng(SEED).integers(0, n, size=(RESAMPLES, n))
-        samples = reduce(np.nanmean(matrix[draws], axis=1))
-    samples = samples[np.isfinite(samples)]
-    tail = 100 * (1 - CONFIDENCE) / 2
-    low, high = np.percentile(samples, [tail, 100 - tail]) if len(samples) else (np.nan, np.nan)
-    return Interval(estimate, float(low), float(high), n)
+        return statistic_interval(np.asarray(matrix, dtype="float64"), lambda m: float(reduce(np.nanmean(m, axis=0))))
 
 
 def _seed_mean(values: pd.Series) -> dict:
@@ -194,9 +186,9 @@ def headline_numbers(frame: pd.DataFrame) -> dict:
             matrix, budgets = by_budget.to_numpy(), [float(b) for b in by_budget.columns]
             fig6.append({"trace": trace, "regime": regime, "metric": metric, "budgets": budgets,
                          "change_pct_by_budget": np.nanmean(matrix, axis=0).round(3).tolist(),
-                         "best_change_pct": over_seeds(matrix, lambda m: np.nanmin(m, axis=1)).as_dict(),
+                         "best_change_pct": over_seeds(matrix, np.nanmin).as_dict(),
                          "best_budget": budgets[int(np.nanargmin(np.nanmean(matrix, axis=0)))],
-                         "average_change_pct": over_seeds(matrix, lambda m: np.nanmean(m, axis=1)).as_dict(),
+                         "average_change_pct": over_seeds(matrix, np.nanmean).as_dict(),
                          })  # fmt: skip
     disco = swept[swept["policy"].isin(["disco-s", "disco-d"])]
     cost = disco.pivot_table(index=["trace", "regime", "device", "seed", "budget"], columns="migration",
@@ -208,10 +200,10 @@ def headline_numbers(frame: pd.DataFrame) -> dict:
             cells = part.pivot_table(index="seed", columns=["trace", "device", "budget"], values="cut_pct")
             matrix = cells.to_numpy()
             best = cells.columns[int(np.nanargmax(np.nanmean(matrix, axis=0)))]
-            fig7.append({"regime": regime, "max_cut_pct": over_seeds(matrix, lambda m: np.nanmax(m, axis=1)).as_dict(),
+            fig7.append({"regime": regime, "max_cut_pct": over_seeds(matrix, np.nanmax).as_dict(),
                          "at": {"trace": best[0], "device": best[1], "budget": float(best[2])},
                          "max_cut_pct_by_trace": {
-                             trace: over_seeds(cells[trace].to_numpy(), lambda m: np.nanmax(m, axis=1)).as_dict()
+                             trace: over_seeds(cells[trace].to_numpy(), np.nanmax).as_dict()
                              for trace in dict.fromkeys(cells.columns.get_level_values(0))}})  # fmt: skip
     table3 = []
     moved = swept[swept["migration"].astype(bool) & (swept["migrated_share"] > 0)]

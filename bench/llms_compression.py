@@ -110,22 +110,6 @@ def outlier_ratio(states: torch.Tensor) -> float:
     return float(peaks.max() / peaks.median())
 
 
-def bootstrap(per_window: dict[str, np.ndarray], statistic) -> tuple[float, float, float]:
-    """``statistic`` (of arrays with one value a window) on the windows, and its 95% bootstrap interval
-    over RESAMPLES resamples of the windows (every array resampled with the same draw)."""
-    rng = np.random.default_rng(uncertainty.SEED)
-    windows = len(next(iter(per_window.values())))
-    values = []
-    for _ in range(uncertainty.RESAMPLES):
-        drawn = rng.integers(0, windows, size=windows)
-        values.append(statistic({k: v[drawn] for k, v in per_window.items()}))
-    samples = np.asarray(values, dtype="float64")
-    samples = samples[np.isfinite(samples)]
-    tail = 100 * (1 - uncertainty.CONFIDENCE) / 2
-    low, high = np.percentile(samples, [tail, 100 - tail]) if len(samples) else (math.nan, math.nan)
-    return float(statistic(per_window)), float(low), float(high)
-
-
 def intervals(per_window: dict[str, np.ndarray], static4: str) -> dict[str, dict]:
     """The summaries of the module's docstring, each an :class:`analysis.uncertainty.Interval` as a dict."""
     windows = len(per_window["tokens"])
@@ -144,8 +128,11 @@ def intervals(per_window: dict[str, np.ndarray], static4: str) -> dict[str, dict
     def compression(data: dict[str, np.ndarray]) -> float:
         return 8 * data["chunks"].sum() / data["bits"].sum()
 
-    def interval(statistic) -> dict:
-        return uncertainty.Interval(*bootstrap(per_window, statistic), windows).as_dict()
+    def interval(statistic) -> dict:  # resampling the windows: every array with the same draw
+        def of_windows(rows: np.ndarray) -> float:
+            return statistic({k: v[rows] for k, v in per_window.items()})
+
+        return uncertainty.statistic_interval(np.arange(windows), of_windows).as_dict()
 
     out: dict[str, dict] = {}
     for scheme in SCHEMES:

@@ -208,12 +208,7 @@ def _resampled_means(points: list[dict]) -> list[np.ndarray]:
 
 
 def _interval(estimate: float, samples: np.ndarray, units: int) -> dict:
-    samples = samples[np.isfinite(samples)]
-    if not len(samples) or not np.isfinite(estimate):
-        return uncertainty.Interval(float("nan"), float("nan"), float("nan"), units).as_dict()
-    tail = 100 * (1 - uncertainty.CONFIDENCE) / 2
-    low, high = np.percentile(samples, [tail, 100 - tail])
-    return uncertainty.Interval(float(estimate), float(low), float(high), units).as_dict()
+    return uncertainty.percentile_interval(estimate, samples, units).as_dict()
 
 
 def fidelity(points: list[dict]) -> list[dict]:

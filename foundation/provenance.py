@@ -11,8 +11,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def git_provenance(repo: Path = REPO) -> dict[str, Any]:
-    """The checkout's commit and a sha256 of its uncommitted changes (diff and untracked names)."""
+def git_provenance(repo: Path = REPO, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The checkout's commit and a sha256 of its uncommitted changes (diff and untracked names), the paths
+    in ``leave_out`` not counted (where results are written: a result is not a change of the code)."""
 
     def git(*args: str) -> str | None:
         try:
@@ -24,8 +25,9 @@ def git_provenance(repo: Path = REPO) -> dict[str, Any]:
     commit = git("rev-parse", "HEAD")
     if commit is None:
         return {"commit": None, "note": f"{repo} is not a git checkout"}
-    diff = git("diff", "HEAD", "--binary") or ""
-    untracked = git("ls-files", "--others", "--exclude-standard") or ""
+    paths = ["--", ".", *(f":(exclude){path}" for path in leave_out)]
+    diff = git("diff", "HEAD", "--binary", *paths) or ""
+    untracked = git("ls-files", "--others", "--exclude-standard", *paths) or ""
     dirty = bool(diff or untracked)
     digest = hashlib.sha256((diff + "\0" + untracked).encode()).hexdigest() if dirty else None
     return {"commit": commit.strip(), "dirty": dirty, "uncommitted_sha256": digest}

@@ -13,11 +13,12 @@ import matplotlib.pyplot as plt
 import pytest
 
 from analysis.uncertainty import Interval
+from bench._common import GENERATED
 from bench.reproduce import papers
 from bench.reproduce.pages import DOCS, render, write_page
 from bench.reproduce.registry import Experiment, Headline, Paper
 from bench.reproduce.runner import RESULTS, is_current, read_result, reproduce
-from foundation.provenance import code_sha256
+from foundation.provenance import code_sha256, git_provenance
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,6 +98,21 @@ def test_the_code_hash_follows_tracked_files_only(tmp_path):
         code_sha256(["nothing"], repo)
 
 
+def test_a_result_written_into_the_checkout_is_not_an_uncommitted_change_of_its_code(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "code").mkdir(parents=True)
+    (repo / "code" / "a.py").write_text("A = 1\n")
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True)
+    (repo / "bench" / "results" / "reproductions").mkdir(parents=True)
+    (repo / "bench" / "results" / "reproductions" / "one.json").write_text("{}")
+    assert git_provenance(repo, leave_out=GENERATED)["dirty"] is False
+    assert git_provenance(repo)["dirty"] is True  # without leave_out it is one
+    (repo / "code" / "a.py").write_text("A = 2\n")
+    changed = git_provenance(repo, leave_out=GENERATED)
+    assert changed["dirty"] is True and len(changed["uncommitted_sha256"]) == 64
+
+
 def test_every_paper_s_code_paths_exist_and_its_headlines_name_its_experiments():
     for paper in papers().values():
         names = {e.name for e in paper.experiments}
@@ -123,3 +139,19 @@ def test_the_command_refuses_an_unknown_paper_or_scale_with_status_2():
                               cwd=REPO)  # fmt: skip
         assert done.returncode == 2, done
         assert "reproduce" in done.stderr
+
+
+def test_a_scale_changes_a_campaign_by_dotted_keys_and_a_matrix_key_keeps_its_dots(tmp_path):
+    from ruamel.yaml import YAML
+
+    from bench.campaign_reproduction import changed_campaign, parse_setting
+
+    source = tmp_path / "c.yaml"
+    source.write_text("name: c\nbase:\n  workload: {requests_per_device: 8}\n"
+                      "matrix:\n  method: [a, b]\n  workload.rate_per_s: [1, 2]\n")  # fmt: skip
+    settings = ["base.workload.requests_per_device=2", "matrix.workload.rate_per_s=[0.5]", "repetitions=3"]
+    changed = YAML(typ="safe").load(changed_campaign(source, [parse_setting(s) for s in settings]).read_text())
+    assert changed["base"]["workload"]["requests_per_device"] == 2 and changed["repetitions"] == 3
+    assert changed["matrix"] == {"method": ["a", "b"], "workload.rate_per_s": [0.5]}  # one key replaced, order kept
+    with pytest.raises(SystemExit, match="write KEY=VALUE"):
+        parse_setting("repetitions")

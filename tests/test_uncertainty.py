@@ -9,9 +9,14 @@ import pytest
 
 from analysis.reproduction import DIRECTION, MISSED, NOT_RUN, WITHIN, Comparison, count_line, counts
 from analysis.uncertainty import (
+    RESAMPLES,
     Interval,
     change_interval,
+    cluster_resamples,
     mean_interval,
+    percentile_interval,
+    statistic_interval,
+    statistic_samples,
     unpaired_change_interval,
     within_noise,
 )
@@ -62,6 +67,98 @@ def test_missing_values_are_left_out_and_no_data_gives_nan():
     empty = mean_interval([])
     assert math.isnan(empty.estimate) and empty.units == 0
     assert within_noise(empty)
+
+
+def test_a_resample_draws_whole_clusters_and_a_cluster_drawn_twice_brings_the_same_units():
+    clusters = np.repeat(["a", "b", "c"], 4)
+    for rows in cluster_resamples(clusters, resamples=200, seed=1):
+        assert len(rows) == 12
+        parts = rows.reshape(3, 4)  # one drawn cluster a part: its units, drawn from it alone
+        labels = [set(clusters[part]) for part in parts]
+        assert all(len(label) == 1 for label in labels)
+        for i in range(3):
+            for j in range(i):
+                if labels[i] == labels[j]:
+                    assert (parts[i] == parts[j]).all()
+
+
+def test_one_cluster_is_a_plain_resample_of_the_units():
+    draws = cluster_resamples(np.zeros(30), resamples=100)
+    assert len(draws) == 100 and all(len(rows) == 30 and rows.min() >= 0 and rows.max() < 30 for rows in draws)
+    assert any(len(set(rows)) < 30 for rows in draws)  # with replacement
+    assert all(rows.tolist() == again.tolist() for rows, again in zip(draws, cluster_resamples(np.zeros(30), 100),
+                                                                      strict=True))  # fmt: skip
+
+
+def test_the_mean_as_a_statistic_gives_the_interval_of_mean_interval():
+    rng = np.random.default_rng(11)
+    clusters = np.repeat([0, 1, 2, 3], [50, 80, 20, 60])  # unequal clusters: resamples of unequal length
+    values = rng.lognormal(0.0, 0.5, len(clusters)) + clusters
+    for group in (None, clusters):
+        general, mean = statistic_interval(values, np.mean, group), mean_interval(values, clusters=group)
+        assert (general.estimate, general.low, general.high, general.units) == pytest.approx(
+            (mean.estimate, mean.low, mean.high, mean.units), rel=1e-12)
+
+
+def test_a_statistic_interval_is_fixed_by_its_seed_and_holds_its_estimate():
+    values = np.random.default_rng(13).exponential(1.0, 300)
+    interval = statistic_interval(values, np.median)
+    assert interval == statistic_interval(values, np.median)
+    assert interval != statistic_interval(values, np.median, seed=1)
+    assert interval.estimate == np.median(values) and interval.low < interval.estimate < interval.high
+    assert interval.units == 300 and interval.confidence == 0.95
+    assert interval.low > 0.5 and interval.high < 0.9  # the true median, ln 2 = 0.69, and within sampling noise
+
+
+def test_a_row_keeps_its_paired_columns_together():
+    rng = np.random.default_rng(17)
+    before = rng.lognormal(0.0, 1.0, 200)
+    pairs = np.column_stack([before, before + 1.0])  # each unit one more than itself
+    paired = statistic_interval(pairs, lambda v: float(np.median(v[:, 1] - v[:, 0])))
+    assert (paired.estimate, paired.low, paired.high) == pytest.approx((1.0, 1.0, 1.0))
+    alone = statistic_interval(pairs, lambda v: float(np.median(v[:, 1])))
+    assert alone.high - alone.low > 0.1  # each column alone varies: apart, their difference would too
+
+
+def test_repetitions_that_disagree_widen_a_statistic_s_interval():
+    rng = np.random.default_rng(19)
+    clusters = np.repeat(np.arange(5), 200)
+    values = rng.normal(0.0, 1.0, len(clusters)) + np.array([0.0, 3.0, -3.0, 1.5, -1.5])[clusters]
+    alone = statistic_interval(values, np.median)
+    clustered = statistic_interval(values, np.median, clusters)
+    assert clustered.high - clustered.low > 3 * (alone.high - alone.low)
+    assert clustered.estimate == alone.estimate
+
+
+def test_a_vector_statistic_stacks_one_row_a_resample_from_the_same_draws():
+    rng = np.random.default_rng(23)
+    values, clusters = rng.normal(size=(120, 2)), np.repeat([0, 1, 2], 40)
+    samples = statistic_samples(values, lambda v: np.percentile(v, [10, 50, 90], axis=0), clusters)
+    assert samples.shape == (RESAMPLES, 3, 2)
+    medians = statistic_samples(values, lambda v: float(np.median(v[:, 1])), clusters)
+    assert medians.shape == (RESAMPLES,)
+    assert samples[:, 1, 1] == pytest.approx(medians)
+
+
+def test_non_finite_samples_are_left_out_and_none_left_gives_no_interval():
+    samples = np.concatenate([np.linspace(0.0, 1.0, 101), [np.nan, np.inf, -np.inf]])
+    interval = percentile_interval(0.5, samples, 7)
+    assert (interval.low, interval.high, interval.units) == pytest.approx((0.025, 0.975, 7))
+    assert math.isnan(percentile_interval(0.5, np.full(10, np.nan), 7).low)
+    nothing = percentile_interval(math.nan, samples, 7)  # no interval around no estimate
+    assert math.isnan(nothing.low) and math.isnan(nothing.high) and nothing.units == 7
+    empty = statistic_interval(np.zeros(0), np.mean)
+    assert math.isnan(empty.estimate) and empty.units == 0
+    # a statistic undefined on some resamples (the first cluster's share of the second's mean, when the
+    # resample lacks one) keeps the resamples where it is defined
+    clusters = np.repeat([0, 1], 10)
+
+    def ratio(rows: np.ndarray) -> float:
+        first, second = rows[rows < 10], rows[rows >= 10]
+        return float(first.mean() / second.mean()) if len(first) and len(second) else math.nan
+
+    with_gaps = statistic_interval(np.arange(20), ratio, clusters)
+    assert np.isfinite([with_gaps.low, with_gaps.high]).all() and with_gaps.contains(with_gaps.estimate)
 
 
 def _ours(estimate: float, low: float, high: float) -> Interval:

@@ -52,7 +52,7 @@ KNEE_2000 = (
     "--set",
     "run_timeout_s=7200",
 )
-FCFS_ANDES = ("--set", "matrix={serving.scheduler: [fcfs, andes]}")  # the whole matrix: its key has a dot
+FCFS_ANDES = ("--set", "matrix.serving.scheduler=[fcfs, andes]")
 TABLE4_ARGS = (TABLE4_CAMPAIGN, "--baseline", "serving.scheduler=fcfs", *FCFS_ANDES)
 
 # The closed-loop sweeps: per trace, its options, schedulers, rate grids (requests/s at the server) and the
@@ -397,7 +397,7 @@ PAPER = Paper(
                     CAP_CAMPAIGN,
                     "--baseline",
                     "serving.preemption_cap=1.0",
-                    "--set",
+                    "--set",  # the whole matrix: the rate is KNEE_2000's, not a matrix axis
                     "matrix={serving.preemption_cap: [0.4, 1.0]}",
                     "--set",
                     "repetitions=1",

@@ -60,10 +60,9 @@ STATIC, CONTINUOUS, COCO = "static-batching", "continuous-batching", "cocoserve"
 HFT2, HFT4, COCO2 = "static-batching:2x1", "static-batching:4x1", "cocoserve:2x2"
 
 
-def _matrix(methods: tuple[str, ...], client_rates: tuple[float, ...]) -> tuple[str, str]:
-    """The campaign's whole matrix (its ``workload.rate_per_s`` key is dotted: set it with the matrix)."""
+def _matrix(methods: tuple[str, ...], client_rates: tuple[float, ...]) -> tuple[str, ...]:
     rates = ", ".join(f"{r:g}" for r in client_rates)
-    return "--set", f"matrix={{method: [{', '.join(methods)}], workload.rate_per_s: [{rates}]}}"
+    return "--set", f"matrix.method=[{', '.join(methods)}]", "--set", f"matrix.workload.rate_per_s=[{rates}]"
 
 
 def _campaign(name: str, methods: tuple[str, ...], client_rates: tuple[float, ...], requests_per_client: int,

@@ -51,15 +51,14 @@ CAMPAIGN_RUN = (*CAMPAIGN_CODE, "inventory.yaml", "examples/models/tiny", "analy
                 "bench/disco_campaign_check.py")  # fmt: skip
 
 
-def _budget_matrix(services: str, budgets: str) -> tuple[str, str]:
-    """disco-budget.yaml's whole matrix (its keys are dotted: set them with the matrix)."""
-    return ("--set", f"matrix={{dispatch.service: [{services}], "
-            f"dispatch.policy: [stoch-s, disco-s, stoch-d, disco-d], dispatch.budget: [{budgets}]}}")  # fmt: skip
+def _budget_matrix(services: str, budgets: str) -> tuple[str, ...]:
+    """disco-budget.yaml's matrix with these services and budgets (its four policies kept)."""
+    return "--set", f"matrix.dispatch.service=[{services}]", "--set", f"matrix.dispatch.budget=[{budgets}]"
 
 
-def _migration_matrix(budgets: str) -> tuple[str, str]:
-    return ("--set", f"matrix={{dispatch.policy: [disco-s, disco-d], dispatch.migration: [false, true], "
-            f"dispatch.budget: [{budgets}]}}")  # fmt: skip
+def _migration_matrix(budgets: str) -> tuple[str, ...]:
+    """disco-migration.yaml's matrix with these budgets (both policies, with and without migration)."""
+    return "--set", f"matrix.dispatch.budget=[{budgets}]"
 
 
 def _requests(per_device: int, rate_per_s: float) -> tuple[str, ...]:

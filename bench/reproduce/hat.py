@@ -30,9 +30,11 @@ CNNDM = (
     "--work",
     "/var/tmp/hil-testbed-reproduce/hat-table5-cnndm",
 )
-RATES = (  # the whole matrix: a dotted --set key nests, and this matrix key has a dot of its own
+RATES = (
     "--set",
-    "matrix={method: [ushape, usarathi, hat], workload.rate_per_s: [1.0, 1.5, 2.25]}",
+    "matrix.method=[ushape, usarathi, hat]",
+    "--set",
+    "matrix.workload.rate_per_s=[1.0, 1.5, 2.25]",
     "--work",
     "/var/tmp/hil-testbed-reproduce/hat-fig6-rates",
 )
