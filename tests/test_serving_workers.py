@@ -41,7 +41,7 @@ def serve(tmp_path: Path, serving: dict, devices: int = 2, tds: float = 30.0, ta
           profile: dict | None = None, model: Path = TINY, prompts: list[str] = PROMPTS,
           spacing_s: float = 0.02) -> dict:  # fmt: skip
     """Run the engine and ``devices`` clients over the prompts (spread round robin, arriving
-    ``spacing_s`` apart: within 0.1 s); the clients' and the engine's records."""
+    ``spacing_s`` apart: by default all within 0.1 s); the clients' and the engine's records."""
     schedules = []
     for d in range(devices):
         path = tmp_path / f"device{d}.jsonl"
