@@ -247,17 +247,19 @@ def qoe_table(requests: pd.DataFrame, tokens: pd.DataFrame, alpha: float | None 
     return out
 
 
-def capacity_per_s(rates_per_s: Sequence[float], mean_qoe: Sequence[float],
-                   threshold: float = QOE_THRESHOLD) -> float:  # fmt: skip
+def capacity_per_s(rates_per_s: Sequence[float], mean_qoe: Sequence[float] | np.ndarray,
+                   threshold: float = QOE_THRESHOLD) -> float | np.ndarray:  # fmt: skip
     """Andes' system capacity: the highest tested request rate whose average QoE is at least
     ``threshold``, with every lower tested rate passing too (no interpolation between rates; NaN
-    when even the lowest rate fails)."""
+    when even the lowest rate fails). ``mean_qoe`` may hold several curves, one a row over the rates
+    on its last axis (a bootstrap's resamples): then one capacity a row."""
     order = np.argsort(np.asarray(rates_per_s, dtype="float64"), kind="stable")
     rates = np.asarray(rates_per_s, dtype="float64")[order]
-    passing = np.asarray(mean_qoe, dtype="float64")[order] >= threshold
-    failed = np.flatnonzero(~passing)
-    upto = failed[0] if len(failed) else len(rates)
-    return float(rates[upto - 1]) if upto else float("nan")
+    qoe = np.asarray(mean_qoe, dtype="float64")
+    passing = qoe[..., order] >= threshold
+    upto = np.where(passing.all(axis=-1), len(rates), np.argmin(passing, axis=-1))
+    capacity = np.where(upto > 0, rates[np.maximum(upto - 1, 0)], np.nan)
+    return float(capacity) if qoe.ndim == 1 else capacity
 
 
 def token_delivery_speed(tokens: pd.DataFrame) -> pd.DataFrame:

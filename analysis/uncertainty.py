@@ -54,57 +54,55 @@ class Interval:
                         float(data.get("confidence", CONFIDENCE)))  # fmt: skip
 
 
-def _unit_draws(inverse: np.ndarray, clusters: int, resamples: int,
-                rng: np.random.Generator) -> Iterator[tuple[int, int, int, np.ndarray]]:  # fmt: skip
-    """The second stage of the two-stage draw, drawn from ``rng`` before the first: for each cluster (``inverse``
-    numbers each unit's, 0 to ``clusters`` - 1), ``(cluster, start, stop, rows)``, ``rows`` the unit
-    indices that resamples ``start`` to ``stop`` draw from it with replacement (a row each; at most 256
-    resamples at a time, for bounded memory)."""
-    for c in range(clusters):
-        members = np.flatnonzero(inverse == c)
-        for start in range(0, resamples, 256):
-            stop = min(start + 256, resamples)
-            yield c, start, stop, members[rng.integers(0, len(members), size=(stop - start, len(members)))]
+BLOCK = 256  # resamples drawn at a time: memory stays bounded by a block's units, whatever the resamples
 
 
-def _cluster_draws(clusters: int, resamples: int, rng: np.random.Generator) -> np.ndarray:
-    """The first stage, drawn after the units: (resamples, clusters) the clusters each resample draws with
-    replacement (a single cluster is always drawn: nothing to draw)."""
-    if clusters == 1:
-        return np.zeros((resamples, 1), dtype="int64")
-    return rng.integers(0, clusters, size=(resamples, clusters))
+def _draws(inverse: np.ndarray, clusters: int, resamples: int,
+           seed: int) -> Iterator[tuple[int, list[np.ndarray], np.ndarray]]:  # fmt: skip
+    """The two-stage draws of ``resamples`` resamples, :data:`BLOCK` at a time from one generator seeded
+    with ``seed``: ``(start, units, chosen)``, ``units[c]`` the unit indices that resamples ``start`` to
+    ``start + len(chosen)`` draw from cluster ``c`` (``inverse`` numbers each unit's cluster) with
+    replacement, a row each, and ``chosen`` the clusters each of them draws with replacement (a single
+    cluster is always drawn: nothing to draw)."""
+    rng = np.random.default_rng(seed)
+    members = [np.flatnonzero(inverse == c) for c in range(clusters)]
+    for start in range(0, resamples, BLOCK):
+        size = min(BLOCK, resamples - start)
+        units = [m[rng.integers(0, len(m), size=(size, len(m)))] for m in members]
+        chosen = np.zeros((size, 1), dtype="int64") if clusters == 1 else rng.integers(0, clusters, (size, clusters))
+        yield start, units, chosen
 
 
 def _resampled_sums(arrays: Sequence[np.ndarray], clusters: np.ndarray, resamples: int,
-                    rng: np.random.Generator) -> list[np.ndarray]:  # fmt: skip
+                    seed: int) -> list[np.ndarray]:  # fmt: skip
     """For each of ``arrays`` (one value a unit), its sum over the units of each of ``resamples`` two-stage
     resamples: clusters drawn with replacement, then the units of each cluster (the same draw for every
     array, so that pairs and a ratio's numerator and denominator stay together). The draws are
     :func:`cluster_resamples`', summed a cluster at a time instead of listing each resample's units."""
     labels, inverse = np.unique(clusters, return_inverse=True)
-    per_cluster = np.zeros((len(arrays), len(labels), resamples))
-    for c, start, stop, drawn in _unit_draws(inverse, len(labels), resamples, rng):
+    sums = [np.zeros(resamples) for _ in arrays]
+    for start, units, chosen in _draws(inverse, len(labels), resamples, seed):
+        rows = np.arange(len(chosen))[:, None]
         for a, values in enumerate(arrays):
-            per_cluster[a, c, start:stop] = values[drawn].sum(axis=1)
-    chosen, columns = _cluster_draws(len(labels), resamples, rng), np.arange(resamples)[:, None]
-    return [per_cluster[a][chosen, columns].sum(axis=1) for a in range(len(arrays))]
+            per_cluster = np.stack([values[drawn].sum(axis=1) for drawn in units], axis=1)  # (block, clusters)
+            sums[a][start:start + len(chosen)] = per_cluster[rows, chosen].sum(axis=1)
+    return sums
 
 
 def cluster_resamples(clusters: Sequence[object] | np.ndarray, resamples: int = RESAMPLES,
-                      seed: int = SEED) -> list[np.ndarray]:  # fmt: skip
+                      seed: int = SEED) -> Iterator[np.ndarray]:  # fmt: skip
     """Row indices of ``resamples`` two-stage resamples of units whose clusters are ``clusters`` (one
-    label a unit): the clusters with replacement, then the units of each cluster with replacement (a
-    cluster drawn twice brings the same units twice), the draws :func:`mean_interval` sums. One cluster
-    (all labels alike) is a plain resample of the units."""
+    label a unit), one resample at a time: the clusters with replacement, then the units of each cluster
+    with replacement (a cluster drawn twice brings the same units twice), the draws :func:`mean_interval`
+    sums. One cluster (all labels alike) is a plain resample of the units."""
     labels, inverse = np.unique(np.asarray(clusters), return_inverse=True)
     if not len(labels):
-        return [np.zeros(0, dtype="int64") for _ in range(resamples)]
-    rng = np.random.default_rng(seed)
-    drawn = [np.empty((resamples, int(np.sum(inverse == c))), dtype="int64") for c in range(len(labels))]
-    for c, start, stop, rows in _unit_draws(inverse, len(labels), resamples, rng):
-        drawn[c][start:stop] = rows
-    chosen = _cluster_draws(len(labels), resamples, rng)
-    return [np.concatenate([drawn[c][r] for c in chosen[r]]) for r in range(resamples)]
+        for _ in range(resamples):
+            yield np.zeros(0, dtype="int64")
+        return
+    for _, units, chosen in _draws(inverse, len(labels), resamples, seed):
+        for r, picked in enumerate(chosen):
+            yield np.concatenate([units[c][r] for c in picked])
 
 
 def statistic_samples(values: np.ndarray, statistic: Callable[[np.ndarray], float | np.ndarray],
@@ -173,7 +171,7 @@ def mean_interval(numerator: Values, denominator: Values | None = None,
     num, den, group = _as_arrays(numerator, denominator, clusters)
     if not len(num) or den.sum() == 0:
         return Interval(math.nan, math.nan, math.nan, 0, confidence)
-    sum_num, sum_den = _resampled_sums([num, den], group, resamples, np.random.default_rng(seed))
+    sum_num, sum_den = _resampled_sums([num, den], group, resamples, seed)
     with np.errstate(invalid="ignore", divide="ignore"):
         samples = sum_num / sum_den
     low, high = _percentiles(samples, confidence)
@@ -197,7 +195,7 @@ def change_interval(treatment: Values, baseline: Values,
     num_t, den_t, num_b, den_b, group = num_t[keep], den_t[keep], num_b[keep], den_b[keep], group[keep]
     if not len(num_t) or den_t.sum() == 0 or num_b.sum() == 0:
         return Interval(math.nan, math.nan, math.nan, 0, confidence)
-    sums = _resampled_sums([num_t, den_t, num_b, den_b], group, resamples, np.random.default_rng(seed))
+    sums = _resampled_sums([num_t, den_t, num_b, den_b], group, resamples, seed)
     with np.errstate(invalid="ignore", divide="ignore"):
         samples = (sums[0] / sums[1]) / (sums[2] / sums[3]) - 1
     low, high = _percentiles(samples, confidence)

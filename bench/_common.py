@@ -18,7 +18,6 @@ from typing import Any
 from foundation.provenance import git_provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GENERATED = ("bench/results", "docs/reproductions")  # results and the pages made of them: not code changes
 
 
 def machine() -> dict[str, Any]:
@@ -29,7 +28,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "paramiko": version("paramiko"),
         "fabric": version("fabric"),
-        "git": git_provenance(leave_out=GENERATED),
+        "git": git_provenance(),
     }
 
 

@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.metrics import QOE_THRESHOLD, capacity_per_s, qoe
+from analysis.metrics import capacity_per_s, qoe
 from analysis.uncertainty import (
     RESAMPLES,
     Interval,
@@ -218,7 +218,7 @@ def capacity_intervals(runs: dict[tuple[str, float], list[dict]], schedulers: li
     qoe = np.stack([qoe_of[s, rates[k]].reshape(-1) for s in schedulers for k in order], axis=1)
 
     def capacities_of(resample: np.ndarray) -> np.ndarray:  # one a scheduler
-        return _capacities(sorted_rates, resample.mean(axis=0).reshape(len(schedulers), len(rates)))
+        return capacity_per_s(sorted_rates, resample.mean(axis=0).reshape(len(schedulers), len(rates)))
 
     capacities = statistic_samples(qoe, capacities_of, np.repeat(np.arange(seeds), count), resamples=resamples)
     drawn = {s: capacities[:, i] for i, s in enumerate(schedulers)}
@@ -233,13 +233,6 @@ def capacity_intervals(runs: dict[tuple[str, float], list[dict]], schedulers: li
             out["capacity_factor"][scheduler] = percentile_interval(estimate[scheduler] / estimate[baseline],
                                                                     factor, seeds * count).as_dict()  # fmt: skip
     return out
-
-
-def _capacities(rates: np.ndarray, means: np.ndarray) -> np.ndarray:
-    """:func:`capacity_per_s` of every row of ``means`` (rates sorted ascending)."""
-    passing = means >= QOE_THRESHOLD
-    upto = np.where(passing.all(axis=1), len(rates), np.argmin(passing, axis=1))
-    return np.where(upto > 0, rates[np.maximum(upto - 1, 0)], np.nan)
 
 
 def result_name(args: argparse.Namespace) -> str:

@@ -29,6 +29,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from analysis.comparison import settings_of
 from analysis.uncertainty import mean_interval, percentile_interval, statistic_samples
 from bench import campaign_reproduction
 from bench._common import write
@@ -68,18 +69,13 @@ def _by_metric(estimate: np.ndarray, samples: np.ndarray, units: int) -> dict[st
                      for p, pct in enumerate(PERCENTILES)} for m, metric in enumerate(METRICS)}  # fmt: skip
 
 
-def _settings(by: list[str], values: object) -> dict[str, Any]:
-    values = values if isinstance(values, tuple) else (values,)
-    return {c: v.item() if isinstance(v, np.generic) else v for c, v in zip(by, values, strict=True)}
-
-
 def table4(frame: pd.DataFrame, rates: pd.DataFrame, by: list[str], baseline: dict[str, Any]) -> dict[str, Any]:
     """Per group: Table 4's percentiles with intervals, mean QoE and preemptions per request with
     intervals, throughput; per group against its baseline group: the paired differences (treatment -
     baseline) and relative changes (treatment / baseline - 1) of every percentile."""
     groups, changes = [], []
     for values, part in frame.groupby(by, sort=True, dropna=False) if by else [((), frame)]:
-        settings = _settings(by, values)
+        settings = settings_of(by, values)
         data = part[list(METRICS)].to_numpy(dtype="float64")
         samples = statistic_samples(data, _percentiles, part["repetition"].to_numpy())
         mine = rates
@@ -117,7 +113,7 @@ def table4(frame: pd.DataFrame, rates: pd.DataFrame, by: list[str], baseline: di
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
-        campaign_reproduction.run(["--help"])
+        raise SystemExit(0 if len(sys.argv) > 1 else 2)
     result = campaign_reproduction.run(sys.argv[1:])
     frame, rates = served(Path(result["work"]) / "out", list(result["by"]))
     result["table4"] = table4(frame, rates, list(result["by"]), dict(result.get("baseline") or {}))

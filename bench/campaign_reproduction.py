@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.comparison import plain
+from analysis.comparison import settings_of
 from bench._common import write
 from bench.campaign import ledger_counts
 
@@ -76,8 +76,7 @@ def fidelity(out: Path, by: list[str]) -> list[dict[str, Any]]:
     shares = violation_shares(data.steps).merge(data.runs[["run_id", *by]], on="run_id")
     rows = []
     for values, part in shares.groupby(by, sort=True) if by else [((), shares)]:
-        values = values if isinstance(values, tuple) else (values,)
-        rows.append({"settings": dict(zip(by, [plain(v) for v in values], strict=True)),
+        rows.append({"settings": settings_of(by, values),
                      "overrun_share": round(float(part["overruns"].sum() / part["steps"].sum()), 4),
                      "worst_node_share": round(float(part["violation_share"].max()), 4),
                      "flagged_runs": int(part.loc[part["flagged"], "run_id"].nunique()),
@@ -113,7 +112,8 @@ def inventory_of(campaign: Path) -> Path:
 def run(argv: list[str]) -> dict[str, Any]:
     """The campaign of ``argv`` (this script's arguments) run on its lab and summarised: the result this
     script writes. Other benches that add measures of their own to a campaign call this. Exits when the
-    controller failed (an exit status other than 0, or 1 for a campaign with failed runs)."""
+    controller failed (an exit status other than 0, or 1 for a campaign with failed runs), having
+    written nothing: the reproduction runner keeps no result of a failed run."""
     parser = argparse.ArgumentParser(prog="bench/campaign_reproduction.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("campaign", type=Path, help="an example campaign file")

@@ -140,18 +140,21 @@ def copy_cost(shape: str, device: str, counts: list[int], staged_max: int, reps:
 
 
 def restart_cost(checkpoint: Path, device: str, counts: list[int], reps: int, at_layers: int) -> dict[str, Any]:
-    """A fresh instance of k layers, from the process's start to its first step's end."""
-    rows = []
-    for k in counts:
-        for rep in range(reps):
-            started = time.time()
-            done = subprocess.run([sys.executable, "-c", RESTART, repr(started), str(checkpoint), device, str(k)],
-                                  cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-            wall = time.time() - started
-            if done.returncode != 0:
-                raise RuntimeError(f"restart of {k} layers failed: {done.stderr[-1500:]}")
-            rows.append({"layers": k, "rep": rep, "seconds": wall,
-                         **json.loads(done.stdout.strip().splitlines()[-1])})  # fmt: skip
+    """A fresh instance of k layers, from the process's start to its first step's end. One untimed restart
+    first (a fresh machine's first process pays for cold disk and driver caches once, which would tilt the
+    fit), then the layer counts in turn within each repetition, so that drift spreads over all of them."""
+
+    def restart(k: int) -> dict[str, Any]:
+        started = time.time()
+        done = subprocess.run([sys.executable, "-c", RESTART, repr(started), str(checkpoint), device, str(k)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+        wall = time.time() - started
+        if done.returncode != 0:
+            raise RuntimeError(f"restart of {k} layers failed: {done.stderr[-1500:]}")
+        return {"layers": k, "seconds": wall, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+    warm_up = restart(max(counts))
+    rows = [{**restart(k), "rep": rep} for rep in range(reps) for k in counts]
     medians = {k: statistics.median(r["seconds"] for r in rows if r["layers"] == k) for k in counts}
     fit = affine_fit(list(medians), list(medians.values()))
     per_rep = []  # each repetition's own fit over the layer counts, read at ``at_layers``
@@ -159,7 +162,7 @@ def restart_cost(checkpoint: Path, device: str, counts: list[int], reps: int, at
         mine = [r for r in rows if r["rep"] == rep]
         line = affine_fit([r["layers"] for r in mine], [r["seconds"] for r in mine])
         per_rep.append(line["intercept"] + line["slope"] * at_layers)
-    return {"rows": rows, "median_s": medians, "fit": fit, "at_layers": at_layers,
+    return {"warm_up": warm_up, "rows": rows, "median_s": medians, "fit": fit, "at_layers": at_layers,
             "extrapolated_s": fit["intercept"] + fit["slope"] * at_layers, "extrapolated_per_rep_s": per_rep,
             "extrapolated_mean_s": mean_interval(per_rep).as_dict()}  # fmt: skip
 

@@ -191,19 +191,12 @@ def replay(model, corpus: list[int], trace, store_class, disk, settings) -> dict
 
 def _resampled_means(points: list[dict]) -> list[np.ndarray]:
     """Per point, its mean switching latency (s) in each of RESAMPLES bootstrap resamples of its switches
-    (0 for a point without switches, as its mean is)."""
-    rng = np.random.default_rng(uncertainty.SEED)
+    (0 for a point without switches, as its mean is), each point's resamples with a seed of its own."""
     out = []
-    for point in points:
+    for index, point in enumerate(points):
         values = np.asarray(point["switch_s"], dtype="float64")
-        if not len(values):
-            out.append(np.zeros(uncertainty.RESAMPLES))
-            continue
-        means = np.empty(uncertainty.RESAMPLES)
-        for start in range(0, uncertainty.RESAMPLES, 256):  # bounded memory, as analysis/uncertainty.py
-            stop = min(start + 256, uncertainty.RESAMPLES)
-            means[start:stop] = values[rng.integers(0, len(values), size=(stop - start, len(values)))].mean(axis=1)
-        out.append(means)
+        out.append(uncertainty.statistic_samples(values, np.mean, seed=uncertainty.SEED + index) if len(values)
+                   else np.zeros(uncertainty.RESAMPLES))  # fmt: skip
     return out
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+GENERATED = ("bench/results", "docs/reproductions")  # results and the pages made of them: not code changes
 
 
-def git_provenance(repo: Path = REPO, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+def git_provenance(repo: Path = REPO, leave_out: tuple[str, ...] = GENERATED) -> dict[str, Any]:
     """The checkout's commit and a sha256 of its uncommitted changes (diff and untracked names), the paths
     in ``leave_out`` not counted (where results are written: a result is not a change of the code)."""
 

@@ -83,7 +83,7 @@ def test_a_resample_draws_whole_clusters_and_a_cluster_drawn_twice_brings_the_sa
 
 
 def test_one_cluster_is_a_plain_resample_of_the_units():
-    draws = cluster_resamples(np.zeros(30), resamples=100)
+    draws = list(cluster_resamples(np.zeros(30), resamples=100))
     assert len(draws) == 100 and all(len(rows) == 30 and rows.min() >= 0 and rows.max() < 30 for rows in draws)
     assert any(len(set(rows)) < 30 for rows in draws)  # with replacement
     assert all(rows.tolist() == again.tolist() for rows, again in zip(draws, cluster_resamples(np.zeros(30), 100),
@@ -191,3 +191,10 @@ def test_the_count_line_says_what_is_stale_and_not_run():
     assert counts(rows) == {WITHIN: 1, DIRECTION: 1, MISSED: 0, NOT_RUN: 1, "stale": 1, "without interval": 1}
     line = count_line(rows)
     assert "1 within ±25%" in line and "1 not run yet" in line and "1 stale" in line
+
+
+def test_resamples_come_one_at_a_time_so_memory_stays_bounded():
+    # all of them at once would be 20,000 units x 10^7 resamples x 8 bytes (1.6 TB); a block is 41 MB
+    draws = cluster_resamples(np.repeat([0, 1], 10_000), resamples=10_000_000)
+    first, second = next(draws), next(draws)
+    assert len(first) == len(second) == 20_000 and first.tolist() != second.tolist()

@@ -25,11 +25,10 @@ def _results(paper: Paper, results: Path) -> tuple[dict[str, dict | None], dict[
     return loaded, current
 
 
-def comparisons(paper: Paper, results: Path = RESULTS,
-                found: tuple[dict[str, dict | None], dict[str, bool]] | None = None) -> list[Comparison]:  # fmt: skip
-    """Every headline of ``paper`` with ours read from its experiment's result (None where none)."""
+def comparisons(paper: Paper, loaded: dict[str, dict | None], current: dict[str, bool]) -> list[Comparison]:
+    """Every headline of ``paper`` with ours read from its experiment's result in ``loaded`` (None where
+    none), stale where ``current`` says its code moved on."""
     out = []
-    loaded, current = found or _results(paper, results)
     for h in paper.headlines:
         result = loaded[h.experiment]
         ours = h.ours(result) if result is not None else None
@@ -74,7 +73,7 @@ def _experiment_rows(paper: Paper, loaded: dict[str, dict | None], current: dict
 def render(paper: Paper, results: Path = RESULTS) -> tuple[str, dict[str, object]]:
     """The page's markdown and its figures by file name (relative to docs/reproductions/)."""
     loaded, current = _results(paper, results)
-    found = comparisons(paper, results, (loaded, current))
+    found = comparisons(paper, loaded, current)
     source = results / paper.key
     source_text = source.relative_to(REPO) if source.is_relative_to(REPO) else source
     lines = [f"# {paper.title}: our reproduction", "",

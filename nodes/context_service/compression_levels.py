@@ -1,19 +1,19 @@
-"""Tolerance-aware compression levels (LLMS Sec. 3.2, Eq. 2-3): which chunks keep 8 bits and which go
-to 4 or 2, given each chunk's information density D_i (Eq. 1) and a global average ratio.
+"""Tolerance-aware compression levels (LLMS Sec. 3.2, Eq. 2-3): which chunks keep 8 bits and which go to 4
+or 2, given each chunk's information density D_i (Eq. 1) and a global average ratio.
 
 Levels are ratios over the INT8 baseline: 8/8, 4/8 and 2/8. Chunks are ranked by density (Eq. 2: a
 threshold per level on the rank); the densest keep the most bits. The thresholds weigh each chunk's
 density by Eq. 3's printed 1/ratio_w and *minimise* that sum, subject to the average ratio staying at or
-under ``ratio_global``: Eq. 3 as we read it. Maximising it as printed would send the densest chunks to
-2 bits, against the text's rationale; maximising sum ratio_w x D_i instead (our earlier reading) is
-linear in the ratio, so its optimum sits at the extremes (densest 8 bits, nearly all the rest 2) and
-it lost more perplexity than uniform INT4 on SmolLM2 (bench/results/llms_compression_smollm2-135m.json
-history). 1/ratio_w is convex: a chunk goes from 4 to 8 bits only when its density exceeds twice that
-of the two chunks that pay for it by going to 2 bits (D_8 > 2 x (D_2 + D_2')), which is the text's "a
-conservative compression to all chunks first, then the tolerant ones aggressively". With three levels
-and integer chunk counts the optimum is found by enumerating how many chunks keep 8 bits and how many
-go to 2 (O(n^2) with prefix sums). Levels only move down: a chunk already at a level below its plan
-stays there.
+under ``ratio_global``: Eq. 3 as we read it. Maximising it as printed would send the densest chunks to 2
+bits, against the text's rationale; maximising sum ratio_w x D_i instead (our earlier reading) is linear
+in the ratio, so its optimum sits at the extremes (densest 8 bits, nearly all the rest 2) and it lost
+more perplexity than uniform INT4 on SmolLM2 (measured once and retired; Fig. 12 in
+docs/reproductions/llms.md sets the reading kept against uniform INT4). 1/ratio_w is convex: a chunk
+goes from 4 to 8 bits only when its density exceeds twice that of the two chunks that pay for it by
+going to 2 bits (D_8 > 2 x (D_2 + D_2')), which is the text's "a conservative compression to all chunks
+first, then the tolerant ones aggressively". With three levels and integer chunk counts the optimum is
+found by enumerating how many chunks keep 8 bits and how many go to 2 (O(n^2) with prefix sums). Levels
+only move down: a chunk already at a level below its plan stays there.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
