@@ -11,7 +11,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,22 @@ from foundation.provenance import git_provenance
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _version(package: str) -> str | None:
+    """An installed package's version; None where it is absent (a lab's GPU server holds the node side only)."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def machine() -> dict[str, Any]:
     """The machine, the versions, and the code (commit, uncommitted changes and their hash)."""
     return {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "paramiko": version("paramiko"),
-        "fabric": version("fabric"),
+        "paramiko": _version("paramiko"),
+        "fabric": _version("fabric"),
         "git": git_provenance(),
     }
 
