@@ -155,3 +155,19 @@ def test_a_scale_changes_a_campaign_by_dotted_keys_and_a_matrix_key_keeps_its_do
     assert changed["matrix"] == {"method": ["a", "b"], "workload.rate_per_s": [0.5]}  # one key replaced, order kept
     with pytest.raises(SystemExit, match="write KEY=VALUE"):
         parse_setting("repetitions")
+
+
+def test_resume_goes_on_with_a_campaign_cut_short_and_its_wall_time_sums_the_parts(tmp_path):
+    from bench.reproduce.runner import _earlier_parts, experiment_argv
+
+    campaign = Experiment("camp", "a campaign", "bench/campaign_reproduction.py",
+                          {"reduced": ("c.yaml",), "full": ("c.yaml", "--resume")})  # fmt: skip
+    assert experiment_argv(campaign, "reduced")[1:] == ["bench/campaign_reproduction.py", "c.yaml"]
+    assert experiment_argv(campaign, "reduced", resume=True)[-1] == "--resume"
+    assert experiment_argv(campaign, "full", resume=True).count("--resume") == 1  # not given twice
+    assert "--resume" not in experiment_argv(SWEEP, "smoke", resume=True)  # a bench that is no campaign
+    parts = tmp_path / ".camp.json.parts"
+    parts.write_text(json.dumps({"code_sha256": "a" * 64, "parts": [{"started_utc": "t0", "wall_s": 60.0}]}))
+    assert _earlier_parts(parts, "a" * 64) == [{"started_utc": "t0", "wall_s": 60.0}]
+    assert _earlier_parts(parts, "b" * 64) == []  # parts on other code: that campaign starts afresh
+    assert _earlier_parts(tmp_path / "none", "a" * 64) == []

@@ -4,7 +4,9 @@ Each experiment runs as ``python SCRIPT ARGS`` from the checkout with ``$BENCH_R
 file of the run's own (bench/_common.write honours it); the runner then adds a ``reproduction`` record
 (paper, experiment, scale, the command, the commit with its dirty flag and diff hash, the hash of the
 code the result depends on, start time and wall time) and moves the file into place atomically, so a
-result on disk is always whole and always says what made it.
+result on disk is always whole and always says what made it. A campaign cut short goes on with
+``--resume``; the parts it took on the same code are kept beside the result (``.NAME.json.parts``) until
+it is whole, and its wall time is their sum.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from foundation.provenance import code_sha256
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "reproductions"
+# scripts that take bench/campaign_reproduction.py's arguments: their --resume goes on with the campaign
+# already in --work, and only when its campaign and code are this one's (else it starts afresh)
+CAMPAIGN_SCRIPTS = ("bench/campaign_reproduction.py", "bench/andes_campaign.py", "bench/disco_campaign.py")
 
 
 def result_path(results: Path, paper: Paper, experiment: Experiment) -> Path:
@@ -64,10 +69,29 @@ def has_gpu() -> bool:
     return Path("/dev/nvidia0").exists()
 
 
-def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Path, *,
-                   timeout_s: float | None = None, log: Callable[[str], None] = print) -> Outcome:  # fmt: skip
+def _earlier_parts(parts: Path, code: str) -> list[dict[str, Any]]:
+    """The parts recorded in ``parts`` before, if they ran this code (a campaign of other code starts
+    afresh, so its parts do not count)."""
+    try:
+        recorded = json.loads(parts.read_text())
+    except (OSError, ValueError):
+        return []
+    return recorded["parts"] if isinstance(recorded, dict) and recorded.get("code_sha256") == code else []
+
+
+def experiment_argv(experiment: Experiment, scale: str, *, resume: bool = False) -> list[str]:
+    """The command that runs ``experiment`` at ``scale``; with ``resume``, a campaign cut short (a killed
+    run, a session that ended) goes on where it stopped instead of starting again."""
+    args = list(experiment.scales[scale])
+    if resume and experiment.script in CAMPAIGN_SCRIPTS and "--resume" not in args:
+        args.append("--resume")
+    return [sys.executable, experiment.script, *args]
+
+
+def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Path, *, resume: bool = False,
+                   log: Callable[[str], None] = print) -> Outcome:  # fmt: skip
     """Run one experiment at ``scale`` and write its result with provenance (or say why not)."""
-    argv = [sys.executable, experiment.script, *experiment.scales[scale]]
+    argv = experiment_argv(experiment, scale, resume=resume)
     target = result_path(results, paper, experiment)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
@@ -79,18 +103,23 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     provenance = machine()["git"]
     started_utc = datetime.now(UTC).isoformat(timespec="seconds")
     command = " ".join(shlex.quote(a) for a in ["python", *argv[1:]])
+    # the parts of a campaign cut short and resumed, with the same code: its wall time is their sum
+    resumable = experiment.script in CAMPAIGN_SCRIPTS and "--resume" in argv
+    parts = target.with_name(f".{target.name}.parts")
+    earlier = _earlier_parts(parts, code) if resumable else []
+    parts.unlink(missing_ok=True)
     log(f"{paper.key}/{experiment.name} ({scale}): {command}")
     started = time.monotonic()
     env = dict(os.environ, **{RESULT_PATH_VARIABLE: str(partial)}, BENCH_CODE_SHA256=code, PYTHONPATH=str(REPO))
-    try:
-        exit_status = subprocess.run(argv, cwd=REPO, env=env, timeout=timeout_s).returncode
-    except subprocess.TimeoutExpired:
-        exit_status = None
+    exit_status = subprocess.run(argv, cwd=REPO, env=env).returncode
     wall_s = time.monotonic() - started
     payload = read_result(partial)
     if exit_status != 0 or payload is None:
         partial.unlink(missing_ok=True)
-        why = "timed out" if exit_status is None else f"exit status {exit_status}" if exit_status else "no result"
+        if resumable:  # the campaign's next --resume goes on from here: keep this part's time for its total
+            done = [*earlier, {"started_utc": started_utc, "wall_s": round(wall_s, 1)}]
+            parts.write_text(json.dumps({"code_sha256": code, "parts": done}))
+        why = f"exit status {exit_status}" if exit_status else "no result"
         return Outcome(experiment.name, "failed", wall_s, None, why)
     if code_sha256(experiment.depends_on(), REPO) != code:
         partial.unlink(missing_ok=True)
@@ -98,7 +127,8 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     payload["reproduction"] = {
         "paper": paper.key, "experiment": experiment.name, "scale": scale, "command": command,
         "code": list(experiment.depends_on()), "code_sha256": code, "git": provenance,
-        "started_utc": started_utc, "wall_s": round(wall_s, 1),
+        "started_utc": (earlier[0] if earlier else {}).get("started_utc", started_utc),
+        "wall_s": round(wall_s + sum(p["wall_s"] for p in earlier), 1), "parts": len(earlier) + 1,
     }  # fmt: skip
     partial.write_text(json.dumps(payload, indent=1) + "\n")
     with partial.open("rb") as f:
@@ -110,7 +140,8 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
 def reproduce(paper: Paper, scale: str, results: Path = RESULTS, *, only: tuple[str, ...] = (),
               resume: bool = False, log: Callable[[str], None] = print) -> list[Outcome]:  # fmt: skip
     """Run ``paper``'s experiments at ``scale`` (those named in ``only``, or all that have that scale);
-    with ``resume``, keep each result that is current at this scale already."""
+    with ``resume``, keep each result that is current at this scale already and go on with a campaign that
+    was cut short (its wall time is then that of the last part)."""
     outcomes = []
     for experiment in paper.experiments:
         if (only and experiment.name not in only) or scale not in experiment.scales:
@@ -122,7 +153,7 @@ def reproduce(paper: Paper, scale: str, results: Path = RESULTS, *, only: tuple[
         if experiment.gpu and not has_gpu():
             outcomes.append(Outcome(experiment.name, "skipped", 0.0, None, "needs a GPU; this machine has none"))
             continue
-        outcome = run_experiment(paper, experiment, scale, results, log=log)
+        outcome = run_experiment(paper, experiment, scale, results, resume=resume, log=log)
         log(f"{paper.key}/{experiment.name}: {outcome.state} in {outcome.wall_s:.0f} s {outcome.detail}".rstrip())
         outcomes.append(outcome)
     return outcomes
