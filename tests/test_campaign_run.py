@@ -327,12 +327,13 @@ def test_sigterm_in_a_warm_run_restores_what_the_runs_had_left_set(lab, tmp_path
     controller = start_campaign(campaign, out)
     try:
         run_id = wait_until_serving(out, lab, 1, controller, then=lambda: controller.send_signal(signal.SIGTERM))
-        assert controller.wait(timeout=WAIT_LIMIT_S) != 0
+        assert controller.wait(timeout=WAIT_LIMIT_S) == 130  # interrupted: neither done nor a failed run
     finally:
         if controller.poll() is None:
             controller.kill()
     rows = ledger_rows(out)
     assert [r[2] for r in rows] == ["done", "running", "todo"], rows  # --resume runs it again
+    assert "--resume` goes on" in (tmp_path / "out-controller.log").read_text()
     manifest = json.loads((out / "runs" / f"{run_id}.attempt1" / "manifest.json").read_text())
     assert manifest["status"] == "failed" and manifest["reason"].startswith("interrupted")
     assert "kept_for_next_run" not in manifest["restore"]

@@ -158,7 +158,7 @@ def test_a_scale_changes_a_campaign_by_dotted_keys_and_a_matrix_key_keeps_its_do
 
 
 def test_resume_goes_on_with_a_campaign_cut_short_and_its_wall_time_sums_the_parts(tmp_path):
-    from bench.reproduce.runner import _earlier_parts, experiment_argv
+    from bench.reproduce.runner import _cut_short, _earlier_parts, experiment_argv
 
     campaign = Experiment("camp", "a campaign", "bench/campaign_reproduction.py",
                           {"reduced": ("c.yaml",), "full": ("c.yaml", "--resume")})  # fmt: skip
@@ -171,3 +171,7 @@ def test_resume_goes_on_with_a_campaign_cut_short_and_its_wall_time_sums_the_par
     assert _earlier_parts(parts, "a" * 64) == [{"started_utc": "t0", "wall_s": 60.0}]
     assert _earlier_parts(parts, "b" * 64) == []  # parts on other code: that campaign starts afresh
     assert _earlier_parts(tmp_path / "none", "a" * 64) == []
+    # a campaign's result is whole only when its ledger has no run to do or in progress
+    assert _cut_short({"ledger": {"done": 5, "running": 1, "todo": 1}})
+    assert _cut_short({"campaign_summary": {"ledger": {"done": 2, "todo": 3}}})  # disco_campaign's nesting
+    assert not _cut_short({"ledger": {"done": 6, "failed": 1}}) and not _cut_short({"requests": 10})

@@ -79,6 +79,13 @@ def _earlier_parts(parts: Path, code: str) -> list[dict[str, Any]]:
     return recorded["parts"] if isinstance(recorded, dict) and recorded.get("code_sha256") == code else []
 
 
+def _cut_short(payload: dict[str, Any]) -> bool:
+    """Whether a campaign result's ledger (``ledger``, or its ``campaign_summary``'s) still has runs to do
+    or a run left in progress, as an interrupted controller leaves it."""
+    ledger = payload.get("ledger") or (payload.get("campaign_summary") or {}).get("ledger") or {}
+    return bool(ledger.get("todo") or ledger.get("running"))
+
+
 def experiment_argv(experiment: Experiment, scale: str, *, resume: bool = False) -> list[str]:
     """The command that runs ``experiment`` at ``scale``; with ``resume``, a campaign cut short (a killed
     run, a session that ended) goes on where it stopped instead of starting again."""
@@ -104,9 +111,9 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     started_utc = datetime.now(UTC).isoformat(timespec="seconds")
     command = " ".join(shlex.quote(a) for a in ["python", *argv[1:]])
     # the parts of a campaign cut short and resumed, with the same code: its wall time is their sum
-    resumable = experiment.script in CAMPAIGN_SCRIPTS and "--resume" in argv
+    campaign = experiment.script in CAMPAIGN_SCRIPTS
     parts = target.with_name(f".{target.name}.parts")
-    earlier = _earlier_parts(parts, code) if resumable else []
+    earlier = _earlier_parts(parts, code) if campaign and "--resume" in argv else []
     parts.unlink(missing_ok=True)
     log(f"{paper.key}/{experiment.name} ({scale}): {command}")
     started = time.monotonic()
@@ -114,12 +121,15 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     exit_status = subprocess.run(argv, cwd=REPO, env=env).returncode
     wall_s = time.monotonic() - started
     payload = read_result(partial)
+    if exit_status == 0 and payload is not None and _cut_short(payload):
+        exit_status, payload = None, None  # a campaign whose runs were not all run is no result yet
     if exit_status != 0 or payload is None:
         partial.unlink(missing_ok=True)
-        if resumable:  # the campaign's next --resume goes on from here: keep this part's time for its total
+        if campaign:  # the campaign's next --resume goes on from here: keep this part's time for its total
             done = [*earlier, {"started_utc": started_utc, "wall_s": round(wall_s, 1)}]
             parts.write_text(json.dumps({"code_sha256": code, "parts": done}))
-        why = f"exit status {exit_status}" if exit_status else "no result"
+        why = ("its campaign was cut short; --resume goes on" if exit_status is None
+               else f"exit status {exit_status}" if exit_status else "no result")  # fmt: skip
         return Outcome(experiment.name, "failed", wall_s, None, why)
     if code_sha256(experiment.depends_on(), REPO) != code:
         partial.unlink(missing_ok=True)

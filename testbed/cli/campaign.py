@@ -48,7 +48,7 @@ def run_command(
     workload, drain, collect, restore and a manifest. The ledger (OUT/ledger.sqlite) records each
     run's state, so --resume finishes a campaign whose controller died, doing no run twice. Exit
     status 0 when every run is done, 1 when a run failed or was skipped, 2 for a bad campaign file
-    (nothing is touched then)."""
+    (nothing is touched then), 130 when interrupted (Ctrl-C, SIGTERM: --resume goes on)."""
     from testbed.campaign.load import load_campaign
 
     if retry_failed and not resume:
@@ -62,9 +62,15 @@ def run_command(
     directory = out_dir or Path("results") / campaign.spec.name
     _interrupt_on_sigterm()
     display = CampaignDisplay(err, len(campaign.runs))
-    with display:
-        summary = run_campaign(campaign, directory, resume=resume, retry_failed=retry_failed, say=display.say,
-                               report=display.report)  # fmt: skip
+    try:
+        with display:
+            summary = run_campaign(campaign, directory, resume=resume, retry_failed=retry_failed, say=display.say,
+                                   report=display.report)  # fmt: skip
+    except KeyboardInterrupt:  # the run in progress was restored and stays 'running' in the ledger
+        err.print(f"interrupted: the run in progress was restored; `testbed run {escape(str(campaign_file))} "
+                  f"--out {escape(str(directory))} --resume` goes on with the campaign", highlight=False,
+                  soft_wrap=True)  # fmt: skip
+        raise typer.Exit(130) from None
     _print_campaign_summary(summary, as_json)
     if not summary.ok:
         raise typer.Exit(1)
