@@ -167,11 +167,31 @@ def test_resume_goes_on_with_a_campaign_cut_short_and_its_wall_time_sums_the_par
     assert experiment_argv(campaign, "full", resume=True).count("--resume") == 1  # not given twice
     assert "--resume" not in experiment_argv(SWEEP, "smoke", resume=True)  # a bench that is no campaign
     parts = tmp_path / ".camp.json.parts"
-    parts.write_text(json.dumps({"code_sha256": "a" * 64, "parts": [{"started_utc": "t0", "wall_s": 60.0}]}))
-    assert _earlier_parts(parts, "a" * 64) == [{"started_utc": "t0", "wall_s": 60.0}]
-    assert _earlier_parts(parts, "b" * 64) == []  # parts on other code: that campaign starts afresh
-    assert _earlier_parts(tmp_path / "none", "a" * 64) == []
+    parts.write_text(json.dumps({"code_sha256": "a" * 64, "command": "c", "parts": [{"started_utc": "t0",
+                                                                                   "wall_s": 60.0}]}))  # fmt: skip
+    assert _earlier_parts(parts, "a" * 64, "c") == [{"started_utc": "t0", "wall_s": 60.0}]
+    assert _earlier_parts(parts, "b" * 64, "c") == []  # parts on other code: that campaign starts afresh
+    assert _earlier_parts(parts, "a" * 64, "other scale's") == []
+    assert _earlier_parts(tmp_path / "none", "a" * 64, "c") == []
     # a campaign's result is whole only when its ledger has no run to do or in progress
     assert _cut_short({"ledger": {"done": 5, "running": 1, "todo": 1}})
     assert _cut_short({"campaign_summary": {"ledger": {"done": 2, "todo": 3}}})  # disco_campaign's nesting
     assert not _cut_short({"ledger": {"done": 6, "failed": 1}}) and not _cut_short({"requests": 10})
+
+
+def test_each_part_of_a_campaign_that_did_not_finish_is_kept_for_its_resumed_total(tmp_path):
+    # a campaign script that stops at once (its campaign file is missing): each --resume adds a part on the
+    # same command and code; run without --resume, the campaign starts afresh and so do its parts
+    missing = Experiment("camp", "a campaign cut short", "bench/campaign_reproduction.py",
+                         {"smoke": (str(tmp_path / "missing.yaml"), "--work", str(tmp_path / "work"))},
+                         ("examples/campaigns",))  # fmt: skip
+    paper = Paper("example", "An example paper", "a paper of the tests", (missing,), ())
+    parts = tmp_path / "results" / "example" / ".camp.json.parts"
+    for expected in (1, 2):
+        (outcome,) = reproduce(paper, "smoke", tmp_path / "results", resume=True, log=lambda _: None)
+        assert outcome.state == "failed"
+        recorded = json.loads(parts.read_text())
+        assert len(recorded["parts"]) == expected and recorded["command"].endswith("--resume")
+        assert recorded["code_sha256"] == code_sha256(missing.depends_on())
+    reproduce(paper, "smoke", tmp_path / "results", log=lambda _: None)
+    assert len(json.loads(parts.read_text())["parts"]) == 1

@@ -32,6 +32,13 @@ RESULTS = REPO / "bench" / "results" / "reproductions"
 # scripts that take bench/campaign_reproduction.py's arguments: their --resume goes on with the campaign
 # already in --work, and only when its campaign and code are this one's (else it starts afresh)
 CAMPAIGN_SCRIPTS = ("bench/campaign_reproduction.py", "bench/andes_campaign.py", "bench/disco_campaign.py")
+CAMPAIGN_OPTION_SCRIPTS = ("bench/cocoserve_load.py",)  # a campaign with --campaign, its --resume alike
+
+
+def runs_campaign(experiment: Experiment, scale: str) -> bool:
+    """Whether ``experiment`` at ``scale`` runs a campaign that --resume can go on with."""
+    return experiment.script in CAMPAIGN_SCRIPTS or (
+        experiment.script in CAMPAIGN_OPTION_SCRIPTS and "--campaign" in experiment.scales[scale])
 
 
 def result_path(results: Path, paper: Paper, experiment: Experiment) -> Path:
@@ -69,20 +76,30 @@ def has_gpu() -> bool:
     return Path("/dev/nvidia0").exists()
 
 
-def _earlier_parts(parts: Path, code: str) -> list[dict[str, Any]]:
-    """The parts recorded in ``parts`` before, if they ran this code (a campaign of other code starts
-    afresh, so its parts do not count)."""
+def _earlier_parts(parts: Path, code: str, command: str) -> list[dict[str, Any]]:
+    """The parts recorded in ``parts`` before, if they ran this command on this code (a campaign of other
+    code, or another scale's, starts afresh, so its parts do not count). A part whose runner was killed
+    before it could record its time is missing: the sum is then a lower bound."""
     try:
         recorded = json.loads(parts.read_text())
     except (OSError, ValueError):
         return []
-    return recorded["parts"] if isinstance(recorded, dict) and recorded.get("code_sha256") == code else []
+    if not isinstance(recorded, dict) or (recorded.get("code_sha256"), recorded.get("command")) != (code, command):
+        return []
+    return [p for p in recorded.get("parts") or [] if isinstance(p, dict) and "wall_s" in p]
+
+
+def _record_parts(parts: Path, code: str, command: str, done: list[dict[str, Any]]) -> None:
+    partial = parts.with_name(parts.name + ".new")
+    partial.write_text(json.dumps({"code_sha256": code, "command": command, "parts": done}))
+    os.replace(partial, parts)
 
 
 def _cut_short(payload: dict[str, Any]) -> bool:
     """Whether a campaign result's ledger (``ledger``, or its ``campaign_summary``'s) still has runs to do
     or a run left in progress, as an interrupted controller leaves it."""
-    ledger = payload.get("ledger") or (payload.get("campaign_summary") or {}).get("ledger") or {}
+    nested = payload.get("campaign_summary") or payload.get("campaign")  # disco_campaign's, cocoserve_load's
+    ledger = payload.get("ledger") or (nested.get("ledger") if isinstance(nested, dict) else None) or {}
     return bool(ledger.get("todo") or ledger.get("running"))
 
 
@@ -90,7 +107,7 @@ def experiment_argv(experiment: Experiment, scale: str, *, resume: bool = False)
     """The command that runs ``experiment`` at ``scale``; with ``resume``, a campaign cut short (a killed
     run, a session that ended) goes on where it stopped instead of starting again."""
     args = list(experiment.scales[scale])
-    if resume and experiment.script in CAMPAIGN_SCRIPTS and "--resume" not in args:
+    if resume and runs_campaign(experiment, scale) and "--resume" not in args:
         args.append("--resume")
     return [sys.executable, experiment.script, *args]
 
@@ -111,14 +128,15 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     started_utc = datetime.now(UTC).isoformat(timespec="seconds")
     command = " ".join(shlex.quote(a) for a in ["python", *argv[1:]])
     # the parts of a campaign cut short and resumed, with the same code: its wall time is their sum
-    campaign = experiment.script in CAMPAIGN_SCRIPTS
+    campaign = runs_campaign(experiment, scale)
     parts = target.with_name(f".{target.name}.parts")
-    earlier = _earlier_parts(parts, code) if campaign and "--resume" in argv else []
-    parts.unlink(missing_ok=True)
+    earlier = _earlier_parts(parts, code, command) if campaign and "--resume" in argv else []
+    if not earlier:
+        parts.unlink(missing_ok=True)  # a campaign not resumed starts afresh
     log(f"{paper.key}/{experiment.name} ({scale}): {command}")
     started = time.monotonic()
     env = dict(os.environ, **{RESULT_PATH_VARIABLE: str(partial)}, BENCH_CODE_SHA256=code, PYTHONPATH=str(REPO))
-    exit_status = subprocess.run(argv, cwd=REPO, env=env).returncode
+    exit_status, interrupted = _wait_through_interrupts(subprocess.Popen(argv, cwd=REPO, env=env))
     wall_s = time.monotonic() - started
     payload = read_result(partial)
     if exit_status == 0 and payload is not None and _cut_short(payload):
@@ -126,8 +144,9 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     if exit_status != 0 or payload is None:
         partial.unlink(missing_ok=True)
         if campaign:  # the campaign's next --resume goes on from here: keep this part's time for its total
-            done = [*earlier, {"started_utc": started_utc, "wall_s": round(wall_s, 1)}]
-            parts.write_text(json.dumps({"code_sha256": code, "parts": done}))
+            _record_parts(parts, code, command, [*earlier, {"started_utc": started_utc, "wall_s": round(wall_s, 1)}])
+        if interrupted:  # Ctrl-C stops the reproduction, not only this experiment
+            raise KeyboardInterrupt
         why = ("its campaign was cut short; --resume goes on" if exit_status is None
                else f"exit status {exit_status}" if exit_status else "no result")  # fmt: skip
         return Outcome(experiment.name, "failed", wall_s, None, why)
@@ -144,14 +163,31 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     with partial.open("rb") as f:
         os.fsync(f.fileno())
     os.replace(partial, target)
-    return Outcome(experiment.name, "done", wall_s, target)
+    parts.unlink(missing_ok=True)
+    return Outcome(experiment.name, "done", payload["reproduction"]["wall_s"], target)
+
+
+def _wait_through_interrupts(child: subprocess.Popen) -> tuple[int, bool]:
+    """The child's exit status and whether Ctrl-C came. Ctrl-C reaches the child too (one process group),
+    so the first one waits for it to restore its nodes and take its lab down, rather than kill it
+    mid-restore as ``subprocess.run`` would; a second one terminates it, a third kills it."""
+    interrupts = 0
+    while True:
+        try:
+            return child.wait(), interrupts > 0
+        except KeyboardInterrupt:
+            interrupts += 1
+            if interrupts == 2:
+                child.terminate()
+            elif interrupts >= 3:
+                child.kill()
 
 
 def reproduce(paper: Paper, scale: str, results: Path = RESULTS, *, only: tuple[str, ...] = (),
               resume: bool = False, log: Callable[[str], None] = print) -> list[Outcome]:  # fmt: skip
     """Run ``paper``'s experiments at ``scale`` (those named in ``only``, or all that have that scale);
     with ``resume``, keep each result that is current at this scale already and go on with a campaign that
-    was cut short (its wall time is then that of the last part)."""
+    was cut short (its wall time is then the sum of its parts)."""
     outcomes = []
     for experiment in paper.experiments:
         if (only and experiment.name not in only) or scale not in experiment.scales:

@@ -4,7 +4,7 @@ owns the concept, and print).
 Every command reads the inventory given with ``--inventory/-i``, else ``$TESTBED_INVENTORY``, else
 ``./inventory.yaml``; a campaign names its own (``-i`` overrides it, the variable does not).
 Exit status: 0 when everything is fine, 1 when a node or check failed, 2 for bad input (nothing is
-touched on any node then).
+touched on any node then), 130 for a campaign interrupted by Ctrl-C or SIGTERM (``--resume`` goes on).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import signal
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -67,9 +69,11 @@ def run_command(
             summary = run_campaign(campaign, directory, resume=resume, retry_failed=retry_failed, say=display.say,
                                    report=display.report)  # fmt: skip
     except KeyboardInterrupt:  # the run in progress was restored and stays 'running' in the ledger
-        err.print(f"interrupted: the run in progress was restored; `testbed run {escape(str(campaign_file))} "
-                  f"--out {escape(str(directory))} --resume` goes on with the campaign", highlight=False,
-                  soft_wrap=True)  # fmt: skip
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one does not cut this message short
+        again = shlex.join(["testbed", "run", str(campaign_file), *(["-i", str(inventory)] if inventory else []),
+                            "--out", str(directory), "--resume"])  # fmt: skip
+        err.print(f"interrupted: the run in progress was restored; `{escape(again)}` goes on with the campaign",
+                  highlight=False, soft_wrap=True)  # fmt: skip
         raise typer.Exit(130) from None
     _print_campaign_summary(summary, as_json)
     if not summary.ok:
@@ -79,7 +83,6 @@ def run_command(
 def _interrupt_on_sigterm() -> None:
     """SIGTERM ends a campaign like Ctrl-C: the current run is restored and recorded before exiting
     (its ledger row stays 'running', so --resume runs it again)."""
-    import signal
 
     def interrupt(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
