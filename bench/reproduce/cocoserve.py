@@ -272,7 +272,7 @@ PAPER = Paper(
             LOAD,
             {
                 "smoke": (*FLEETS, "--rates", "16", "--requests", "8", "--repetitions", "1"),
-                "reduced": (*FLEETS, "--rates", "16", "--requests", "24", "--repetitions", "3"),
+                "reduced": (*FLEETS, "--rates", "16,40", "--requests", "24", "--repetitions", "3"),
                 "full": (*FLEETS, "--rates", "8,24,40,48", "--requests", "120", "--repetitions", "3"),
             },
             RANKS_RUN,
