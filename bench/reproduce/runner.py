@@ -26,6 +26,7 @@ from typing import Any
 from bench._common import RESULT_PATH_VARIABLE, machine
 from bench.reproduce.registry import Experiment, Paper
 from foundation.provenance import code_sha256
+from nodes.contracts.durable import write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "reproductions"
@@ -89,12 +90,6 @@ def _earlier_parts(parts: Path, code: str, command: str) -> list[dict[str, Any]]
     return [p for p in recorded.get("parts") or [] if isinstance(p, dict) and "wall_s" in p]
 
 
-def _record_parts(parts: Path, code: str, command: str, done: list[dict[str, Any]]) -> None:
-    partial = parts.with_name(parts.name + ".new")
-    partial.write_text(json.dumps({"code_sha256": code, "command": command, "parts": done}))
-    os.replace(partial, parts)
-
-
 def _cut_short(payload: dict[str, Any]) -> bool:
     """Whether a campaign result's ledger (``ledger``, or its ``campaign_summary``'s) still has runs to do
     or a run left in progress, as an interrupted controller leaves it."""
@@ -144,7 +139,8 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     if exit_status != 0 or payload is None:
         partial.unlink(missing_ok=True)
         if campaign:  # the campaign's next --resume goes on from here: keep this part's time for its total
-            _record_parts(parts, code, command, [*earlier, {"started_utc": started_utc, "wall_s": round(wall_s, 1)}])
+            done = [*earlier, {"started_utc": started_utc, "wall_s": round(wall_s, 1)}]
+            write_json_atomic(parts, {"code_sha256": code, "command": command, "parts": done})
         if interrupted:  # Ctrl-C stops the reproduction, not only this experiment
             raise KeyboardInterrupt
         why = ("its campaign was cut short; --resume goes on" if exit_status is None
@@ -159,10 +155,8 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
         "started_utc": (earlier[0] if earlier else {}).get("started_utc", started_utc),
         "wall_s": round(wall_s + sum(p["wall_s"] for p in earlier), 1), "parts": len(earlier) + 1,
     }  # fmt: skip
-    partial.write_text(json.dumps(payload, indent=1) + "\n")
-    with partial.open("rb") as f:
-        os.fsync(f.fileno())
-    os.replace(partial, target)
+    write_json_atomic(target, payload, mode=0o644)
+    partial.unlink()
     parts.unlink(missing_ok=True)
     return Outcome(experiment.name, "done", payload["reproduction"]["wall_s"], target)
 
