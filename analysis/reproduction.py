@@ -10,7 +10,11 @@ Verdicts, for an effect (``no_effect`` set), with ``r = (ours - no_effect) / (pa
 - **right direction**: ``r > 0`` and the interval excludes no effect;
 - **missed**: otherwise (the wrong direction, or within noise: the interval includes no effect).
 
-For a plain value (``no_effect`` None), within ±25% of the paper's value, otherwise missed. A headline
+For a plain value (``no_effect`` None), within ±25% of the paper's value, otherwise missed. For a bound
+(``at_most``: the paper's claim is that the value stays under its number, as DiSCo's premise that a
+server's TTFT hardly correlates with the prompt's length, Pearson < 0.1), the claim holds (counted
+within) when the whole interval is under it, right direction when the estimate is but the interval
+reaches over, missed otherwise. A headline
 whose experiment has no result is **not run**; one whose result was computed by code that has changed
 since is marked **stale** (its verdict stands but is not current).
 """
@@ -44,6 +48,7 @@ class Comparison:
     note: str = ""  # what decides it, e.g. "modeled: the server's TTFT is a lognormal reading"
     x: float | None = None  # its place on the figure's x axis, for a figure that is a curve
     series: str = ""  # the curve it belongs to
+    at_most: bool = False  # the paper's number is a bound ours should stay under, not a value to match
 
     @property
     def ratio(self) -> float:
@@ -67,6 +72,9 @@ class Comparison:
     def verdict(self) -> str:
         if self.ours is None or math.isnan(self.ours.estimate):
             return NOT_RUN
+        if self.at_most:
+            under = self.ours.high <= self.paper if self.has_interval else False
+            return WITHIN if under else DIRECTION if self.ours.estimate <= self.paper else MISSED
         close = abs(self.ratio - 1) <= TOLERANCE
         if self.no_effect is None:
             return WITHIN if close else MISSED
@@ -128,7 +136,8 @@ def comparison_table(comparisons: Sequence[Comparison]) -> str:
     for c in comparisons:
         ratio = "–" if math.isnan(c.ratio) else f"{c.ratio:.2f}"
         quantity = c.quantity + (f" ({c.note})" if c.note else "")
-        lines.append(f"| {quantity} | {number(c.paper, c.unit)} | {ours_text(c)} | {ratio} | {verdict_text(c)} |")
+        paper = ("≤ " if c.at_most else "") + number(c.paper, c.unit)
+        lines.append(f"| {quantity} | {paper} | {ours_text(c)} | {ratio} | {verdict_text(c)} |")
     return "\n".join(lines)
 
 

@@ -8,14 +8,16 @@ machine's) on a model and a torch device, then sends completions through the API
 - ``loaded``: the same lengths arriving as a Poisson stream at ``--load`` times the idle service rate,
   so a request waits for those before it (the endpoint computes one forward pass at a time).
 
-For each phase: Pearson(prompt tokens, TTFT), the fit TTFT = k l + c, TTFT and TBT medians. On a GPU
-the NVML sampler (``python -m nodes.telemetry.sampler --source nvml``) runs beside it, and the energy
-counter gives joules per request. ``--random-shape`` writes a checkpoint of random weights with the
-tiny model's tokenizer (its tokens are really computed, meaningless as text): only its size matters.
+For each phase: Pearson(prompt tokens, TTFT) with its 95% interval over the requests (DiSCo's Table 1),
+the fit TTFT = k l + c, TTFT and TBT medians. On a GPU the NVML sampler (``python -m
+nodes.telemetry.sampler --source nvml``) runs beside it, and the energy counter gives joules per request.
+A model named by a shape (1b, 7b, 13b) is a checkpoint of random weights of that shape with the tiny
+model's tokenizer (its tokens are really computed, meaningless as text): only its size matters.
 
-    python bench/disco_gpu_premise.py --config server:cuda:1b --config device:cpu:tiny --out DIR
+    python bench/disco_gpu_premise.py --config server:cuda:1b --config device:cpu:tiny
 
-Writes DIR/disco_gpu_premise.json (default bench/results/).
+Writes bench/results/disco_gpu_premise.json (``--result`` names another), the NVML samples and engine
+profile under ``--out`` (default bench/results/).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from analysis.uncertainty import statistic_interval  # noqa: E402
+from bench._common import write  # noqa: E402
 from nodes.endpoints.client import CompletionStream  # noqa: E402
 
 TINY = ROOT / "examples" / "models" / "tiny"
@@ -116,12 +120,19 @@ def one_request(url: str, ids: list[int], max_tokens: int, arrival_s: float | No
             "started_s": started, "ended_s": times[-1]}  # fmt: skip
 
 
+def pearson(pairs: np.ndarray) -> float:
+    """Pearson's r of a [units, 2] array's two columns (NaN where one is constant)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return float(np.corrcoef(pairs[:, 0], pairs[:, 1])[0, 1])
+
+
 def phase_summary(rows: list[dict]) -> dict:
     lengths = np.array([r["prompt_tokens"] for r in rows], float)
     ttft = np.array([r["ttft_s"] for r in rows], float)
     gaps = np.concatenate([r["gaps_s"] for r in rows if r["gaps_s"]] or [np.zeros(0)])
     slope, intercept = np.polyfit(lengths, ttft, 1)
-    return {"requests": len(rows), "pearson_length_ttft": float(np.corrcoef(lengths, ttft)[0, 1]),
+    return {"requests": len(rows), "pearson_length_ttft": pearson(np.column_stack([lengths, ttft])),
+            "pearson_length_ttft_interval": statistic_interval(np.column_stack([lengths, ttft]), pearson).as_dict(),
             "ttft_fit_s_per_token": float(slope), "ttft_fit_intercept_s": float(intercept),
             "ttft_p50_s": float(np.median(ttft)), "ttft_p99_s": float(np.percentile(ttft, 99)),
             "tbt_p50_s": float(np.median(gaps)) if gaps.size else None,
@@ -227,14 +238,16 @@ def main() -> int:
     parser.add_argument("--profile", metavar="SHAPE:LAYERS:DEVICE",
                         help="also time the engine's steps on a random checkpoint (e.g. 7b:4:cuda)")
     parser.add_argument("--config", action="append", default=[],
-                        help="label:device:model (model: tiny, a --random-shape name or a directory)")
+                        help="label:device:model (model: tiny, a shape of random weights (1b, 7b, 13b) or a directory)")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--max-prompt", type=int, default=2048, help="largest prompt length (tokens)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--load", type=float, default=0.8, help="loaded phase: arrival rate over the idle service rate")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of the endpoint")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the NVML samples and profile")
+    parser.add_argument("--result", default="disco_gpu_premise",
+                        help="result name under bench/results, or a .json path")  # fmt: skip
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="disco-gpu-"))
     os.makedirs(args.out, exist_ok=True)
@@ -256,8 +269,9 @@ def main() -> int:
             print(json.dumps({"nvml": result["nvml"]}), flush=True)
             shutil.copy(workdir / f"{label}_nvml.csv", Path(args.out) / f"disco_gpu_{label}_nvml.csv")
         results.append(result)
-        path = Path(args.out) / "disco_gpu_premise.json"  # after each configuration: a cut run keeps the rest
-        path.write_text(json.dumps({"bench": "disco_gpu_premise", "configs": results}, indent=1) + "\n")
+        path = write(args.result, {"bench": "disco_gpu_premise",  # after each configuration: a cut run keeps the rest
+                                   "command": " ".join(["python", "bench/disco_gpu_premise.py", *sys.argv[1:]]),
+                                   "configs": results})  # fmt: skip
         print("wrote", path, flush=True)
     return 0
 

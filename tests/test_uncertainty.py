@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from analysis.reproduction import DIRECTION, MISSED, NOT_RUN, WITHIN, Comparison, count_line, counts
+from analysis.reproduction import DIRECTION, MISSED, NOT_RUN, WITHIN, Comparison, comparison_table, count_line, counts
 from analysis.uncertainty import (
     RESAMPLES,
     Interval,
@@ -180,6 +180,21 @@ def _ours(estimate: float, low: float, high: float) -> Interval:
 )
 def test_verdicts(paper, ours, no_effect, verdict):
     assert Comparison("Table", "q", "%", paper, ours, no_effect).verdict == verdict
+
+
+@pytest.mark.parametrize(
+    ("ours", "verdict"),
+    [
+        (_ours(0.02, -0.2, 0.08), WITHIN),  # a premise's bound (Pearson < 0.1): the whole interval under it
+        (_ours(0.05, -0.1, 0.3), DIRECTION),  # the estimate under it, the interval over
+        (_ours(0.4, 0.2, 0.6), MISSED),
+        (Interval(0.02, math.nan, math.nan, 3), DIRECTION),  # no interval: not shown to hold
+    ],
+)
+def test_a_bound_holds_when_the_whole_interval_is_under_it(ours, verdict):
+    comparison = Comparison("Table 1", "server Pearson", "", 0.1, ours, None, at_most=True)
+    assert comparison.verdict == verdict
+    assert "| ≤ 0.1 |" in comparison_table([comparison])
 
 
 def test_the_count_line_says_what_is_stale_and_not_run():

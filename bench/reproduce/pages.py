@@ -34,7 +34,7 @@ def comparisons(paper: Paper, loaded: dict[str, dict | None], current: dict[str,
         ours = h.ours(result) if result is not None else None
         out.append(Comparison(h.figure, h.quantity, h.unit, h.paper, ours, h.no_effect,
                               stale=result is not None and not current[h.experiment], experiment=h.experiment,
-                              note=h.note, x=h.x, series=h.series))  # fmt: skip
+                              note=h.note, x=h.x, series=h.series, at_most=h.at_most))  # fmt: skip
     return out
 
 

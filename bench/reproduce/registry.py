@@ -60,6 +60,7 @@ class Headline:
     note: str = ""
     x: float | None = None
     series: str = ""
+    at_most: bool = False  # ``paper`` is a bound ours should stay under (a premise), not a value to match
 
 
 @dataclass(frozen=True)
