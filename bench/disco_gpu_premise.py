@@ -85,12 +85,14 @@ def start_endpoint(model: Path, device: str, threads: int, workdir: Path) -> tup
     argv = [sys.executable, "-m", "nodes.endpoints", "--model", str(model), "--pace", "compute", "--device", device,
             "--dtype", "bfloat16" if device.startswith("cuda") else "float32", "--threads", str(threads),
             "--port-file", str(port_file), "--log", str(workdir / "endpoint_requests.jsonl")]  # fmt: skip
-    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = workdir / f"endpoint-{model.name}-{device}.log"  # a file, not a pipe nobody reads: a full pipe stalls it
+    with log.open("w") as output:
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while not port_file.exists() or not port_file.read_text().strip():
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(f"the endpoint did not start: {process.stderr.read()[-2000:]}")
+            raise RuntimeError(f"the endpoint did not start: {log.read_text()[-2000:]}")
         time.sleep(0.2)
     return process, f"http://127.0.0.1:{port_file.read_text().strip()}/v1"
 
@@ -175,7 +177,7 @@ def run_config(label: str, device: str, model: Path, args: argparse.Namespace, w
     if device.startswith("cuda"):
         sampler = subprocess.Popen([sys.executable, "-m", "nodes.telemetry.sampler", "--source", "nvml",
                                     "--interval-ms", "50", "--out", str(telemetry), "--max-seconds", "900"],
-                                   cwd=ROOT)  # fmt: skip
+                                   cwd=ROOT, stdout=subprocess.DEVNULL)  # fmt: skip
     process, url = start_endpoint(model, device, args.threads, workdir)
     windows: dict[str, tuple[float, float]] = {}
     try:
