@@ -22,7 +22,7 @@ Each measured time is repeated (``--reps``, ``--decode-reps``) and each figure t
 has its 95% interval (:mod:`analysis.uncertainty`): a copy's mean seconds, the change of a decode step
 when its batch is halved, a restart of the whole model.
 
-    python bench/cocoserve_gpu.py                      # on a GPU: about 3 minutes
+    python bench/cocoserve_gpu.py                      # on a GPU: about 4 minutes
     python bench/cocoserve_gpu.py --quick --out /tmp/gpu_quick.json   # on a CPU: small shapes, no NVML
 
 One invocation writes one result, bench/results/cocoserve_gpu.json (or what ``--out`` names; the
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from analysis.uncertainty import mean_interval, unpaired_change_interval  # noqa: E402
 from bench._common import affine_fit, write  # noqa: E402
-from bench.disco_gpu_premise import SHAPES, random_checkpoint  # noqa: E402
+from bench.random_weights import SHAPES, random_checkpoint  # noqa: E402
 
 RESTART = """
 import json, sys, time

@@ -49,7 +49,7 @@ RANKS_RUN = (  # bench/cocoserve_load.py's own runs: the workers under mpiexec, 
     "analysis/uncertainty.py",
 )
 GPU_RUN = (
-    "bench/disco_gpu_premise.py",
+    "bench/random_weights.py",
     "nodes/inference",
     "nodes/workers/profile_engine.py",
     "nodes/telemetry",
