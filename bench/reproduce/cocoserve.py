@@ -50,8 +50,11 @@ RANKS_RUN = (  # bench/cocoserve_load.py's own runs: the workers under mpiexec, 
 )
 GPU_RUN = (
     "bench/random_weights.py",
+    "examples/models/tiny",
+    "nodes/contracts",
     "nodes/inference",
     "nodes/workers/profile_engine.py",
+    "nodes/workers/pacing.py",
     "nodes/telemetry",
     "nodes/server",
     "analysis/uncertainty.py",

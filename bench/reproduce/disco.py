@@ -48,8 +48,8 @@ ENGINE_CODE = (*SWEEP_CODE, "bench/disco_sweep.py", "nodes/workers", "nodes/serv
                "examples/profiles/a100-80gb.yaml", "examples/models/tiny")  # fmt: skip
 BUDGET_CAMPAIGN, MIGRATION_CAMPAIGN = "examples/campaigns/disco-budget.yaml", "examples/campaigns/disco-migration.yaml"
 PREMISE = "bench/disco_gpu_premise.py"
-PREMISE_CODE = ("bench/random_weights.py", "nodes/endpoints", "nodes/inference", "nodes/telemetry",
-                "analysis/uncertainty.py", "examples/models/tiny")  # fmt: skip
+PREMISE_CODE = ("bench/random_weights.py", "nodes/contracts", "nodes/endpoints", "nodes/inference", "nodes/server",
+                "nodes/telemetry", "analysis/uncertainty.py", "examples/models/tiny")  # fmt: skip
 SERVER, DEVICE = ("--config", "server:cuda:1b"), ("--config", "device:cpu:tiny")
 CAMPAIGN_RUN = (*CAMPAIGN_CODE, "inventory.yaml", "examples/models/tiny", "analysis/dispatch.py",
                 "bench/disco_campaign_check.py")  # fmt: skip
