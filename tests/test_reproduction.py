@@ -195,3 +195,15 @@ def test_each_part_of_a_campaign_that_did_not_finish_is_kept_for_its_resumed_tot
         assert recorded["code_sha256"] == code_sha256(missing.depends_on())
     reproduce(paper, "smoke", tmp_path / "results", log=lambda _: None)
     assert len(json.loads(parts.read_text())["parts"]) == 1
+
+
+def test_a_result_depends_on_every_project_module_its_script_imports_even_unnamed():
+    from bench.reproduce.registry import import_closure
+
+    closure = import_closure("bench/campaign_reproduction.py")
+    # bench/campaign.py (ledger_counts) and the analysis it imports inside functions, which no experiment named
+    assert {"bench/campaign_reproduction.py", "bench/campaign.py", "analysis/fidelity.py"} <= set(closure)
+    assert "bench/__init__.py" in closure and not any(p.startswith(("numpy", "torch")) for p in closure)
+    for paper in papers().values():
+        for experiment in paper.experiments:
+            assert set(import_closure(experiment.script)) <= set(experiment.depends_on()), experiment.name

@@ -8,8 +8,11 @@ hours, resumable). A page shows each experiment's scale.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 from analysis.uncertainty import Interval
@@ -25,6 +28,47 @@ CAMPAIGN_CODE = ("bench/campaign_reproduction.py", "testbed", "!testbed/cli", "n
                  "analysis/fidelity.py", "analysis/cost_model.py")  # fmt: skip
 
 Result = Mapping[str, Any]
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("analysis", "bench", "foundation", "netem", "nodes", "testbed", "workloads")
+
+
+@cache
+def import_closure(script: str) -> tuple[str, ...]:
+    """The project's modules ``script`` imports, directly or through another (every package's
+    ``__init__`` on the way included), as paths from the checkout: what its result can depend on even
+    when its experiment does not name it."""
+
+    def module_path(name: str) -> Path | None:
+        base = REPO.joinpath(*name.split("."))
+        return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+    def imported(path: Path) -> list[str]:
+        parts = path.relative_to(REPO).with_suffix("").parts
+        package = parts if path.name == "__init__.py" else parts[:-1]
+        names = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                module = ".".join(p for p in (base, node.module or "") if p)
+                names += [module, *(f"{module}.{a.name}" for a in node.names)]
+        return names
+
+    seen: set[Path] = set()
+    todo = [REPO / script]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in imported(path):
+            parts = name.split(".")
+            if parts[0] not in PACKAGES:
+                continue
+            found = (module_path(".".join(parts[:i])) for i in range(1, len(parts) + 1))
+            todo += [p for p in found if p is not None and p not in seen]
+    return tuple(sorted(str(p.relative_to(REPO)) for p in seen))
 
 
 @dataclass(frozen=True)
@@ -41,7 +85,9 @@ class Experiment:
     gpu: bool = False  # needs a GPU: skipped, and said so, where there is none
 
     def depends_on(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys((self.script, *COMMON_CODE, *self.code)))
+        """Its script, what the script imports, :data:`COMMON_CODE` and ``code`` (whose ``!`` paths leave
+        a folder's files out, imported or not)."""
+        return tuple(dict.fromkeys((self.script, *import_closure(self.script), *COMMON_CODE, *self.code)))
 
 
 @dataclass(frozen=True)
