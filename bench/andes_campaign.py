@@ -110,11 +110,12 @@ def table4(frame: pd.DataFrame, rates: pd.DataFrame, by: list[str], baseline: di
     return {"percentiles": list(PERCENTILES), "groups": groups, "changes": changes}
 
 
+# bench/campaign_reproduction.py's options, under this script's name and description
+PARSER = campaign_reproduction.argument_parser(f"bench/{Path(__file__).name}", __doc__)
+
+
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0 if len(sys.argv) > 1 else 2)
-    result = campaign_reproduction.run(sys.argv[1:])
+    result = campaign_reproduction.run(sys.argv[1:], PARSER)
     frame, rates = served(Path(result["work"]) / "out", list(result["by"]))
     result["table4"] = table4(frame, rates, list(result["by"]), dict(result.get("baseline") or {}))
     result["command"] = " ".join(["python", "bench/andes_campaign.py", *sys.argv[1:]])

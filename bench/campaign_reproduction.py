@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from analysis.comparison import settings_of
 from bench._common import write
 from bench.campaign import ledger_counts
+from foundation.child_process import INTERRUPTED_EXIT_STATUS, wait_through_interrupts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -109,12 +110,26 @@ def inventory_of(campaign: Path) -> Path:
     return (campaign.parent / written).resolve()
 
 
-def run(argv: list[str]) -> dict[str, Any]:
-    """The campaign of ``argv`` (this script's arguments) run on its lab and summarised: the result this
-    script writes. Other benches that add measures of their own to a campaign call this. Exits when the
-    controller failed (an exit status other than 0, or 1 for a campaign with failed runs), having
-    written nothing: the reproduction runner keeps no result of a failed run."""
-    parser = argparse.ArgumentParser(prog="bench/campaign_reproduction.py", description=__doc__,
+def unfinished(exit_status: int, interrupted: bool, ledger: dict[str, int], work: Path) -> SystemExit | None:
+    """Why a campaign whose controller exited with ``exit_status`` is no result (None when it is one): it
+    was interrupted (exit status 130, for ``--resume``), its controller failed (an exit status other than 0,
+    or 1 for a campaign with failed runs), or its ledger still has runs to do or in progress."""
+    again = f"rerun with --resume --work {work} to go on"
+    if interrupted or exit_status == INTERRUPTED_EXIT_STATUS:
+        print(f"the campaign was interrupted with runs left ({ledger}); {again}", file=sys.stderr)
+        return SystemExit(INTERRUPTED_EXIT_STATUS)
+    if exit_status not in (0, 1):
+        return SystemExit(f"the campaign's controller failed (exit status {exit_status}); see {work / 'run.log'}")
+    if ledger.get("todo") or ledger.get("running"):  # a whole campaign or none: a result is never a part of one
+        return SystemExit(f"the campaign stopped with runs left ({ledger}); see {work / 'run.log'}, and {again}")
+    return None
+
+
+def argument_parser(prog: str = "bench/campaign_reproduction.py",
+                    description: str | None = __doc__) -> argparse.ArgumentParser:  # fmt: skip
+    """This script's options, for it and for the benches that add measures to its campaign (their ``--help``
+    lists the options they pass on)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("campaign", type=Path, help="an example campaign file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -124,6 +139,16 @@ def run(argv: list[str]) -> dict[str, Any]:
                         help="the group the others are compared with, e.g. method=ushape")  # fmt: skip
     parser.add_argument("--work", type=Path, help="campaign directory (default: under /var/tmp, by campaign)")
     parser.add_argument("--resume", action="store_true", help="go on with the campaign already in --work")
+    return parser
+
+
+def run(argv: list[str], parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
+    """The campaign of ``argv`` (this script's arguments, read by ``parser``: :func:`argument_parser`'s by
+    default) run on its lab and summarised: the result this script writes. Other benches that add
+    measures of their own to a campaign call this. Exits having written nothing when :func:`unfinished`
+    says why the campaign is no result (status 130 when it was interrupted): a result is only ever a whole
+    campaign, and ``--resume`` goes on with one cut short."""
+    parser = parser or argument_parser()
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("needs root: the emulated testbed builds network namespaces")
@@ -155,22 +180,25 @@ def run(argv: list[str]) -> dict[str, Any]:
     started = time.monotonic()
     try:
         command = [sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(work / "out")]
+        if args.resume and (work / "out").exists():
+            command.append("--resume")
         with (work / "run.log").open("ab") as log:
-            exit_status = subprocess.run([*command, *(["--resume"] if args.resume and (work / "out").exists() else [])],
-                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode  # fmt: skip
+            controller = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            exit_status, interrupted = wait_through_interrupts(controller)
     finally:
         if not was_up:
             down(load_inventory(inventory), say=lambda _: None)
     wall_s = time.monotonic() - started
-    result = {
+    ledger = ledger_counts(work / "out")
+    refusal = unfinished(exit_status, interrupted, ledger, work)
+    if refusal is not None:
+        raise refusal
+    return {
         "command": " ".join(["python", "bench/campaign_reproduction.py", *argv]),
         "campaign": str(source.relative_to(REPO)), "settings": args.set, "baseline": baseline,
-        "exit_status": exit_status, "campaign_wall_s": round(wall_s, 1), "ledger": ledger_counts(work / "out"),
+        "exit_status": exit_status, "campaign_wall_s": round(wall_s, 1), "ledger": ledger,
         "work": str(work), **summary(work / "out", by, baseline),
     }  # fmt: skip
-    if exit_status not in (0, 1):
-        raise SystemExit(f"the campaign's controller failed (exit status {exit_status}); see {work / 'run.log'}")
-    return result
 
 
 def main() -> None:

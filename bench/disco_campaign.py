@@ -174,12 +174,13 @@ def replay_check(out: Path) -> list[dict[str, Any]]:
     return [row for run in sorted((out / "runs").glob("*")) if (row := check_run(run)) is not None]
 
 
+# bench/campaign_reproduction.py's options, under this script's name and description
+PARSER = campaign_reproduction.argument_parser(f"bench/{Path(__file__).name}", __doc__)
+
+
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0 if len(sys.argv) > 1 else 2)
     argv = sys.argv[1:]
-    campaign = campaign_reproduction.run(argv)
+    campaign = campaign_reproduction.run(argv, PARSER)
     out = Path(campaign["work"]) / "out"
     requests, gaps = request_table(out)
     checks = replay_check(out)

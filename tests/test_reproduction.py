@@ -158,10 +158,11 @@ def test_a_scale_changes_a_campaign_by_dotted_keys_and_a_matrix_key_keeps_its_do
 
 
 def test_resume_goes_on_with_a_campaign_cut_short_and_its_wall_time_sums_the_parts(tmp_path):
-    from bench.reproduce.runner import _cut_short, _earlier_parts, experiment_argv
+    from bench.campaign_reproduction import unfinished
+    from bench.reproduce.runner import _earlier_parts, experiment_argv
 
     campaign = Experiment("camp", "a campaign", "bench/campaign_reproduction.py",
-                          {"reduced": ("c.yaml",), "full": ("c.yaml", "--resume")})  # fmt: skip
+                          {"reduced": ("c.yaml",), "full": ("c.yaml", "--resume")}, resumable=True)  # fmt: skip
     assert experiment_argv(campaign, "reduced")[1:] == ["bench/campaign_reproduction.py", "c.yaml"]
     assert experiment_argv(campaign, "reduced", resume=True)[-1] == "--resume"
     assert experiment_argv(campaign, "full", resume=True).count("--resume") == 1  # not given twice
@@ -173,10 +174,22 @@ def test_resume_goes_on_with_a_campaign_cut_short_and_its_wall_time_sums_the_par
     assert _earlier_parts(parts, "b" * 64, "c") == []  # parts on other code: that campaign starts afresh
     assert _earlier_parts(parts, "a" * 64, "other scale's") == []
     assert _earlier_parts(tmp_path / "none", "a" * 64, "c") == []
-    # a campaign's result is whole only when its ledger has no run to do or in progress
-    assert _cut_short({"ledger": {"done": 5, "running": 1, "todo": 1}})
-    assert _cut_short({"campaign_summary": {"ledger": {"done": 2, "todo": 3}}})  # disco_campaign's nesting
-    assert not _cut_short({"ledger": {"done": 6, "failed": 1}}) and not _cut_short({"requests": 10})
+    # a campaign is a result only when it is whole: not interrupted, its controller fine, no run left
+    assert unfinished(0, False, {"done": 6}, tmp_path) is None
+    assert unfinished(1, False, {"done": 5, "failed": 1}, tmp_path) is None  # a failed run is part of the result
+    assert unfinished(130, False, {"done": 5, "running": 1}, tmp_path).code == 130  # SIGTERM to `testbed run`
+    assert unfinished(0, True, {"done": 6}, tmp_path).code == 130  # Ctrl-C reached this script
+    assert "runs left" in str(unfinished(0, False, {"done": 2, "todo": 3}, tmp_path).code)
+    assert "controller failed (exit status 2)" in str(unfinished(2, False, {}, tmp_path).code)
+
+
+def test_every_campaign_experiment_resumes_and_no_other_does():
+    # the runner's --resume reaches exactly the experiments whose script takes --work and --resume
+    takes_resume = {"bench/campaign_reproduction.py", "bench/andes_campaign.py", "bench/disco_campaign.py"}
+    for paper in papers().values():
+        for experiment in paper.experiments:
+            campaign = experiment.script in takes_resume or any("--campaign" in a for a in experiment.scales.values())
+            assert experiment.resumable == campaign, (paper.key, experiment.name)
 
 
 def test_each_part_of_a_campaign_that_did_not_finish_is_kept_for_its_resumed_total(tmp_path):
@@ -184,7 +197,7 @@ def test_each_part_of_a_campaign_that_did_not_finish_is_kept_for_its_resumed_tot
     # same command and code; run without --resume, the campaign starts afresh and so do its parts
     missing = Experiment("camp", "a campaign cut short", "bench/campaign_reproduction.py",
                          {"smoke": (str(tmp_path / "missing.yaml"), "--work", str(tmp_path / "work"))},
-                         ("examples/campaigns",))  # fmt: skip
+                         ("examples/campaigns",), resumable=True)  # fmt: skip
     paper = Paper("example", "An example paper", "a paper of the tests", (missing,), ())
     parts = tmp_path / "results" / "example" / ".camp.json.parts"
     for expected in (1, 2):

@@ -386,6 +386,7 @@ PAPER = Paper(
                 "full": (*TABLE4_ARGS, *KNEE_2000, "--work", f"{WORK}/andes-table4", "--resume"),
             },
             _campaign_code(TABLE4_CAMPAIGN),
+            resumable=True,
         ),
         Experiment(
             "cap_campaign",
@@ -408,6 +409,7 @@ PAPER = Paper(
                 ),
             },
             _campaign_code(CAP_CAMPAIGN),
+            resumable=True,
         ),
         _sweep("reading", "Fig. 3, 10, 12: FCFS, RR and Andes over request rates, reading users, closed loop"),
         _sweep("multiround", "Fig. 11: FCFS and Andes over rates, Multi-Round ShareGPT inputs, closed loop"),

@@ -267,6 +267,7 @@ PAPER = Paper(
                 "full": _campaign("fig8", THREE, (1, 3, 5, 7), 40, 5, "--resume"),
             },
             CAMPAIGN_RUN,
+            resumable=True,
         ),
         Experiment(
             "fig10_fleets",
@@ -290,6 +291,7 @@ PAPER = Paper(
                 "full": _campaign("fig11", THREE, (2, 6, 10, 12), 40, 5, *TIGHT, "--resume"),
             },
             CAMPAIGN_RUN,
+            resumable=True,
         ),
         Experiment(
             "gpu_premises",

@@ -309,6 +309,7 @@ PAPER = Paper(
                 "full": (BUDGET_CAMPAIGN, "--work", f"{WORK}/disco-budget", "--resume"),
             },
             (*CAMPAIGN_RUN, BUDGET_CAMPAIGN),
+            resumable=True,
         ),
         Experiment(
             "migration_campaign",
@@ -335,6 +336,7 @@ PAPER = Paper(
                 "full": (MIGRATION_CAMPAIGN, *MIGRATION_BASELINE, "--work", f"{WORK}/disco-migration", "--resume"),
             },
             (*CAMPAIGN_RUN, MIGRATION_CAMPAIGN),
+            resumable=True,
         ),
         Experiment(
             "policy",

@@ -139,6 +139,7 @@ PAPER = Paper(
                 "full": (CAMPAIGN, *BASELINE, "--set", "repetitions=3", "--resume"),
             },
             CODE,
+            resumable=True,
         ),
         Experiment(
             "table5_cnndm",
@@ -149,6 +150,7 @@ PAPER = Paper(
                 "full": (CAMPAIGN, *BASELINE, *CNNDM, "--set", "repetitions=3", "--resume"),
             },
             CODE,
+            resumable=True,
         ),
         Experiment(
             "fig6_rates",
@@ -159,6 +161,7 @@ PAPER = Paper(
                 "full": (CAMPAIGN, *BASELINE, *RATES, "--set", "repetitions=3", "--resume"),
             },
             CODE,
+            resumable=True,
         ),
     ),
     headlines=(

@@ -83,6 +83,9 @@ class Experiment:
     scales: Mapping[str, tuple[str, ...]]
     code: tuple[str, ...] = ()
     gpu: bool = False  # needs a GPU: skipped, and said so, where there is none
+    # runs a campaign through bench/campaign_reproduction.py (its script takes --work and --resume): a
+    # campaign cut short goes on with ``testbed reproduce --resume``
+    resumable: bool = False
 
     def depends_on(self) -> tuple[str, ...]:
         """Its script, what the script imports, :data:`COMMON_CODE` and ``code`` (whose ``!`` paths leave

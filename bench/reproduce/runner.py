@@ -25,21 +25,12 @@ from typing import Any
 
 from bench._common import RESULT_PATH_VARIABLE, machine
 from bench.reproduce.registry import Experiment, Paper
+from foundation.child_process import INTERRUPTED_EXIT_STATUS, wait_through_interrupts
 from foundation.provenance import code_sha256
 from nodes.contracts.durable import write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "reproductions"
-# scripts that take bench/campaign_reproduction.py's arguments: their --resume goes on with the campaign
-# already in --work, and only when its campaign and code are this one's (else it starts afresh)
-CAMPAIGN_SCRIPTS = ("bench/campaign_reproduction.py", "bench/andes_campaign.py", "bench/disco_campaign.py")
-CAMPAIGN_OPTION_SCRIPTS = ("bench/cocoserve_load.py",)  # a campaign with --campaign, its --resume alike
-
-
-def runs_campaign(experiment: Experiment, scale: str) -> bool:
-    """Whether ``experiment`` at ``scale`` runs a campaign that --resume can go on with."""
-    return experiment.script in CAMPAIGN_SCRIPTS or (
-        experiment.script in CAMPAIGN_OPTION_SCRIPTS and "--campaign" in experiment.scales[scale])
 
 
 def result_path(results: Path, paper: Paper, experiment: Experiment) -> Path:
@@ -90,19 +81,11 @@ def _earlier_parts(parts: Path, code: str, command: str) -> list[dict[str, Any]]
     return [p for p in recorded.get("parts") or [] if isinstance(p, dict) and "wall_s" in p]
 
 
-def _cut_short(payload: dict[str, Any]) -> bool:
-    """Whether a campaign result's ledger (``ledger``, or its ``campaign_summary``'s) still has runs to do
-    or a run left in progress, as an interrupted controller leaves it."""
-    nested = payload.get("campaign_summary") or payload.get("campaign")  # disco_campaign's, cocoserve_load's
-    ledger = payload.get("ledger") or (nested.get("ledger") if isinstance(nested, dict) else None) or {}
-    return bool(ledger.get("todo") or ledger.get("running"))
-
-
 def experiment_argv(experiment: Experiment, scale: str, *, resume: bool = False) -> list[str]:
     """The command that runs ``experiment`` at ``scale``; with ``resume``, a campaign cut short (a killed
     run, a session that ended) goes on where it stopped instead of starting again."""
     args = list(experiment.scales[scale])
-    if resume and runs_campaign(experiment, scale) and "--resume" not in args:
+    if resume and experiment.resumable and "--resume" not in args:
         args.append("--resume")
     return [sys.executable, experiment.script, *args]
 
@@ -123,7 +106,7 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     started_utc = datetime.now(UTC).isoformat(timespec="seconds")
     command = " ".join(shlex.quote(a) for a in ["python", *argv[1:]])
     # the parts of a campaign cut short and resumed, with the same code: its wall time is their sum
-    campaign = runs_campaign(experiment, scale)
+    campaign = experiment.resumable
     parts = target.with_name(f".{target.name}.parts")
     earlier = _earlier_parts(parts, code, command) if campaign and "--resume" in argv else []
     if not earlier:
@@ -131,20 +114,18 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     log(f"{paper.key}/{experiment.name} ({scale}): {command}")
     started = time.monotonic()
     env = dict(os.environ, **{RESULT_PATH_VARIABLE: str(partial)}, BENCH_CODE_SHA256=code, PYTHONPATH=str(REPO))
-    exit_status, interrupted = _wait_through_interrupts(subprocess.Popen(argv, cwd=REPO, env=env))
+    exit_status, interrupted = wait_through_interrupts(subprocess.Popen(argv, cwd=REPO, env=env))
     wall_s = time.monotonic() - started
-    payload = read_result(partial)
-    if exit_status == 0 and payload is not None and _cut_short(payload):
-        exit_status, payload = None, None  # a campaign whose runs were not all run is no result yet
+    payload = read_result(partial)  # none when a campaign stopped with runs left (it writes whole ones only)
     if exit_status != 0 or payload is None:
         partial.unlink(missing_ok=True)
         if campaign:  # the campaign's next --resume goes on from here: keep this part's time for its total
             done = [*earlier, {"started_utc": started_utc, "wall_s": round(wall_s, 1)}]
             write_json_atomic(parts, {"code_sha256": code, "command": command, "parts": done})
-        if interrupted:  # Ctrl-C stops the reproduction, not only this experiment
+        # Ctrl-C, or a campaign stopped on purpose (SIGTERM to `testbed run`), stops the whole reproduction
+        if interrupted or (campaign and exit_status == INTERRUPTED_EXIT_STATUS):
             raise KeyboardInterrupt
-        why = ("its campaign was cut short; --resume goes on" if exit_status is None
-               else f"exit status {exit_status}" if exit_status else "no result")  # fmt: skip
+        why = f"exit status {exit_status}" if exit_status else "no result"
         return Outcome(experiment.name, "failed", wall_s, None, why)
     if code_sha256(experiment.depends_on(), REPO) != code:
         partial.unlink(missing_ok=True)
@@ -159,22 +140,6 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
     partial.unlink()
     parts.unlink(missing_ok=True)
     return Outcome(experiment.name, "done", payload["reproduction"]["wall_s"], target)
-
-
-def _wait_through_interrupts(child: subprocess.Popen) -> tuple[int, bool]:
-    """The child's exit status and whether Ctrl-C came. Ctrl-C reaches the child too (one process group),
-    so the first one waits for it to restore its nodes and take its lab down, rather than kill it
-    mid-restore as ``subprocess.run`` would; a second one terminates it, a third kills it."""
-    interrupts = 0
-    while True:
-        try:
-            return child.wait(), interrupts > 0
-        except KeyboardInterrupt:
-            interrupts += 1
-            if interrupts == 2:
-                child.terminate()
-            elif interrupts >= 3:
-                child.kill()
 
 
 def reproduce(paper: Paper, scale: str, results: Path = RESULTS, *, only: tuple[str, ...] = (),

@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from foundation.child_process import INTERRUPTED_EXIT_STATUS
 from foundation.errors import TestbedError
 from foundation.jsonable import jsonable
 from testbed.cli.app import (
@@ -74,7 +75,7 @@ def run_command(
                             "--out", str(directory), "--resume"])  # fmt: skip
         err.print(f"interrupted: the run in progress was restored; `{escape(again)}` goes on with the campaign",
                   highlight=False, soft_wrap=True)  # fmt: skip
-        raise typer.Exit(130) from None
+        raise typer.Exit(INTERRUPTED_EXIT_STATUS) from None
     _print_campaign_summary(summary, as_json)
     if not summary.ok:
         raise typer.Exit(1)
