@@ -5,7 +5,8 @@ longer than the compute profile gave them (``steps.parquet``, one row per step o
 
 A run above :data:`VIOLATION_LIMIT` is flagged: its latencies are this machine's, not the target's,
 in those steps. The remedy is dilation (``target.dilation``: every modeled duration, trace and link
-slowed by one factor), which gives the real computation more room.
+slowed by one factor), which gives the real computation more room; for DiSCo's endpoints (their tokens
+keep a trace's or a phone's pace in real time, which nothing dilates), fewer devices or streams at once.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from analysis.comparison import settings_of
 from bench._common import write
 from bench.campaign import ledger_counts
-from foundation.child_process import INTERRUPTED_EXIT_STATUS, wait_through_interrupts
+from foundation.child_process import INTERRUPTED_EXIT_STATUS, interrupts_deferred, wait_through_interrupts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -113,15 +113,22 @@ def inventory_of(campaign: Path) -> Path:
 def unfinished(exit_status: int, interrupted: bool, ledger: dict[str, int], work: Path) -> SystemExit | None:
     """Why a campaign whose controller exited with ``exit_status`` is no result (None when it is one): it
     was interrupted (exit status 130, for ``--resume``), its controller failed (an exit status other than 0,
-    or 1 for a campaign with failed runs), or its ledger still has runs to do or in progress."""
+    or 1 for a campaign with failed runs), its ledger still has runs to do or in progress, it skipped runs
+    (a quarantined node's), or no run is done. Failed runs are part of a whole result: it counts them."""
     again = f"rerun with --resume --work {work} to go on"
+    log = work / "run.log"
     if interrupted or exit_status == INTERRUPTED_EXIT_STATUS:
         print(f"the campaign was interrupted with runs left ({ledger}); {again}", file=sys.stderr)
         return SystemExit(INTERRUPTED_EXIT_STATUS)
     if exit_status not in (0, 1):
-        return SystemExit(f"the campaign's controller failed (exit status {exit_status}); see {work / 'run.log'}")
+        return SystemExit(f"the campaign's controller failed (exit status {exit_status}); see {log}")
     if ledger.get("todo") or ledger.get("running"):  # a whole campaign or none: a result is never a part of one
-        return SystemExit(f"the campaign stopped with runs left ({ledger}); see {work / 'run.log'}, and {again}")
+        return SystemExit(f"the campaign stopped with runs left ({ledger}); see {log}, and {again}")
+    if ledger.get("skipped"):  # never run (a node quarantined): the groups they stand for would be missing
+        return SystemExit(f"the campaign skipped runs ({ledger}) after a node failed; see {log}, mend the node, "
+                          f"then rerun with --resume --retry-failed --work {work}")  # fmt: skip
+    if not ledger.get("done"):
+        return SystemExit(f"the campaign has no run done ({ledger or 'no ledger'}); see {log}")
     return None
 
 
@@ -139,6 +146,8 @@ def argument_parser(prog: str = "bench/campaign_reproduction.py",
                         help="the group the others are compared with, e.g. method=ushape")  # fmt: skip
     parser.add_argument("--work", type=Path, help="campaign directory (default: under /var/tmp, by campaign)")
     parser.add_argument("--resume", action="store_true", help="go on with the campaign already in --work")
+    parser.add_argument("--retry-failed", action="store_true",
+                        help="with --resume: run the campaign's failed and skipped runs again")  # fmt: skip
     return parser
 
 
@@ -181,13 +190,14 @@ def run(argv: list[str], parser: argparse.ArgumentParser | None = None) -> dict[
     try:
         command = [sys.executable, "-m", "testbed", "run", str(campaign), "--out", str(work / "out")]
         if args.resume and (work / "out").exists():
-            command.append("--resume")
+            command += ["--resume", *(["--retry-failed"] if args.retry_failed else [])]
         with (work / "run.log").open("ab") as log:
             controller = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
             exit_status, interrupted = wait_through_interrupts(controller)
     finally:
         if not was_up:
-            down(load_inventory(inventory), say=lambda _: None)
+            with interrupts_deferred():  # a lab half taken down would be worse than a Ctrl-C a moment late
+                down(load_inventory(inventory), say=lambda _: None)
     wall_s = time.monotonic() - started
     ledger = ledger_counts(work / "out")
     refusal = unfinished(exit_status, interrupted, ledger, work)

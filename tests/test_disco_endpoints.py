@@ -102,6 +102,62 @@ def test_the_openai_client_streams_completions_and_chat_with_usage(generator, tm
     assert first["first_token_s"] - first["taken_s"] >= 0.05  # paced: the first token after its TTFT
 
 
+def test_each_token_is_a_paced_step_the_fidelity_monitor_counts(generator, tmp_path):
+    # a pace the host keeps (50 ms first token, 20 ms a token) and one it cannot (every token due at once)
+    from analysis.fidelity import violation_shares
+    from testbed.campaign.results import read_steps
+
+    prompt = generator.encode("def add(a, b):")
+    produced = {}
+    for node, pace in (("phone1", SteadyPace(0.05, 0.02)), ("phone2", SteadyPace(0.0, 0.0))):
+        rank = tmp_path / "ranks" / f"device-0-{node}"
+        endpoint = Endpoint(generator, pace, "tiny", str(rank / "endpoint_requests.jsonl"),
+                            steps_path=str(rank / "steps.csv"))  # fmt: skip
+        server, port = make_server(endpoint, "127.0.0.1", 0)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            answers = [client.completions.create(model="tiny", prompt=prompt, max_tokens=6) for _ in range(2)]
+            produced[node] = sum(a.usage.completion_tokens for a in answers)
+        finally:
+            server.shutdown()
+            endpoint.close()
+    steps = read_steps(tmp_path / "ranks")
+    kept, missed = steps[steps.node == "phone1"], steps[steps.node == "phone2"]
+    assert len(kept) == produced["phone1"] and len(missed) == produced["phone2"]  # a step per token, both requests
+    assert produced["phone1"] == produced["phone2"] > 2  # greedy: the same tokens whatever the pace
+    first = kept[kept.op == "endpoint_prefill"]
+    assert len(first) == 2 and set(first.tokens) == {len(prompt)} and set(first.target_s) == {0.05}
+    decode = kept[kept.op == "endpoint_token"]
+    assert set(decode.tokens) == {1} and set(decode.target_s) == {0.02}
+    n = produced["phone1"] // 2
+    assert decode.context_tokens.iloc[: n - 1].tolist() == [len(prompt) + i for i in range(1, n)]
+    assert (kept.real_s > 0).all() and (kept.layers == 0).all()
+    assert ((kept.real_s > kept.target_s) <= kept.overrun.astype(bool)).all()  # late computing is an overrun
+    # due at once: every token's computation ends after its due time, and the monitor counts each
+    assert missed.overrun.all() and (missed.real_s > missed.target_s).all()
+    shares = violation_shares(steps.assign(run_id="r")).set_index("node")
+    assert shares.loc["phone2", "violation_share"] == 1.0 and shares.loc["phone2", "flagged"]
+    assert shares.loc["phone2", "computed_over"] == produced["phone2"]
+
+
+def test_a_token_computed_late_delays_the_next_rather_than_bursting(generator):
+    class Gaps(SteadyPace):  # the second token due at once (the host cannot make it), the rest 50 ms apart
+        def __init__(self) -> None:
+            super().__init__(0.02, 0.05)
+            self.gaps = iter([0.0, 0.05, 0.05])
+
+        def gap_s(self) -> float:
+            return next(self.gaps)
+
+    emitted = list(generator.stream(generator.encode("def add(a, b):"), 4, Gaps(), stop_at_eos=False))
+    assert emitted[1].overran and emitted[1].real_s > emitted[1].target_s == 0.0
+    assert emitted[2].began_s == emitted[1].released_s  # its slot starts at the late token's release
+    assert emitted[2].released_s - emitted[1].released_s >= 0.05  # a whole gap after it, not less
+    # on time, the next slot starts at its due time (no sleep's lateness carried over); late, at its release
+    assert emitted[3].began_s == (emitted[2].released_s if emitted[2].overran else emitted[2].began_s + 0.05)
+
+
 def test_a_key_is_required_when_the_endpoint_has_one(generator, tmp_path):
     server, endpoint, url = serve(generator, SteadyPace(0.0, 0.0), tmp_path / "api.jsonl", key="s3cret")
     try:

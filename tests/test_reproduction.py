@@ -5,6 +5,8 @@ committed results (so no number on a page can drift from its data)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -181,6 +183,38 @@ def test_resume_goes_on_with_a_campaign_cut_short_and_its_wall_time_sums_the_par
     assert unfinished(0, True, {"done": 6}, tmp_path).code == 130  # Ctrl-C reached this script
     assert "runs left" in str(unfinished(0, False, {"done": 2, "todo": 3}, tmp_path).code)
     assert "controller failed (exit status 2)" in str(unfinished(2, False, {}, tmp_path).code)
+    assert "--retry-failed" in str(unfinished(1, False, {"done": 4, "skipped": 2}, tmp_path).code)
+    assert "no run done" in str(unfinished(1, False, {"failed": 6}, tmp_path).code)
+    assert "no run done" in str(unfinished(1, False, {}, tmp_path).code)  # no ledger: the controller never began
+
+
+def test_a_campaign_stopped_on_purpose_stops_the_reproduction_and_keeps_its_part(tmp_path):
+    stopped = Experiment("camp", "a campaign stopped with SIGTERM", "tests/data/interrupted_campaign.py",
+                         {"smoke": ()}, resumable=True)  # fmt: skip
+    after = Experiment("next", "the experiment after it", "tests/data/interrupted_campaign.py", {"smoke": ("x",)})
+    paper = Paper("example", "An example paper", "a paper of the tests", (stopped, after), ())
+    logged = []
+    with pytest.raises(KeyboardInterrupt):
+        reproduce(paper, "smoke", tmp_path / "results", log=logged.append)
+    assert not any("next" in line for line in logged)  # the reproduction stopped at the campaign
+    assert len(json.loads((tmp_path / "results" / "example" / ".camp.json.parts").read_text())["parts"]) == 1
+    # a bench that is no campaign exiting 130 is a failure like any other: the reproduction goes on
+    (outcome,) = reproduce(Paper("example", "An example paper", "tests", (after,), ()), "smoke", tmp_path / "r",
+                           log=lambda _: None)  # fmt: skip
+    assert outcome.state == "failed" and outcome.detail == "exit status 130"
+
+
+def test_ctrl_c_during_a_teardown_waits_for_its_end():
+    from foundation.child_process import interrupts_deferred
+
+    finished, before = [], signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the signal arrives between bytecodes: the block goes on regardless
+            sum(range(100))
+        finished.append(True)
+    assert finished
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is restored
 
 
 def test_every_campaign_experiment_resumes_and_no_other_does():
@@ -217,6 +251,18 @@ def test_a_result_depends_on_every_project_module_its_script_imports_even_unname
     # bench/campaign.py (ledger_counts) and the analysis it imports inside functions, which no experiment named
     assert {"bench/campaign_reproduction.py", "bench/campaign.py", "analysis/fidelity.py"} <= set(closure)
     assert "bench/__init__.py" in closure and not any(p.startswith(("numpy", "torch")) for p in closure)
-    for paper in papers().values():
-        for experiment in paper.experiments:
-            assert set(import_closure(experiment.script)) <= set(experiment.depends_on()), experiment.name
+    # a package's __init__ that imports its own modules relatively (from . import centralized, ...)
+    methods = import_closure("nodes/contracts/methods/__init__.py")
+    assert {"nodes/contracts/methods/base.py", "nodes/contracts/methods/hat.py"} <= set(methods)
+    # a campaign's hash changes with a module only its script's imports reach (bench/campaign.py)
+    hat = papers()["hat"].experiment("table5_specbench")
+    assert "bench/campaign.py" in hat.depends_on() and "bench/campaign.py" not in (hat.script, *hat.code)
+
+
+def test_the_campaign_benches_list_the_options_they_pass_on():
+    for script in ("bench/andes_campaign.py", "bench/disco_campaign.py"):
+        shown = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
+                               timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.startswith(f"usage: {script}")
+        assert all(option in shown.stdout for option in ("--set", "--work", "--resume", "--retry-failed"))

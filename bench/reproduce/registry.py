@@ -43,10 +43,13 @@ def import_closure(script: str) -> tuple[str, ...]:
         return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
 
     def imported(path: Path) -> list[str]:
-        parts = path.relative_to(REPO).with_suffix("").parts
-        package = parts if path.name == "__init__.py" else parts[:-1]
+        package = path.relative_to(REPO).parts[:-1]  # a module's package; an __init__.py's own
+        try:
+            tree = ast.parse(path.read_text())
+        except (OSError, SyntaxError, ValueError):  # a leaf: the code hash names what is wrong with it
+            return []
         names = []
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names += [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -32,11 +32,12 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from nodes.contracts.records import JsonLinesLog
+from nodes.contracts.paced_steps import ENDPOINT_OPS, STEP_COLUMNS, step_row
+from nodes.contracts.records import CsvLog, JsonLinesLog
 
-from .generator import PacedGenerator, max_tokens_for
+from .generator import Emitted, PacedGenerator, max_tokens_for
 from .pace import Pace
 from .request_checks import ApiError, CompletionRequest, completion_request
 
@@ -62,7 +63,8 @@ class Endpoint(object):
 
     def __init__(self, generator: PacedGenerator, pace: Pace, model_name: str, log_path: Optional[str],
                  api_key: Optional[str] = None, role: str = "endpoint",
-                 limits: Optional[EndpointLimits] = None) -> None:  # fmt: skip
+                 limits: Optional[EndpointLimits] = None, steps_path: Optional[str] = None,
+                 t0: Optional[float] = None) -> None:  # fmt: skip
         self.generator, self.pace, self.model_name = generator, pace, model_name
         self.limits = limits or EndpointLimits()
         self._authorization = ("Bearer " + api_key).encode() if api_key else None
@@ -70,6 +72,11 @@ class Endpoint(object):
                   "clock_origin_unix_s": time.time() - time.monotonic()}  # fmt: skip
         self.log_path = log_path
         self.log = JsonLinesLog(log_path, header) if log_path else None
+        # each token a paced step (the fidelity monitor's steps.csv, its ts_s from the run's t0), for a
+        # generator that paces its tokens; written under a lock of its own, off the handlers' counts
+        self.t0 = time.monotonic() if t0 is None else t0
+        self.steps = CsvLog(steps_path, STEP_COLUMNS, header) if steps_path else None
+        self._steps_lock = threading.Lock()
         self._state = threading.Condition()
         self.served = 0
         self.in_flight = 0
@@ -96,13 +103,25 @@ class Endpoint(object):
         """Take a slot for a completion; False when ``max_in_flight`` are generating."""
         return self._take("in_flight", self.limits.max_in_flight)
 
-    def record(self, row: Dict[str, Any]) -> None:
+    def record(self, row: Dict[str, Any], steps: Sequence[Dict[str, Any]] = ()) -> None:
+        """Log a request done, its tokens' paced steps first (flushed with it)."""
+        with self._steps_lock:
+            if self.steps is not None and steps:
+                self.steps.write_many(steps)
         with self._state:
             self.served += 1
             self.in_flight -= 1
             if self.log is not None:
                 self.log.write(row)  # (flushed as written)
             self._state.notify_all()
+
+    def step_row(self, emitted: Emitted, prompt_tokens: int) -> Dict[str, Any]:
+        """A token as a paced step: the prompt's prefill for the first, one token after it (no layer
+        count: an endpoint's token stands for the whole model)."""
+        prefill, token = ENDPOINT_OPS
+        return step_row(emitted.began_s - self.t0, token if emitted.index else prefill, 0,
+                        1 if emitted.index else prompt_tokens, 1, prompt_tokens + emitted.index, emitted.real_s,
+                        emitted.target_s, emitted.late_s, emitted.overran)  # fmt: skip
 
     def open_connection(self) -> bool:
         """Count a new connection; False when ``max_connections`` are open."""
@@ -119,6 +138,10 @@ class Endpoint(object):
             if self.log is not None:
                 self.log.close()
                 self.log = None
+        with self._steps_lock:
+            if self.steps is not None:
+                self.steps.close()
+                self.steps = None
 
 
 def _reject_constant(name: str) -> Any:
@@ -200,6 +223,7 @@ class Handler(BaseHTTPRequestHandler):
         taken = time.monotonic()
         tokens: List[int] = []
         stamps: List[float] = []
+        steps: List[Dict[str, Any]] = []  # the tokens' paced steps, when the endpoint logs them
         pace = endpoint.pace.seeded(seed) if seed is not None else endpoint.pace
         row: Dict[str, Any] = {"id": ident, "client": self.client_address[0],  # which node asked
                                "route": "chat" if chat else "completions", "stream": request.stream,
@@ -207,20 +231,21 @@ class Handler(BaseHTTPRequestHandler):
                                "pace": endpoint.pace.label, "modeled": endpoint.pace.modeled, "seed": seed,
                                "overrun_tokens": 0}  # fmt: skip
         try:
-            cancelled, finish = self._generate(ident, chat, request, max_tokens, pace, tokens, stamps, row)
+            cancelled, finish = self._generate(ident, chat, request, max_tokens, pace, tokens, stamps, row, steps)
         except Exception as exc:  # the request is logged whatever ended it (in flight counts must fall)
             row.update(cancelled=False, finish_reason="error", error=repr(exc)[:300], completion_tokens=len(tokens))
-            endpoint.record(row)
+            endpoint.record(row, steps)
             raise
         row.update(completion_tokens=len(tokens), cancelled=cancelled, finish_reason=None if cancelled else finish,
                    first_token_s=round(stamps[0], 6) if stamps else None,
                    last_token_s=round(stamps[-1], 6) if stamps else None)  # fmt: skip
-        endpoint.record(row)
+        endpoint.record(row, steps)
         if cancelled:
             self.close_connection = True
 
     def _generate(self, ident: str, chat: bool, request: CompletionRequest, max_tokens: int, pace: Pace,
-                  tokens: List[int], stamps: List[float], row: Dict[str, Any]) -> Tuple[bool, str]:  # fmt: skip
+                  tokens: List[int], stamps: List[float], row: Dict[str, Any],
+                  steps: List[Dict[str, Any]]) -> Tuple[bool, str]:  # fmt: skip
         """Stream (or collect) the tokens; (cancelled, finish reason). A client gone, or one that reads
         nothing for the timeout, is a cancellation."""
         endpoint = self.endpoint
@@ -235,8 +260,10 @@ class Handler(BaseHTTPRequestHandler):
                 piece = endpoint.generator.piece(tokens, emitted.token_id)
                 tokens.append(emitted.token_id)
                 stamps.append(emitted.released_s)
-                overruns += emitted.overrun_s > 0
+                overruns += emitted.overran
                 row["overrun_tokens"] = overruns
+                if endpoint.steps is not None:
+                    steps.append(endpoint.step_row(emitted, len(prompt_ids)))
                 if emitted.token_id == endpoint.generator.tokenizer.eos_id:
                     finish = "stop"
                 if stream:

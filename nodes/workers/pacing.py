@@ -7,11 +7,11 @@ computation runs (the tokens stay exact), then the rank sleeps until start + pre
 share of its layers). A step whose real computation took longer than that is a fidelity violation:
 the emulation could not keep up, and the step is as slow as this machine made it.
 
-Each step is a row of ``steps.csv`` in the rank's directory: its operation, layers (of the target),
-tokens, sequences, context, real and target seconds, how late it ended (``late_s``) and whether it
-overran: its real computation took longer than its target, or its sleep returned later than
-:func:`late_tolerance_s` past the due time (the rank was preempted or throttled while it waited, so
-the step lasted longer than modeled just the same).
+Each step is a row of ``steps.csv`` in the rank's directory (:mod:`nodes.contracts.paced_steps`): its
+operation, layers (of the target), tokens, sequences, context, real and target seconds, how late it
+ended (``late_s``) and whether it overran: its real computation took longer than its target, or its
+sleep returned later than ``late_tolerance_s`` past the due time (the rank was preempted or throttled
+while it waited, so the step lasted longer than modeled just the same).
 
 Steps that follow each other directly (the device's shallow layers, then the adapter, then the LM
 head) are chained: the next one starts earlier by how late the previous one's sleep returned, so a
@@ -36,25 +36,16 @@ import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from nodes.contracts.compute_profile import ModeRates, step_seconds
+from nodes.contracts.paced_steps import STEP_COLUMNS, overran, step_row
 from nodes.contracts.records import CsvLog
 from nodes.contracts.target_model import TargetModel
 from nodes.inference.partition import UShapePartition
 
-STEP_COLUMNS = ("ts_s", "op", "layers", "tokens", "sequences", "context_tokens", "real_s", "target_s", "late_s",
-                "overrun")
 CHAIN_S = 0.002  # a step that starts this soon after the last one ended takes back that one's lateness
-LATE_FLOOR_S = 0.0005  # a step may always end this late (a wake-up's scheduling noise)
-LATE_SHARE = 0.05  # a step that ends later than this share of its target past its due time overran
 LATENESS_SAMPLES = 32  # sleeps whose lateness the next wake-up's advance is the median of
-MAX_ADVANCE_S = 0.00025  # the most a sleep asks to wake before its due time (half of LATE_FLOOR_S)
+MAX_ADVANCE_S = 0.00025  # the most a sleep asks to wake before its due time (half of paced_steps.LATE_FLOOR_S)
 SCHED_SLICE_NS = 100_000  # the paced thread's scheduler slice: EEVDF's shortest
 SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # the syscall's number: x86-64's, and arm64's (the Jetsons')
-
-
-def late_tolerance_s(target_s: float) -> float:
-    """How late past its due time a step may end and still count as on time: 5% of the step, and at
-    least :data:`LATE_FLOOR_S`."""
-    return max(LATE_FLOOR_S, LATE_SHARE * target_s)
 
 
 def _wake_promptly() -> None:
@@ -119,28 +110,22 @@ class Pacer:
         begin = started - self._owed_s if 0.0 <= started - self._ended < CHAIN_S else started
         due = begin + target_s
         now = ended = time.monotonic()
-        overrun = now > due
         wake = due - self._lateness_s  # a sleep returns late by about this much: ask for earlier
         if now < wake:
             time.sleep(wake - now)
             ended = time.monotonic()
         late_s = max(0.0, ended - due)
-        woke_late = late_s > late_tolerance_s(target_s)
-        if now < wake and not woke_late:  # an on-time sleep: learn how late sleeps return
+        overrun = overran(now, due, late_s, target_s)
+        if now < wake and not overrun:  # an on-time sleep: learn how late sleeps return
             self._late_samples = (self._late_samples + [ended - wake])[-LATENESS_SAMPLES:]
             median = sorted(self._late_samples)[len(self._late_samples) // 2]
             self._lateness_s = min(MAX_ADVANCE_S, max(0.0, median))
-        overrun = overrun or woke_late
         self._ended, self._owed_s = ended, (0.0 if overrun else late_s)
         self.steps += 1
         self.overruns += overrun
         if self.log is not None:
-            self.log.write({
-                "ts_s": round(begin - self.t0, 6), "op": op, "layers": layers,
-                "tokens": sum(n for n, _ in segments), "sequences": len(segments),
-                "context_tokens": sum(c for _, c in segments), "real_s": round(now - started, 6),
-                "target_s": round(target_s, 6), "late_s": round(late_s, 6), "overrun": int(overrun),
-            })  # fmt: skip
+            self.log.write(step_row(begin - self.t0, op, layers, sum(n for n, _ in segments), len(segments),
+                                    sum(c for _, c in segments), now - started, target_s, late_s, overrun))
 
 
 class PacedPart:

@@ -9,7 +9,8 @@ device's wall clock at its start barrier (from the rank file's header), which le
 request times on the controller's clock. ``tokens.parquet`` has one row
 per delivered token (``node``, ``request_id``, ``index``, ``token_id``, ``ts_s``, and for a streaming
 method's clients ``display_s``, when the token buffer showed it). A run that
-emulates a target also gets ``steps.parquet``: every paced step with its real and target seconds.
+paces steps (one that emulates a target, or DiSCo's endpoints, whose tokens keep a trace's or a
+phone's pace) also gets ``steps.parquet``: every paced step with its real and target seconds.
 A run of a GPU-rank method (CoCoServe) gets ``scaling_ops.parquet`` (each module operation or batch
 change: the engine's time, kind, layer, GPUs, seconds, bytes) and ``scaling_ticks.parquet`` (each
 controller tick: the violation rate, the decision, its action as ``action_*`` columns, and per GPU

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
+from foundation.child_process import INTERRUPTED_EXIT_STATUS
 from foundation.errors import TestbedError
 from testbed.cli.app import app, err, out
 
@@ -63,7 +66,8 @@ def reproduce(
     benches) at a scale, write each result with its provenance (commit, uncommitted changes, a hash of the
     code it depends on, command, machine, scale, wall time), and regenerate docs/reproductions/PAPER.md:
     each headline of the paper beside ours with its 95% interval, ratio and verdict. Needs root for the
-    campaigns. Exit status 1 when an experiment failed, 2 for an unknown paper or scale."""
+    campaigns. Exit status 1 when an experiment failed, 2 for an unknown paper or scale, 130 when
+    interrupted (Ctrl-C, or SIGTERM to a campaign's `testbed run`: --resume goes on)."""
     reproductions = _reproductions()
     from bench.reproduce.pages import DOCS, write_page
     from bench.reproduce.runner import RESULTS
@@ -88,8 +92,17 @@ def reproduce(
                 out.print(f"{key}/{e.name}: {e.what} [scales: {', '.join(e.scales)}{'; needs a GPU' if e.gpu else ''}]")
             continue
         if not pages_only:
-            outcomes = run_paper(chosen, scale, results or RESULTS, only=tuple(only or ()), resume=resume,
-                                 log=lambda line: err.print(line, markup=False, highlight=False))  # fmt: skip
+            try:
+                outcomes = run_paper(chosen, scale, results or RESULTS, only=tuple(only or ()), resume=resume,
+                                     log=lambda line: err.print(line, markup=False, highlight=False))  # fmt: skip
+            except KeyboardInterrupt:  # Ctrl-C, or a campaign stopped with SIGTERM: its lab is down again
+                again = shlex.join(["testbed", "reproduce", paper, "--scale", scale,
+                                    *(a for o in only or () for a in ("--only", o)),
+                                    *(["--results", str(results)] if results else []),
+                                    *(["--docs", str(docs)] if docs else []), "--resume"])  # fmt: skip
+                err.print(f"interrupted: `{escape(again)}` goes on (the results written so far are kept)",
+                          highlight=False, soft_wrap=True)  # fmt: skip
+                raise typer.Exit(INTERRUPTED_EXIT_STATUS) from None
             failed |= any(o.state == "failed" for o in outcomes)
             for o in outcomes:
                 out.print(f"{key}/{o.experiment}: {o.state} ({o.wall_s / 60:.1f} min) {o.detail}".rstrip())

@@ -107,8 +107,10 @@ class DispatchServer(object):
             self.engine.start(t0)
         name = os.path.basename(self.config.model.rstrip("/"))
         self.endpoint = Endpoint(self.generator, self.pace, name, directory + "/endpoint_requests.jsonl", self.key,
-                                 role="server endpoint",
-                                 limits=endpoint_limits(len(self.config.device_ranks)))  # fmt: skip
+                                 role="server endpoint", limits=endpoint_limits(len(self.config.device_ranks)),
+                                 # the trace endpoint's tokens are its paced steps; the engine logs its own
+                                 steps_path=None if self.engine is not None else directory + "/steps.csv",
+                                 t0=t0)  # fmt: skip
         host = interface_address(os.environ.get("FI_TCP_IFACE", "lo"))
         self.http, port = make_server(self.endpoint, host, 0)
         self.thread = threading.Thread(target=self.http.serve_forever, name="endpoint", daemon=True)
@@ -157,7 +159,7 @@ class DispatchClient(object):
         name = os.path.basename(self.config.model.rstrip("/"))
         self.endpoint = Endpoint(self.generator, DevicePace(self.speed, seed=self.config.seed), name,
                                  directory + "/endpoint_requests.jsonl", self.key, role="device endpoint",
-                                 limits=endpoint_limits(1))  # fmt: skip
+                                 limits=endpoint_limits(1), steps_path=directory + "/steps.csv", t0=t0)  # fmt: skip
         self.http, port = make_server(self.endpoint, "127.0.0.1", 0)
         threading.Thread(target=self.http.serve_forever, name="endpoint", daemon=True).start()
         self.device_url = "http://127.0.0.1:%d/v1" % port
