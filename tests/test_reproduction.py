@@ -259,6 +259,22 @@ def test_a_result_depends_on_every_project_module_its_script_imports_even_unname
     assert "bench/campaign.py" in hat.depends_on() and "bench/campaign.py" not in (hat.script, *hat.code)
 
 
+def test_an_experiment_names_only_code_its_script_s_imports_do_not_reach():
+    # the import closure is derived; a named path its files already cover would be a second list to keep
+    from bench.reproduce.registry import CAMPAIGN_CODE, import_closure
+
+    def tracked(paths):
+        listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "--", *paths], capture_output=True, text=True)
+        return set(listed.stdout.split())
+
+    for paper in papers().values():
+        for experiment in paper.experiments:
+            reached = tracked([experiment.script, *import_closure(experiment.script)])
+            for path in experiment.code:
+                if path not in CAMPAIGN_CODE and not path.startswith("!"):
+                    assert not tracked([path]) <= reached, (paper.key, experiment.name, path)
+
+
 def test_the_campaign_benches_list_the_options_they_pass_on():
     for script in ("bench/andes_campaign.py", "bench/disco_campaign.py"):
         shown = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,

@@ -31,17 +31,7 @@ def _campaign_code(campaign: str) -> tuple[str, ...]:
     return (*CAMPAIGN_CODE, campaign, INVENTORY, "examples/profiles", "examples/models/tiny")
 
 
-CLOSED_LOOP_CODE = (
-    "nodes/serving",
-    "nodes/contracts",
-    "testbed/campaign/families/andes.py",
-    "testbed/target/compute_profiles.py",
-    "workloads/prompts.py",
-    "workloads/qoe.py",
-    "analysis/metrics.py",
-    "analysis/uncertainty.py",
-    "examples/profiles/a100-80gb-vllm.yaml",
-)
+CLOSED_LOOP_CODE = ("nodes/contracts", "examples/profiles/a100-80gb-vllm.yaml")
 # 8 clients: 0.4375 requests/s each is 3.5 at the server, Andes' knee with 2,000 requests in the closed loop
 # (mean QoE 0.93; FCFS 0.67), as Table 4's 3.3 requests/s is the paper's (Andes 0.92)
 KNEE_2000 = (

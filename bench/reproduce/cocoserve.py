@@ -29,7 +29,6 @@ CAMPAIGN_RUN = (
     "examples/inventories/cocoserve-lab.yaml",
     "examples/profiles/a100-40gb.yaml",
     "examples/models/tiny",
-    "analysis/gpu_serving.py",
 )
 RANKS_RUN = (  # bench/cocoserve_load.py's own runs: the workers under mpiexec, no lab
     "nodes/workers",
@@ -37,27 +36,17 @@ RANKS_RUN = (  # bench/cocoserve_load.py's own runs: the workers under mpiexec, 
     "nodes/serving",
     "nodes/inference",
     "nodes/contracts",
-    "workloads",
-    "testbed/campaign/families/cocoserve.py",
-    "testbed/campaign/results.py",
-    "testbed/campaign/run_spec.py",
     "testbed/target",
     "examples/profiles/a100-40gb.yaml",
     "examples/models/tiny",
-    "analysis/gpu_serving.py",
-    "analysis/metrics.py",
-    "analysis/uncertainty.py",
 )
 GPU_RUN = (
-    "bench/random_weights.py",
     "examples/models/tiny",
     "nodes/contracts",
     "nodes/inference",
     "nodes/workers/profile_engine.py",
     "nodes/workers/pacing.py",
     "nodes/telemetry",
-    "nodes/server",
-    "analysis/uncertainty.py",
 )
 STATIC, CONTINUOUS, COCO = "static-batching", "continuous-batching", "cocoserve"
 HFT2, HFT4, COCO2 = "static-batching:2x1", "static-batching:4x1", "cocoserve:2x2"

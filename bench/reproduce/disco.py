@@ -41,18 +41,15 @@ TABLE3_TBT_P99_S = {"server": 0.209, "device": 0.217}
 FIG9_MS = {"disco-s": (0.128, 0.969, 9.082), "disco-d": (0.486, 1.741, 14.856)}
 FIG9_SAMPLES = (1_000, 10_000, 100_000)
 
-SWEEP_CODE = ("nodes/dispatch", "nodes/endpoints", "analysis/dispatch.py", "analysis/cost_model.py",
-              "analysis/uncertainty.py", "analysis/report_document.py", "workloads/prompts.py")  # fmt: skip
-ENGINE_CODE = (*SWEEP_CODE, "bench/disco_sweep.py", "nodes/workers", "nodes/serving", "nodes/inference",
-               "nodes/contracts", "testbed/target", "testbed/campaign/families/andes.py",
+SWEEP_CODE = ("nodes/dispatch", "nodes/endpoints")
+ENGINE_CODE = (*SWEEP_CODE, "nodes/workers", "nodes/serving", "nodes/inference", "nodes/contracts", "testbed/target",
                "examples/profiles/a100-80gb.yaml", "examples/models/tiny")  # fmt: skip
 BUDGET_CAMPAIGN, MIGRATION_CAMPAIGN = "examples/campaigns/disco-budget.yaml", "examples/campaigns/disco-migration.yaml"
 PREMISE = "bench/disco_gpu_premise.py"
-PREMISE_CODE = ("bench/random_weights.py", "nodes/contracts", "nodes/endpoints", "nodes/inference", "nodes/server",
-                "nodes/telemetry", "analysis/uncertainty.py", "examples/models/tiny")  # fmt: skip
+PREMISE_CODE = ("nodes/contracts", "nodes/endpoints", "nodes/inference", "nodes/server", "nodes/telemetry",
+                "examples/models/tiny")  # fmt: skip
 SERVER, DEVICE = ("--config", "server:cuda:1b"), ("--config", "device:cpu:tiny")
-CAMPAIGN_RUN = (*CAMPAIGN_CODE, "inventory.yaml", "examples/models/tiny", "analysis/dispatch.py",
-                "bench/disco_campaign_check.py")  # fmt: skip
+CAMPAIGN_RUN = (*CAMPAIGN_CODE, "inventory.yaml", "examples/models/tiny")
 
 
 def _budget_matrix(services: str, budgets: str) -> tuple[str, ...]:
@@ -343,7 +340,6 @@ PAPER = Paper(
             "Fig. 9: the policy computed from 1K, 10K and 100K profile samples",
             "bench/disco_policy.py",
             {"smoke": ("--repeats", "5"), "reduced": ("--repeats", "20"), "full": ("--repeats", "50")},
-            ("nodes/dispatch/policy.py", "analysis/uncertainty.py"),
         ),
     ),
     headlines=HEADLINES,

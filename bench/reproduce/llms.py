@@ -23,11 +23,6 @@ SWITCHING_CODE = (
     "nodes/inference",
     "nodes/contracts",
     "testbed/target",
-    "testbed/workers/context_service.py",
-    "workloads/context_traces.py",
-    "analysis/context_switching.py",
-    "analysis/fidelity.py",
-    "analysis/uncertainty.py",
     "examples/models/tiny",
     "examples/profiles/orin-nx.yaml",
 )
@@ -35,9 +30,6 @@ SWITCHING_CODE = (
 COMPRESSION_CODE = (
     "nodes/context_service",
     "nodes/inference",
-    "workloads/task_prompts.py",
-    "workloads/corpus.py",
-    "analysis/uncertainty.py",
     "testbed/models",
 )
 SMOLLM2 = ("--model", "examples/models/smollm2-135m")
