@@ -13,20 +13,29 @@ TTFT, the network at 89.6%.
 
 Columns come from the device's request log (``prefill_device_head_s``, ``prefill_network_s``,
 ``prefill_server_residence_s``, ...), in the target's seconds once :func:`analysis.load.load` has divided
-a dilated run back.
+a dilated run back. A request is the same request in both methods when its node, id and repetition
+(where the frames have one) are: a campaign replays one schedule per repetition to every method.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 
+from analysis.uncertainty import mean_interval
+
 KEY = ["node", "request_id"]
+
+
+def _key(frame: pd.DataFrame) -> list[str]:
+    return ["repetition", *KEY] if "repetition" in frame else KEY
 
 
 def composition(requests: pd.DataFrame) -> pd.DataFrame:
     """One row per request: its TTFT split into device, network, server and the rest (waiting for a
     device slot, messaging), and the network's share of it."""
-    out = requests[[*KEY, "prompt_tokens", "ttft_s"]].copy()
+    out = requests[[*_key(requests), "prompt_tokens", "ttft_s"]].copy()
     out["device_s"] = requests["prefill_device_head_s"] + requests["prefill_device_tail_s"]
     out["network_s"] = requests["prefill_network_s"]
     out["server_s"] = requests["prefill_server_residence_s"]
@@ -39,16 +48,19 @@ def chunked_against_whole(chunked: pd.DataFrame, whole: pd.DataFrame) -> pd.Data
     """The same requests (node, request id) prefilled in chunks and whole: TTFT ratio, the floor
     chunking can reach (the whole request's TTFT without its compute, over its TTFT) and the share of the
     attainable gain it reached (1 when all the compute hid behind the upload, 0 when nothing did)."""
-    pairs = composition(whole).merge(chunked[[*KEY, "ttft_s"]], on=KEY, suffixes=("_whole", "_chunked"))
+    key = [c for c in _key(whole) if c in chunked]
+    pairs = composition(whole).merge(chunked[[*key, "ttft_s"]], on=key, suffixes=("_whole", "_chunked"))
     pairs["ratio"] = pairs["ttft_s_chunked"] / pairs["ttft_s_whole"]
     pairs["floor_ratio"] = 1 - (pairs["device_s"] + pairs["server_s"]) / pairs["ttft_s_whole"]
     pairs["attainable_reached"] = (1 - pairs["ratio"]) / (1 - pairs["floor_ratio"])
     return pairs
 
 
-def summary(pairs: pd.DataFrame) -> dict[str, float]:
-    """Totals over the requests (a campaign's mean TTFT change is a ratio of sums) and medians per request."""
+def summary(pairs: pd.DataFrame) -> dict[str, Any]:
+    """Totals over the requests (a campaign's mean TTFT change is a ratio of sums) and medians per request;
+    the floor and the shares also with their 95% intervals (bootstrap over requests and repetitions)."""
     whole, chunked = pairs["ttft_s_whole"].sum(), pairs["ttft_s_chunked"].sum()
+    clusters = pairs.get("repetition")
     compute = pairs["device_s"].sum() + pairs["server_s"].sum()
     return {
         "requests": len(pairs),
@@ -61,4 +73,10 @@ def summary(pairs: pd.DataFrame) -> dict[str, float]:
         "waiting_share_of_whole_ttft": float(pairs["other_s"].sum() / whole),
         "median_ratio": float(pairs["ratio"].median()),
         "median_floor_ratio": float(pairs["floor_ratio"].median()),
-    }
+        "intervals": {
+            name: mean_interval(part, pairs["ttft_s_whole"], clusters).as_dict()
+            for name, part in (("floor_change", -(pairs["device_s"] + pairs["server_s"])),
+                               ("network_share_of_whole_ttft", pairs["network_s"]),
+                               ("waiting_share_of_whole_ttft", pairs["other_s"]))
+        },
+    }  # fmt: skip

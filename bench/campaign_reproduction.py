@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -110,7 +110,15 @@ def inventory_of(campaign: Path) -> Path:
     return (campaign.parent / written).resolve()
 
 
-def unfinished(exit_status: int, interrupted: bool, ledger: dict[str, int], work: Path) -> SystemExit | None:
+class Refusal(NamedTuple):
+    """Why a campaign is no result, and the status this script exits with (130 when it was interrupted,
+    so that ``testbed reproduce`` stops and says how to go on)."""
+
+    why: str
+    exit_status: int = 1
+
+
+def unfinished(exit_status: int, interrupted: bool, ledger: dict[str, int], work: Path) -> Refusal | None:
     """Why a campaign whose controller exited with ``exit_status`` is no result (None when it is one): it
     was interrupted (exit status 130, for ``--resume``), its controller failed (an exit status other than 0,
     or 1 for a campaign with failed runs), its ledger still has runs to do or in progress, it skipped runs
@@ -118,17 +126,16 @@ def unfinished(exit_status: int, interrupted: bool, ledger: dict[str, int], work
     again = f"rerun with --resume --work {work} to go on"
     log = work / "run.log"
     if interrupted or exit_status == INTERRUPTED_EXIT_STATUS:
-        print(f"the campaign was interrupted with runs left ({ledger}); {again}", file=sys.stderr)
-        return SystemExit(INTERRUPTED_EXIT_STATUS)
+        return Refusal(f"the campaign was interrupted with runs left ({ledger}); {again}", INTERRUPTED_EXIT_STATUS)
     if exit_status not in (0, 1):
-        return SystemExit(f"the campaign's controller failed (exit status {exit_status}); see {log}")
+        return Refusal(f"the campaign's controller failed (exit status {exit_status}); see {log}")
     if ledger.get("todo") or ledger.get("running"):  # a whole campaign or none: a result is never a part of one
-        return SystemExit(f"the campaign stopped with runs left ({ledger}); see {log}, and {again}")
+        return Refusal(f"the campaign stopped with runs left ({ledger}); see {log}, and {again}")
     if ledger.get("skipped"):  # never run (a node quarantined): the groups they stand for would be missing
-        return SystemExit(f"the campaign skipped runs ({ledger}) after a node failed; see {log}, mend the node, "
-                          f"then rerun with --resume --retry-failed --work {work}")  # fmt: skip
+        return Refusal(f"the campaign skipped runs ({ledger}) after a node failed; see {log}, mend the node, "
+                       f"then rerun with --resume --retry-failed --work {work}")  # fmt: skip
     if not ledger.get("done"):
-        return SystemExit(f"the campaign has no run done ({ledger or 'no ledger'}); see {log}")
+        return Refusal(f"the campaign has no run done ({ledger or 'no ledger'}); see {log}")
     return None
 
 
@@ -202,7 +209,8 @@ def run(argv: list[str], parser: argparse.ArgumentParser | None = None) -> dict[
     ledger = ledger_counts(work / "out")
     refusal = unfinished(exit_status, interrupted, ledger, work)
     if refusal is not None:
-        raise refusal
+        print(refusal.why, file=sys.stderr)
+        raise SystemExit(refusal.exit_status)
     return {
         "command": " ".join(["python", "bench/campaign_reproduction.py", *argv]),
         "campaign": str(source.relative_to(REPO)), "settings": args.set, "baseline": baseline,

@@ -158,6 +158,31 @@ def test_a_token_computed_late_delays_the_next_rather_than_bursting(generator):
     assert emitted[3].began_s == (emitted[2].released_s if emitted[2].overran else emitted[2].began_s + 0.05)
 
 
+def test_streams_at_once_share_forward_passes_and_keep_greedy_tokens():
+    """Four streams on one endpoint model: the passes that ran while others waited computed several
+    streams at once (fewer passes than steps), and each stream's tokens are still greedy generation's."""
+    generator = PacedGenerator(TINY)  # its own batcher, so the counts are this test's
+    prompts = [generator.encode(text) for text in ("def add(a, b):", "import os\n", "class Point:", "# sum a list")]
+    start = threading.Barrier(len(prompts))
+    streamed: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        start.wait(timeout=HANG_S)
+        streamed[i] = [e.token_id for e in generator.stream(prompts[i], 24, SteadyPace(0.0, 0.0), stop_at_eos=False)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(HANG_S)
+    assert sorted(streamed) == [0, 1, 2, 3]
+    batcher = generator.batcher
+    assert batcher.steps == 4 * 24  # a prefill and 23 next tokens a stream
+    assert batcher.passes < batcher.steps
+    for i, prompt in enumerate(prompts):
+        assert streamed[i] == greedy_generate(generator.model, prompt, 24, None), i
+
+
 def test_a_key_is_required_when_the_endpoint_has_one(generator, tmp_path):
     server, endpoint, url = serve(generator, SteadyPace(0.0, 0.0), tmp_path / "api.jsonl", key="s3cret")
     try:

@@ -1,9 +1,14 @@
 """The TTFT split of a split request and the floor prompt chunking cannot beat (analysis.prefill_composition)."""
 
+import shutil
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
 from analysis import prefill_composition
+
+SAMPLE = Path(__file__).resolve().parent / "data" / "sample-campaign"
 
 
 def requests(ttft_s: list[float]) -> pd.DataFrame:
@@ -31,3 +36,36 @@ def test_chunking_that_hides_all_compute_reaches_the_floor_and_none_reaches_noth
     assert total["waiting_share_of_whole_ttft"] == pytest.approx(0.5 / 2.3)
     gained_nothing = prefill_composition.summary(prefill_composition.chunked_against_whole(whole, whole))
     assert gained_nothing["ttft_change"] == 0 and gained_nothing["attainable_reached"] == 0
+
+
+def test_the_same_request_of_each_repetition_pairs_with_itself_only():
+    whole = pd.concat([requests([0.9, 1.4]).assign(repetition=r) for r in (0, 1)])
+    chunked = pd.concat([requests([0.6 + r, 1.1]).assign(repetition=r) for r in (0, 1)])
+    pairs = prefill_composition.chunked_against_whole(chunked, whole)
+    assert len(pairs) == 4  # not 8: request ids repeat across repetitions
+    assert sorted(pairs["ttft_s_chunked"]) == pytest.approx([0.6, 1.1, 1.1, 1.6])
+    intervals = prefill_composition.summary(pairs)["intervals"]
+    floor = intervals["floor_change"]
+    assert floor["estimate"] == pytest.approx(-1.2 / 4.6)  # device and server, 0.3 s a request, of all TTFT
+    assert floor["low"] <= floor["estimate"] <= floor["high"]
+
+
+def test_a_campaign_s_chunking_groups_pair_with_the_whole_group_of_the_same_other_settings(tmp_path):
+    from analysis.load import load
+    from bench.hat_prefill_composition import by_group
+
+    sample = Path(shutil.copytree(SAMPLE, tmp_path / "sample"))
+    by = ["method", "workload.rate_per_s", "power.orin"]
+    rows = by_group(sample, by, chunked=("centralized",))  # centralized stands in for a chunking method
+    assert len(rows) == 4  # two rates x two power modes, each against U-shape's group of the same
+    data = load(sample)
+    requests = data.requests.merge(data.runs[["run_id", *by]], on="run_id")
+    for row in rows:
+        settings = row["settings"]
+        assert row["against"] == {**settings, "method": "ushape"}
+        same = (requests["workload.rate_per_s"] == settings["workload.rate_per_s"]) & (
+            requests["power.orin"] == settings["power.orin"])  # fmt: skip
+        pairs = requests[same & (requests["method"] == "centralized")].merge(
+            requests[same & (requests["method"] == "ushape")], on=["node", "request_id"], suffixes=("_c", "_u"))
+        assert row["requests"] == len(pairs) > 0
+        assert row["ttft_change"] == pytest.approx(pairs["ttft_s_c"].sum() / pairs["ttft_s_u"].sum() - 1)

@@ -22,6 +22,8 @@ from bench.reproduce.runner import RESULTS, is_current, read_result, reproduce
 from foundation.provenance import GENERATED, code_sha256, git_provenance
 
 REPO = Path(__file__).resolve().parents[1]
+# the benches that run a campaign through bench/campaign_reproduction.py and add measures of their own
+CAMPAIGN_BENCHES = ("bench/andes_campaign.py", "bench/disco_campaign.py", "bench/hat_campaign.py")
 
 
 def _table2_device(result: dict) -> Interval | None:
@@ -179,13 +181,15 @@ def test_resume_goes_on_with_a_campaign_cut_short_and_its_wall_time_sums_the_par
     # a campaign is a result only when it is whole: not interrupted, its controller fine, no run left
     assert unfinished(0, False, {"done": 6}, tmp_path) is None
     assert unfinished(1, False, {"done": 5, "failed": 1}, tmp_path) is None  # a failed run is part of the result
-    assert unfinished(130, False, {"done": 5, "running": 1}, tmp_path).code == 130  # SIGTERM to `testbed run`
-    assert unfinished(0, True, {"done": 6}, tmp_path).code == 130  # Ctrl-C reached this script
-    assert "runs left" in str(unfinished(0, False, {"done": 2, "todo": 3}, tmp_path).code)
-    assert "controller failed (exit status 2)" in str(unfinished(2, False, {}, tmp_path).code)
-    assert "--retry-failed" in str(unfinished(1, False, {"done": 4, "skipped": 2}, tmp_path).code)
-    assert "no run done" in str(unfinished(1, False, {"failed": 6}, tmp_path).code)
-    assert "no run done" in str(unfinished(1, False, {}, tmp_path).code)  # no ledger: the controller never began
+    stopped = unfinished(130, False, {"done": 5, "running": 1}, tmp_path)  # SIGTERM to `testbed run`
+    assert stopped.exit_status == 130 and f"--resume --work {tmp_path}" in stopped.why
+    assert unfinished(0, True, {"done": 6}, tmp_path).exit_status == 130  # Ctrl-C reached this script
+    left = unfinished(0, False, {"done": 2, "todo": 3}, tmp_path)
+    assert "runs left" in left.why and left.exit_status == 1
+    assert "controller failed (exit status 2)" in unfinished(2, False, {}, tmp_path).why
+    assert "--retry-failed" in unfinished(1, False, {"done": 4, "skipped": 2}, tmp_path).why
+    assert "no run done" in unfinished(1, False, {"failed": 6}, tmp_path).why
+    assert "no run done" in unfinished(1, False, {}, tmp_path).why  # no ledger: the controller never began
 
 
 def test_a_campaign_stopped_on_purpose_stops_the_reproduction_and_keeps_its_part(tmp_path):
@@ -219,7 +223,7 @@ def test_ctrl_c_during_a_teardown_waits_for_its_end():
 
 def test_every_campaign_experiment_resumes_and_no_other_does():
     # the runner's --resume reaches exactly the experiments whose script takes --work and --resume
-    takes_resume = {"bench/campaign_reproduction.py", "bench/andes_campaign.py", "bench/disco_campaign.py"}
+    takes_resume = {"bench/campaign_reproduction.py", *CAMPAIGN_BENCHES}
     for paper in papers().values():
         for experiment in paper.experiments:
             campaign = experiment.script in takes_resume or any("--campaign" in a for a in experiment.scales.values())
@@ -276,9 +280,42 @@ def test_an_experiment_names_only_code_its_script_s_imports_do_not_reach():
 
 
 def test_the_campaign_benches_list_the_options_they_pass_on():
-    for script in ("bench/andes_campaign.py", "bench/disco_campaign.py"):
+    for script in CAMPAIGN_BENCHES:
         shown = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True,
                                timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
         assert shown.returncode == 0, shown.stderr
         assert shown.stdout.startswith(f"usage: {script}")
         assert all(option in shown.stdout for option in ("--set", "--work", "--resume", "--retry-failed"))
+
+
+def test_hat_s_page_says_how_much_of_u_shape_s_ttft_chunking_could_hide(tmp_path):
+    """HAT's findings read a Table 5 campaign's prefill composition: U-shape's upload, compute and waiting
+    shares, PC's change against the floor of all compute hidden, and the paper's own bound; a finding of
+    a stale result says so, and one whose result is missing is left out."""
+    import pandas as pd
+
+    from analysis import prefill_composition
+    from bench.reproduce.hat import PAPER as HAT
+
+    # four U-shape requests, each 0.1 s device, 0.6 s upload and 0.2 s server; two also waited 0.4 s for a slot
+    whole = pd.DataFrame({"node": ["a", "a", "b", "b"], "request_id": [0, 1, 2, 3], "prompt_tokens": [300] * 4,
+                          "ttft_s": [0.9, 1.3, 0.9, 1.3], "prefill_device_head_s": [0.08] * 4,
+                          "prefill_device_tail_s": [0.02] * 4, "prefill_network_s": [0.6] * 4,
+                          "prefill_server_residence_s": [0.2] * 4})  # fmt: skip
+    chunked = whole.assign(ttft_s=whole["ttft_s"] - 0.15)  # half the compute hidden behind the upload
+    row = prefill_composition.summary(prefill_composition.chunked_against_whole(chunked, whole))
+    results = tmp_path / "results"
+    (results / "hat").mkdir(parents=True)
+    (results / "hat" / "table5_specbench.json").write_text(json.dumps({
+        "prefill_composition": [{"settings": {"method": "pc"}, "against": {"method": "ushape"}, **row}],
+        "reproduction": {"code_sha256": "0" * 64}}))  # fmt: skip
+    text, _ = render(HAT, results)
+    plt.close("all")
+    finding = next(line for line in text.splitlines() if line.startswith("- Table 5, SpecBench"))
+    assert "U-shape's TTFT is 54.5% [" in finding  # 2.4 s of upload in 4.4 s
+    assert "18.2% [" in finding  # waiting, 0.8 of 4.4 s
+    assert "gains at most the compute, -27.3% [" in finding  # 1.2 of 4.4 s
+    assert "PC changed TTFT by -13.6%, 0.50 of that floor" in finding
+    assert "against its Table 5 PC gain of -41.4%" in finding and finding.endswith("(**stale**: its result "
+                                                                                  "predates its code)")  # fmt: skip
+    assert "CNN/DM (Vicuna-13B): U-shape's TTFT" not in text and "- Fig. 6:" not in text

@@ -93,6 +93,10 @@ def render(paper: Paper, results: Path = RESULTS) -> tuple[str, dict[str, object
         figures[name] = comparison_figure(figure.split("|")[0].strip(), rows)
     if paper.modeled:
         lines += ["## What is modeled, and what it decides", ""] + [f"- {m}" for m in paper.modeled] + [""]
+    measured = [f"{line}{'' if current[name] else ' (**stale**: its result predates its code)'}"
+                for finding in paper.findings for name, line in finding(loaded)]  # fmt: skip
+    if measured:
+        lines += ["## What the results themselves show", "", *(f"- {m}" for m in measured), ""]
     lines += ["## Experiments", "", *_experiment_rows(paper, loaded, current), ""]
     return "\n".join(lines), figures
 

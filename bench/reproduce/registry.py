@@ -122,6 +122,10 @@ class Paper:
     experiments: tuple[Experiment, ...]
     headlines: tuple[Headline, ...]
     modeled: tuple[str, ...] = field(default=())  # inputs that are modeled and what they decide
+    # measured findings that say why a headline lands where it does: each reads the experiments' results
+    # (name -> result, None where none) and gives its lines, each with the experiment it rests on (none
+    # when a result it needs is missing)
+    findings: tuple[Callable[[Mapping[str, Result | None]], list[tuple[str, str]]], ...] = field(default=())
 
     def experiment(self, name: str) -> Experiment:
         for experiment in self.experiments:

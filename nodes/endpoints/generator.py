@@ -9,17 +9,24 @@ and the next one is due a gap after that release. Each token carries its paced s
 time), the real time to its computation from there (sending the previous token included), its target
 and how late it was released.
 Closing the generator (the client went away) stops the computation at the next token.
+
+The streams share the model through :class:`StepBatcher`: every stream that needs a forward pass while
+one runs waits for the next, which computes all of them in one packed batch, as a serving engine's
+continuous batching does. One pass at a time for each stream in turn fell behind a trace's token gaps
+as soon as a few streams ran at once on a small host.
 """
 
+import itertools
 import threading
 import time
-from typing import Iterator, List, NamedTuple, Optional, Sequence
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from nodes.contracts.chat_template import ChatTemplate, ChatTemplateError
-from nodes.contracts.paced_steps import late_tolerance_s, overran
+from nodes.contracts.paced_steps import overran
 from nodes.inference.checkpoint import load_whole
+from nodes.inference.kv_cache import KVCache
 from nodes.inference.model import Segment
 from nodes.inference.tokenizer import Tokenizer
 
@@ -31,7 +38,6 @@ class Emitted(NamedTuple):
     token_id: int
     index: int
     released_s: float  # time.monotonic()
-    overrun_s: float  # how late the computation made it (0 when on time)
     # the token as a paced step (nodes.contracts.paced_steps): when its slot began, the real time from
     # there to its computation (waiting for the model included), its target (the first token's time or
     # one gap) and how late it was released past its due time; 0 where a source paces its steps itself
@@ -43,7 +49,7 @@ class Emitted(NamedTuple):
     @property
     def overran(self) -> bool:
         """Whether the host missed this token's pace (computed after its due time, or released late)."""
-        return self.overrun_s > 0 or self.late_s > late_tolerance_s(self.target_s)
+        return overran(self.began_s + self.real_s, self.began_s + self.target_s, self.late_s, self.target_s)
 
 
 class TokenText(object):
@@ -73,9 +79,76 @@ class TokenText(object):
         return self.tokenizer.piece(before, token_id)
 
 
+class _Step(object):
+    """One stream's share of a batch: new token ids after its cache, and the greedy next token."""
+
+    __slots__ = ("cache", "error", "token", "token_ids")
+
+    def __init__(self, cache: KVCache, token_ids: Sequence[int]) -> None:
+        self.cache, self.token_ids = cache, list(token_ids)
+        self.token = None  # type: Optional[int]
+        self.error = None  # type: Optional[BaseException]
+
+
+class StepBatcher(object):
+    """One forward pass at a time over ``model``, each for every stream waiting: a stream hands in its
+    new token ids (a prompt, or the last token) with its cache and gets the argmax of its last position.
+
+    No thread of its own: the first stream to find no pass running runs one for all that wait (leader
+    and followers); the streams that arrive meanwhile go in the next. ``passes`` and ``steps`` count
+    the passes run and the streams' steps they computed."""
+
+    def __init__(self, model: Any, device: str) -> None:
+        self.model, self.device = model, device
+        self.passes = 0
+        self.steps = 0
+        self._state = threading.Condition()
+        self._waiting = []  # type: List[_Step]
+        self._running = False
+
+    def next_token(self, cache: KVCache, token_ids: Sequence[int]) -> int:
+        step = _Step(cache, token_ids)
+        with self._state:
+            self._waiting.append(step)
+            while step.token is None and step.error is None:
+                if self._running:
+                    self._state.wait()
+                    continue
+                batch, self._waiting, self._running = self._waiting, [], True
+                self._state.release()
+                try:
+                    self._run(batch)
+                finally:
+                    self._state.acquire()
+                    self._running = False
+                    self._state.notify_all()
+        if step.error is not None:
+            raise step.error
+        return int(step.token)  # type: ignore[arg-type]
+
+    def _run(self, batch: List[_Step]) -> None:
+        """Compute every step of ``batch`` in one packed pass (an error is every step's)."""
+        try:
+            with torch.inference_mode():
+                ids = torch.tensor([t for step in batch for t in step.token_ids], device=self.device)
+                segments = [Segment(step.cache, len(step.token_ids)) for step in batch]
+                hidden = self.model.run_layers(self.model.embed(ids), segments)
+                last = torch.tensor(list(itertools.accumulate(len(step.token_ids) for step in batch)),
+                                    device=hidden.device) - 1  # fmt: skip
+                tokens = torch.argmax(self.model.logits(hidden[last]), dim=-1).tolist()
+        except Exception as error:  # each stream waiting raises it
+            for step in batch:
+                step.error = error
+            return
+        self.passes += 1
+        self.steps += len(batch)
+        for step, token in zip(batch, tokens):
+            step.token = int(token)
+
+
 class PacedGenerator(TokenText):
-    """The whole model of ``model_dir`` on ``device`` (``cpu`` or ``cuda[:N]``) behind a lock (one
-    forward pass at a time)."""
+    """The whole model of ``model_dir`` on ``device`` (``cpu`` or ``cuda[:N]``), its streams' forward
+    passes batched by a :class:`StepBatcher`."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu") -> None:
         self.model_dir = model_dir
@@ -83,7 +156,7 @@ class PacedGenerator(TokenText):
         self.model = load_whole(model_dir, dtype=dtype, device=device)
         self.tokenizer = Tokenizer(model_dir)
         self.context_tokens = int(self.model.config.max_position_embeddings)
-        self._lock = threading.Lock()
+        self.batcher = StepBatcher(self.model, device)
 
     def stream(self, prompt_ids: Sequence[int], max_tokens: int, pace: Pace,
                stop_at_eos: bool = True, sleep=time.sleep) -> Iterator[Emitted]:  # fmt: skip
@@ -94,29 +167,23 @@ class PacedGenerator(TokenText):
         due = began + target_s
         cache = self.model.new_cache(len(prompt_ids) + max_tokens + 1)
         eos = self.tokenizer.eos_id if stop_at_eos else None
-        with self._lock, torch.inference_mode():
-            ids = torch.tensor(list(prompt_ids), device=self.device)
-            hidden = self.model.run_layers(self.model.embed(ids), [Segment(cache, len(prompt_ids))])
-            token = int(torch.argmax(self.model.logits(hidden[-1])).item())
+        token = self.batcher.next_token(cache, prompt_ids)
         for index in range(max_tokens):
             now = time.monotonic()
             if now < due:
                 sleep(due - now)
             released = time.monotonic()
             late_s = max(0.0, released - due)
-            yield Emitted(token, index, released, max(0.0, now - due), began, now - began, target_s, late_s)
+            emitted = Emitted(token, index, released, began, now - began, target_s, late_s)
+            yield emitted
             if token == eos or index + 1 == max_tokens:
                 return
             # the next token's slot starts at this one's due time, or at its release if it overran: a
             # late token delays the rest, as on the target, instead of a burst that catches up
-            began = due if not overran(now, due, late_s, target_s) else released
+            began = released if emitted.overran else due
             target_s = pace.gap_s()
             due = began + target_s
-            with self._lock, torch.inference_mode():
-                step = self.model.embed(torch.tensor([token], device=self.device))
-                hidden = self.model.run_layers(step, [Segment(cache, 1)])
-                token = int(torch.argmax(self.model.logits(hidden[-1])).item())
-
+            token = self.batcher.next_token(cache, [token])
 
 
 def max_tokens_for(generator: PacedGenerator, prompt_tokens: int, asked: Optional[int]) -> int:

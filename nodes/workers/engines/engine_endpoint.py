@@ -48,7 +48,7 @@ class EngineStreams(TokenText):
                     continue
                 if token is DONE:
                     return
-                yield Emitted(int(token), index, time.monotonic(), 0.0)
+                yield Emitted(int(token), index, time.monotonic())
                 index += 1
         finally:
             self.engine.cancel(key)  # a no-op once the request is done
