@@ -6,20 +6,23 @@ one ``pace.gap_s()`` after the previous was due. A token computed later than its
 at once and counted as an overrun (the host could not keep the target's pace: a fidelity violation),
 and the next one is due a gap after that release. Each token carries its paced step's record
 (:mod:`nodes.contracts.paced_steps`): its slot's start (the request taken, or the previous token's due
-time), the real time to its computation from there (sending the previous token included), its target
-and how late it was released.
-Closing the generator (the client went away) stops the computation at the next token.
+time), the real time to its computation from there (0 when it was ready before its slot began), its
+target and how late it was released.
+Closing the generator (the client went away) stops the computation after the token computing ahead.
 
 The streams share the model through :class:`StepBatcher`: every stream that needs a forward pass while
 one runs waits for the next, which computes all of them in one packed batch, as a serving engine's
-continuous batching does. One pass at a time for each stream in turn fell behind a trace's token gaps
-as soon as a few streams ran at once on a small host.
+continuous batching does; and a stream hands in its next token's pass as soon as it has the token
+before, so that the host computes while the pace holds the token (a token is late only when the host
+fell behind by a whole gap). One pass at a time for each stream in turn, each started at its slot,
+fell behind a trace's token gaps as soon as a few streams ran at once on a small host.
 """
 
 import itertools
 import threading
 import time
-from typing import Any, Iterator, List, NamedTuple, Optional, Sequence
+from concurrent.futures import Future
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,51 +83,54 @@ class TokenText(object):
 
 
 class _Step(object):
-    """One stream's share of a batch: new token ids after its cache, and the greedy next token."""
+    """One stream's share of a batch: new token ids after its cache, and the greedy next token to come."""
 
-    __slots__ = ("cache", "error", "token", "token_ids")
+    __slots__ = ("cache", "future", "token_ids")
 
     def __init__(self, cache: KVCache, token_ids: Sequence[int]) -> None:
         self.cache, self.token_ids = cache, list(token_ids)
-        self.token = None  # type: Optional[int]
-        self.error = None  # type: Optional[BaseException]
+        self.future = Future()  # type: Future
 
 
 class StepBatcher(object):
     """One forward pass at a time over ``model``, each for every stream waiting: a stream hands in its
-    new token ids (a prompt, or the last token) with its cache and gets the argmax of its last position.
+    new token ids (a prompt, or its last token) with its cache and gets the argmax of its last position.
 
-    No thread of its own: the first stream to find no pass running runs one for all that wait (leader
-    and followers); the streams that arrive meanwhile go in the next. ``passes`` and ``steps`` count
-    the passes run and the streams' steps they computed."""
+    Its own thread runs the passes (started with the first step), so a stream can hand in its next step
+    and go on releasing the token before. ``max_streams`` caps a pass (1: one stream at a time, as
+    before batching). ``passes`` and ``steps`` count the passes run and the streams' steps they computed."""
 
-    def __init__(self, model: Any, device: str) -> None:
-        self.model, self.device = model, device
+    def __init__(self, model: Any, device: str, max_streams: Optional[int] = None) -> None:
+        self.model, self.device, self.max_streams = model, device, max_streams
         self.passes = 0
         self.steps = 0
         self._state = threading.Condition()
         self._waiting = []  # type: List[_Step]
-        self._running = False
+        self._thread = None  # type: Optional[threading.Thread]
 
-    def next_token(self, cache: KVCache, token_ids: Sequence[int]) -> int:
+    def submit(self, cache: KVCache, token_ids: Sequence[int]) -> "Future[Tuple[int, float]]":
+        """The next token after ``token_ids`` and the monotonic time its pass ended, from the next pass (the
+        future raises what the pass raised)."""
         step = _Step(cache, token_ids)
         with self._state:
             self._waiting.append(step)
-            while step.token is None and step.error is None:
-                if self._running:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="endpoint-passes", daemon=True)
+                self._thread.start()
+            self._state.notify()
+        return step.future
+
+    def next_token(self, cache: KVCache, token_ids: Sequence[int]) -> int:
+        return int(self.submit(cache, token_ids).result()[0])
+
+    def _serve(self) -> None:
+        while True:
+            with self._state:
+                while not self._waiting:
                     self._state.wait()
-                    continue
-                batch, self._waiting, self._running = self._waiting, [], True
-                self._state.release()
-                try:
-                    self._run(batch)
-                finally:
-                    self._state.acquire()
-                    self._running = False
-                    self._state.notify_all()
-        if step.error is not None:
-            raise step.error
-        return int(step.token)  # type: ignore[arg-type]
+                cut = len(self._waiting) if self.max_streams is None else self.max_streams
+                batch, self._waiting = self._waiting[:cut], self._waiting[cut:]
+            self._run(batch)
 
     def _run(self, batch: List[_Step]) -> None:
         """Compute every step of ``batch`` in one packed pass (an error is every step's)."""
@@ -138,25 +144,27 @@ class StepBatcher(object):
                 tokens = torch.argmax(self.model.logits(hidden[last]), dim=-1).tolist()
         except Exception as error:  # each stream waiting raises it
             for step in batch:
-                step.error = error
+                step.future.set_exception(error)
             return
+        computed = time.monotonic()
         self.passes += 1
         self.steps += len(batch)
         for step, token in zip(batch, tokens):
-            step.token = int(token)
+            step.future.set_result((int(token), computed))
 
 
 class PacedGenerator(TokenText):
     """The whole model of ``model_dir`` on ``device`` (``cpu`` or ``cuda[:N]``), its streams' forward
-    passes batched by a :class:`StepBatcher`."""
+    passes batched by a :class:`StepBatcher` (at most ``max_streams`` a pass; None: every one waiting)."""
 
-    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu") -> None:
+    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu",
+                 max_streams: Optional[int] = None) -> None:  # fmt: skip
         self.model_dir = model_dir
         self.device = device
         self.model = load_whole(model_dir, dtype=dtype, device=device)
         self.tokenizer = Tokenizer(model_dir)
         self.context_tokens = int(self.model.config.max_position_embeddings)
-        self.batcher = StepBatcher(self.model, device)
+        self.batcher = StepBatcher(self.model, device, max_streams)
 
     def stream(self, prompt_ids: Sequence[int], max_tokens: int, pace: Pace,
                stop_at_eos: bool = True, sleep=time.sleep) -> Iterator[Emitted]:  # fmt: skip
@@ -167,23 +175,27 @@ class PacedGenerator(TokenText):
         due = began + target_s
         cache = self.model.new_cache(len(prompt_ids) + max_tokens + 1)
         eos = self.tokenizer.eos_id if stop_at_eos else None
-        token = self.batcher.next_token(cache, prompt_ids)
+        pending = self.batcher.submit(cache, prompt_ids)
         for index in range(max_tokens):
+            token, computed = pending.result()
+            last = token == eos or index + 1 == max_tokens
+            if not last:  # the next token computes while this one waits for its due time
+                pending = self.batcher.submit(cache, [token])
             now = time.monotonic()
             if now < due:
                 sleep(due - now)
             released = time.monotonic()
-            late_s = max(0.0, released - due)
-            emitted = Emitted(token, index, released, began, now - began, target_s, late_s)
+            # ready before its slot began (computed ahead): no real time in its slot
+            emitted = Emitted(token, index, released, began, max(0.0, computed - began), target_s,
+                              max(0.0, released - due))  # fmt: skip
             yield emitted
-            if token == eos or index + 1 == max_tokens:
+            if last:
                 return
             # the next token's slot starts at this one's due time, or at its release if it overran: a
             # late token delays the rest, as on the target, instead of a burst that catches up
             began = released if emitted.overran else due
             target_s = pace.gap_s()
             due = began + target_s
-            token = self.batcher.next_token(cache, [token])
 
 
 def max_tokens_for(generator: PacedGenerator, prompt_tokens: int, asked: Optional[int]) -> int:
