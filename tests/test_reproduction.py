@@ -101,6 +101,28 @@ def test_the_code_hash_follows_tracked_files_only(tmp_path):
         code_sha256(["nothing"], repo)
 
 
+def test_a_stale_result_names_the_files_changed_since_its_commit(tmp_path):
+    from bench.reproduce.runner import changed_since, state_line
+
+    repo = tmp_path / "repo"
+    (repo / "code").mkdir(parents=True)
+    for name in ("code/a.py", "code/b.py", "elsewhere.py"):
+        (repo / name).write_text("X = 1\n")
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True)
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                            check=True).stdout.strip()  # fmt: skip
+    experiment = Experiment("x", "an experiment", "code/a.py", {"smoke": ()}, ("code",))
+    result = {"reproduction": {"scale": "smoke", "wall_s": 60.0, "git": {"commit": commit}, "code_sha256": "0"}}
+    assert changed_since(result, experiment, repo) == []
+    (repo / "code" / "b.py").write_text("X = 2\n")  # what it depends on, not committed
+    (repo / "elsewhere.py").write_text("X = 2\n")  # what it does not
+    assert changed_since(result, experiment, repo) == ["code/b.py"]
+    assert state_line(result, experiment, repo) == f"stale (smoke, 1.0 min, on {commit[:10]}): code/b.py changed since"
+    assert changed_since({"reproduction": {"git": {"commit": "f" * 40}}}, experiment, repo) is None  # not here
+    assert changed_since(None, experiment, repo) is None and state_line(None, experiment, repo) == "no result"
+
+
 def test_a_result_written_into_the_checkout_is_not_an_uncommitted_change_of_its_code(tmp_path):
     repo = tmp_path / "repo"
     (repo / "code").mkdir(parents=True)

@@ -55,6 +55,40 @@ def is_current(result: dict[str, Any] | None, experiment: Experiment, scale: str
         return False
 
 
+def changed_since(result: dict[str, Any] | None, experiment: Experiment, repo: Path | None = None) -> list[str] | None:
+    """The files ``experiment`` depends on that differ now from the commit ``result`` was made on (tracked
+    files, as its code hash counts them): why a stale result is stale. None where git cannot say (no
+    commit recorded, or that commit is not in this clone); a result made with uncommitted changes may
+    list files that it ran as they are now."""
+    commit = (((result or {}).get("reproduction") or {}).get("git") or {}).get("commit")
+    if not commit:
+        return None
+    specs = [f":(exclude){p[1:]}" if p.startswith("!") else p for p in experiment.depends_on()]
+    try:
+        done = subprocess.run(["git", "-C", str(repo or REPO), "diff", "--name-only", commit, "--", *specs],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sorted(done.stdout.split()) if done.returncode == 0 else None
+
+
+def state_line(result: dict[str, Any] | None, experiment: Experiment, repo: Path | None = None) -> str:
+    """An experiment's result in a few words: none, or its scale, wall time and commit, and whether it is
+    current; a stale one names the files that changed since (the first three)."""
+    record = (result or {}).get("reproduction") or {}
+    if not record:
+        return "no result"
+    commit = ((record.get("git") or {}).get("commit") or "?")[:10]
+    made = f"{record.get('scale')}, {record.get('wall_s', 0) / 60:.1f} min, on {commit}"
+    if is_current(result, experiment):
+        return f"current ({made})"
+    changed = changed_since(result, experiment, repo)
+    if not changed:
+        return f"stale ({made}): its code changed since"
+    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+    return f"stale ({made}): {', '.join(changed[:3])}{more} changed since"
+
+
 @dataclass(frozen=True)
 class Outcome:
     experiment: str

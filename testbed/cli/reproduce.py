@@ -57,7 +57,12 @@ def reproduce(
         ),
     ] = False,
     list_: Annotated[
-        bool, typer.Option("--list", help="List the paper's experiments and scales; run nothing.")
+        bool,
+        typer.Option(
+            "--list",
+            help="List the paper's experiments, their scales and their results' state (current, or stale with "
+            "the files changed since); run nothing.",
+        ),
     ] = False,
     results: Annotated[Path | None, typer.Option(help="Results folder (default: bench/results/reproductions).")] = None,
     docs: Annotated[Path | None, typer.Option(help="Pages folder (default: docs/reproductions).")] = None,
@@ -70,7 +75,7 @@ def reproduce(
     interrupted (Ctrl-C, or SIGTERM to a campaign's `testbed run`: --resume goes on)."""
     reproductions = _reproductions()
     from bench.reproduce.pages import DOCS, write_page
-    from bench.reproduce.runner import RESULTS
+    from bench.reproduce.runner import RESULTS, read_result, result_path, state_line
     from bench.reproduce.runner import reproduce as run_paper
 
     known = reproductions.papers()
@@ -89,7 +94,9 @@ def reproduce(
         chosen = known[key]
         if list_:
             for e in chosen.experiments:
-                out.print(f"{key}/{e.name}: {e.what} [scales: {', '.join(e.scales)}{'; needs a GPU' if e.gpu else ''}]")
+                state = state_line(read_result(result_path(results or RESULTS, chosen, e)), e)
+                out.print(f"{key}/{e.name}: {e.what} [scales: {', '.join(e.scales)}{'; needs a GPU' if e.gpu else ''}]"
+                          f"\n    {state}", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
             continue
         if not pages_only:
             try:
