@@ -80,6 +80,16 @@ def test_an_experiment_is_run_with_its_provenance_and_its_page_generated(tmp_pat
     stale, _ = render(PAPER, results)
     plt.close("all")
     assert "1 stale" in stale and "within ±25% · **stale**" in stale and "**stale** (its code changed since)" in stale
+    # and so is one made with other arguments than its scale has now, on today's code
+    result["reproduction"]["code_sha256"] = code_sha256(SWEEP.depends_on())
+    assert is_current(result, SWEEP)
+    fewer = Experiment(SWEEP.name, SWEEP.what, SWEEP.script, {"smoke": (*SWEEP.scales["smoke"][:-1], "2")}, SWEEP.code)
+    assert not is_current(result, fewer) and not is_current(result, Experiment(
+        SWEEP.name, SWEEP.what, SWEEP.script, {"reduced": SWEEP.scales["smoke"]}, SWEEP.code))  # fmt: skip
+    (results / "example" / "sweep.json").write_text(json.dumps(result))
+    other = Paper(PAPER.key, PAPER.title, PAPER.citation, (fewer, BROKEN), PAPER.headlines)
+    assert "**stale** (its command changed since)" in render(other, results)[0]
+    plt.close("all")
 
 
 def test_the_code_hash_follows_tracked_files_only(tmp_path):
@@ -113,7 +123,8 @@ def test_a_stale_result_names_the_files_changed_since_its_commit(tmp_path):
     commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
                             check=True).stdout.strip()  # fmt: skip
     experiment = Experiment("x", "an experiment", "code/a.py", {"smoke": ()}, ("code",))
-    result = {"reproduction": {"scale": "smoke", "wall_s": 60.0, "git": {"commit": commit}, "code_sha256": "0"}}
+    result = {"reproduction": {"scale": "smoke", "wall_s": 60.0, "git": {"commit": commit}, "code_sha256": "0",
+                               "command": "python code/a.py"}}
     assert changed_since(result, experiment, repo) == []
     (repo / "code" / "b.py").write_text("X = 2\n")  # what it depends on, not committed
     (repo / "elsewhere.py").write_text("X = 2\n")  # what it does not
@@ -121,6 +132,8 @@ def test_a_stale_result_names_the_files_changed_since_its_commit(tmp_path):
     assert state_line(result, experiment, repo) == f"stale (smoke, 1.0 min, on {commit[:10]}): code/b.py changed since"
     assert changed_since({"reproduction": {"git": {"commit": "f" * 40}}}, experiment, repo) is None  # not here
     assert changed_since(None, experiment, repo) is None and state_line(None, experiment, repo) == "no result"
+    other = {"reproduction": {**result["reproduction"], "command": "python code/a.py --more"}}
+    assert state_line(other, experiment, repo).endswith("): its command changed since")
 
 
 def test_a_result_written_into_the_checkout_is_not_an_uncommitted_change_of_its_code(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from analysis.reproduction import Comparison, comparison_figure, comparison_table, count_line, slug
 from bench.reproduce.registry import Paper
-from bench.reproduce.runner import REPO, RESULTS, is_current, read_result, result_path
+from bench.reproduce.runner import REPO, RESULTS, is_current, read_result, result_path, same_arguments
 
 DOCS = REPO / "docs" / "reproductions"
 
@@ -62,7 +62,8 @@ def _experiment_rows(paper: Paper, loaded: dict[str, dict | None], current: dict
             continue
         git = record.get("git") or {}
         commit = (git.get("commit") or "?")[:10] + (" (uncommitted changes)" if git.get("dirty") else "")
-        state = "current" if current[e.name] else "**stale** (its code changed since)"
+        changed = "its code" if same_arguments(record, e) else "its command"
+        state = "current" if current[e.name] else f"**stale** ({changed} changed since)"
         minutes = record.get("wall_s", math.nan) / 60
         rows.append(f"| `{e.name}` | {e.what} | {record.get('scale')} | {minutes:.1f} min | {commit} | "
                     f"{_fidelity_text(result or {})} | {state} |")  # fmt: skip

@@ -45,14 +45,25 @@ def read_result(path: Path) -> dict[str, Any] | None:
 
 
 def is_current(result: dict[str, Any] | None, experiment: Experiment, scale: str | None = None) -> bool:
-    """Whether ``result`` was computed by the code there is now (and at ``scale`` when given)."""
+    """Whether ``result`` was computed by the code there is now with the arguments its scale has now (and
+    at ``scale`` when given)."""
     record = (result or {}).get("reproduction") or {}
     if scale is not None and record.get("scale") != scale:
+        return False
+    if not same_arguments(record, experiment):
         return False
     try:
         return record.get("code_sha256") == code_sha256(experiment.depends_on(), REPO)
     except (ValueError, RuntimeError):  # a path it depends on is not tracked (yet): nothing to compare with
         return False
+
+
+def same_arguments(record: dict[str, Any], experiment: Experiment) -> bool:
+    """Whether a result's ``reproduction`` record ran ``experiment`` with the arguments its scale has now
+    (resumed or not): the same script and arguments."""
+    scale = record.get("scale")
+    return scale in experiment.scales and record.get("command") in {
+        command_line(experiment_argv(experiment, scale, resume=resume)) for resume in (False, True)}  # fmt: skip
 
 
 def changed_since(result: dict[str, Any] | None, experiment: Experiment, repo: Path | None = None) -> list[str] | None:
@@ -82,6 +93,8 @@ def state_line(result: dict[str, Any] | None, experiment: Experiment, repo: Path
     made = f"{record.get('scale')}, {record.get('wall_s', 0) / 60:.1f} min, on {commit}"
     if is_current(result, experiment):
         return f"current ({made})"
+    if not same_arguments(record, experiment):
+        return f"stale ({made}): its command changed since"
     changed = changed_since(result, experiment, repo)
     if not changed:
         return f"stale ({made}): its code changed since"
@@ -115,6 +128,11 @@ def _earlier_parts(parts: Path, code: str, command: str) -> list[dict[str, Any]]
     return [p for p in recorded.get("parts") or [] if isinstance(p, dict) and "wall_s" in p]
 
 
+def command_line(argv: list[str]) -> str:
+    """How a result records the command that made it: ``python`` and the script's arguments, quoted."""
+    return " ".join(shlex.quote(a) for a in ["python", *argv[1:]])
+
+
 def experiment_argv(experiment: Experiment, scale: str, *, resume: bool = False) -> list[str]:
     """The command that runs ``experiment`` at ``scale``; with ``resume``, a campaign cut short (a killed
     run, a session that ended) goes on where it stopped instead of starting again."""
@@ -138,7 +156,7 @@ def run_experiment(paper: Paper, experiment: Experiment, scale: str, results: Pa
         return Outcome(experiment.name, "failed", 0.0, None, f"{exc}; commit it first")
     provenance = machine()["git"]
     started_utc = datetime.now(UTC).isoformat(timespec="seconds")
-    command = " ".join(shlex.quote(a) for a in ["python", *argv[1:]])
+    command = command_line(argv)
     # the parts of a campaign cut short and resumed, with the same code: its wall time is their sum
     campaign = experiment.resumable
     parts = target.with_name(f".{target.name}.parts")
