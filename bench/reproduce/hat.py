@@ -177,7 +177,7 @@ def fig6_device_queueing(loaded: Mapping[str, Result | None]) -> list[tuple[str,
         "prefill_composition") or [] if r["settings"].get("method") == "hat"), key=lambda pair: pair[0])  # fmt: skip
     if not rows:
         return []
-    shares = "; ".join(f"{_share(row, 'waiting_share_of_whole_ttft')} at {SERVER_RATES.get(rate, 4 * rate):g}"
+    shares = "; ".join(f"{_share(row, 'waiting_share_of_whole_ttft')} at {SERVER_RATES[rate]:g}"
                        for rate, row in rows)  # fmt: skip
     return [("fig6_rates", (
         f"Fig. 6: of U-shape's TTFT, waiting for a device slot is {shares} requests/s at the server. Four boards "
