@@ -1,5 +1,5 @@
-"""Waiting on MPI without spinning: real ranks under mpiexec, a receiver and a barrier that wait for
-seconds while their peer sleeps, the CPU time the waiting rank spent meanwhile and how often it polled."""
+"""Waiting on MPI without spinning: real ranks under mpiexec, a receiver of frames, a barrier and a
+receiver of a pickled object that wait for seconds while their peer sleeps, the CPU time the waiting rank spent meanwhile and how often it polled."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ RANKS = textwrap.dedent(
         mpi_link.send(comm, wire.encode(wire.DATA, 3, [segment]), 1, mpi_link.TAG_UP)
         time.sleep(1.5)
         mpi_link.barrier(comm)
+        time.sleep(1.5)
+        comm.send({"url": "http://10.0.0.1:8000/v1"}, dest=1, tag=21)  # a pickled object (DiSCo's URL)
     else:
         polls = [0]
 
@@ -51,9 +53,12 @@ RANKS = textwrap.dedent(
         cpu, wall = time.process_time(), time.monotonic()
         mpi_link.barrier(comm)
         met = time.process_time() - cpu, time.monotonic() - wall
+        cpu, wall = time.process_time(), time.monotonic()
+        value, sender = mpi_link.recv_object(comm, MPI.ANY_SOURCE, 21)
+        told = time.process_time() - cpu, time.monotonic() - wall
         same = bool(torch.equal(frame.segments[0].payload, payload))
         print(json.dumps({"recv": received, "barrier": met, "source": source, "bytes": size, "same": same,
-                          "polls": polls[0]}))
+                          "polls": polls[0], "object": told, "value": value, "sender": sender}))
     """
 )
 
@@ -72,7 +77,8 @@ def _run_ranks(tmp_path: Path, dilation: float) -> dict:
 def test_a_rank_waiting_for_a_frame_or_at_the_barrier_sleeps_rather_than_spins(tmp_path):
     waited = _run_ranks(tmp_path, dilation=1.0)
     assert waited["source"] == 0 and waited["same"] and waited["bytes"] > 2 * 1024 * 1024
-    for what in ("recv", "barrier"):
+    assert waited["value"] == {"url": "http://10.0.0.1:8000/v1"} and waited["sender"] == 0, waited
+    for what in ("recv", "barrier", "object"):
         cpu_s, wall_s = waited[what]
         assert wall_s > 1.0, (what, waited)  # it did wait for the sleeping peer
         # MPICH's blocking Probe/Recv/Barrier would spend the whole wait on the CPU (share ~1.0).
@@ -83,11 +89,11 @@ def test_a_dilated_run_polls_less_often(tmp_path):
     plain = _run_ranks(tmp_path, dilation=1.0)
     dilated = _run_ranks(tmp_path, dilation=8.0)
     assert dilated["same"]
-    # 0.5 ms polls against up to 4 ms ones over the same 3 s of waiting: about 6000 against 800 (the
+    # 0.5 ms polls against up to 4 ms ones over the same 4.5 s of waiting: about 9000 against 1200 (the
     # count, not the CPU time, which on a loaded 2-core machine is too noisy to compare)
     assert dilated["polls"] < 0.4 * plain["polls"], (plain, dilated)
-    # never more polls than 0.5 ms sleeps fit in the waits as they lasted (about 3 s; 3.35 s on a loaded run)
-    waited_s = plain["recv"][1] + plain["barrier"][1]
+    # never more polls than 0.5 ms sleeps fit in the waits as they lasted (about 4.5 s; more on a loaded run)
+    waited_s = plain["recv"][1] + plain["barrier"][1] + plain["object"][1]
     assert plain["polls"] <= waited_s / 0.0005, plain
 
 

@@ -15,7 +15,7 @@ sleeps in between (:func:`_poll_until`).
 import os
 import sys
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from mpi4py import MPI
 
@@ -113,6 +113,20 @@ def recv(comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG)
 def recv_bytes(comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> Tuple[bytearray, int, int]:
     """Wait for a message of any format; returns (its bytes, source rank, size)."""
     status = MPI.Status()
+    return _receive(_matched(comm, source, tag, status), status)
+
+
+def recv_object(comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> Tuple[Any, int]:
+    """Wait for a Python object sent with ``comm.send`` (a URL, a rank's "done"): its pickle received as
+    bytes, unpickled as mpi4py does; returns (object, source rank). A rank that waits for its peers this
+    way all through a run leaves its node's CPU quota to the threads doing the run's work."""
+    buffer, source, _ = recv_bytes(comm, source, tag)
+    return MPI.pickle.loads(buffer), source
+
+
+def _matched(comm: "MPI.Comm", source: int, tag: int, status: "MPI.Status") -> "MPI.Message":
+    """Poll until a message from ``source`` with ``tag`` is there, and match it (no other receive can take
+    it then); ``status`` tells its source and size."""
     matched: List["MPI.Message"] = []
 
     def probed() -> bool:
@@ -122,7 +136,7 @@ def recv_bytes(comm: "MPI.Comm", source: int = MPI.ANY_SOURCE, tag: int = MPI.AN
         return message is not None
 
     _poll_until(probed)
-    return _receive(matched[0], status)
+    return matched[0]
 
 
 def _receive(message: "MPI.Message", status: "MPI.Status") -> Tuple[bytearray, int, int]:

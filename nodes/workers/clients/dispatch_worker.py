@@ -45,6 +45,8 @@ from nodes.endpoints.openai_api import Endpoint, EndpointLimits, api_key_from_fi
 from nodes.endpoints.pace import DevicePace, EnginePace, TracePace
 from nodes.endpoints.services import service_named
 
+from .. import mpi_link
+
 TAG_DISPATCH = 21  # the server's URL down, each device's "done" up
 TOKEN_COLUMNS = ("request_id", "index", "token_id", "ts_s", "display_s")
 CALIBRATION_WORKERS = 4
@@ -136,7 +138,7 @@ class DispatchServer(object):
 
     def _await_devices(self) -> None:
         for _ in self.config.device_ranks:  # each device says when it has dispatched its schedule
-            self.comm.recv(source=MPI.ANY_SOURCE, tag=TAG_DISPATCH)
+            mpi_link.recv_object(self.comm, MPI.ANY_SOURCE, TAG_DISPATCH)  # polled: a blocking recv spins
         if self.engine is not None:
             self.engine.stop()
 
@@ -165,7 +167,7 @@ class DispatchClient(object):
         self.device_url = "http://127.0.0.1:%d/v1" % port
 
     def run(self) -> None:
-        server_url = self.comm.recv(source=0, tag=TAG_DISPATCH)
+        server_url, _ = mpi_link.recv_object(self.comm, 0, TAG_DISPATCH)
         model = os.path.basename(self.config.model.rstrip("/"))
         server = EndpointAddress(server_url, model, self.key)
         if self.settings.external_url is not None:  # a lab's server, its key from the file staging wrote
