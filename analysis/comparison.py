@@ -67,6 +67,16 @@ def group_means(units: pd.DataFrame, by: Sequence[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def baseline_group(frame: pd.DataFrame, by: Sequence[str], settings: Mapping[str, object],
+                   baseline: Mapping[str, object]) -> tuple[pd.DataFrame, dict[str, Any]]:  # fmt: skip
+    """The rows of ``frame`` that the group with ``settings`` (of ``by``) is compared against: those of
+    the group with ``baseline``'s settings and the group's own for the rest; and that group's settings."""
+    base = frame
+    for column in by:
+        base = base[base[column] == baseline.get(column, settings[column])]
+    return base, {**{c: settings[c] for c in by if c not in baseline}, **baseline}
+
+
 def settings_of(by: Sequence[str], values: object) -> dict[str, Any]:
     """A pandas group's key (one value, or a tuple of them) as ``{setting: plain value}`` of ``by``."""
     values = values if isinstance(values, tuple) else (values,)
@@ -92,15 +102,11 @@ def changes_against(units: pd.DataFrame, by: Sequence[str], baseline: Mapping[st
         settings = settings_of(by, values)
         if all(settings[c] == v for c, v in baseline.items()):
             continue
-        base = units
-        for column in by:
-            wanted = baseline.get(column, settings[column])
-            base = base[base[column] == wanted]
+        base, against = baseline_group(units, by, settings, baseline)
         if base.empty:
             continue
         paired = part.merge(base, on=[*PAIR_KEY, *others], suffixes=("", "_base"))
-        row: dict[str, Any] = {"settings": settings, "against": {**{c: settings[c] for c in others}, **baseline},
-                               "pairs": len(paired)}  # fmt: skip
+        row: dict[str, Any] = {"settings": settings, "against": against, "pairs": len(paired)}
         for name, (numerator, denominator, _) in MEANS.items():
             if numerator not in paired or paired[numerator].notna().sum() == 0:
                 continue

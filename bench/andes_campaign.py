@@ -29,7 +29,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from analysis.comparison import settings_of
+from analysis.comparison import baseline_group, settings_of
 from analysis.uncertainty import mean_interval, percentile_interval, statistic_samples
 from bench import campaign_reproduction
 from bench._common import write
@@ -91,9 +91,7 @@ def table4(frame: pd.DataFrame, rates: pd.DataFrame, by: list[str], baseline: di
         if not baseline or all(settings.get(c) == v for c, v in baseline.items()):
             continue
         others = [c for c in by if c not in baseline]
-        base = frame
-        for column in by:
-            base = base[base[column] == baseline.get(column, settings[column])]
+        base, against = baseline_group(frame, by, settings, baseline)
         paired = part.merge(base, on=[*PAIR_KEY, *others], suffixes=("", "_base"))
         if paired.empty:
             continue
@@ -103,7 +101,7 @@ def table4(frame: pd.DataFrame, rates: pd.DataFrame, by: list[str], baseline: di
         sample_t, sample_b = both[..., : len(METRICS)], both[..., len(METRICS) :]
         est_t, est_b = _percentiles(t), _percentiles(b)
         with np.errstate(invalid="ignore", divide="ignore"):
-            changes.append({"settings": settings, "against": {**{c: settings[c] for c in others}, **baseline},
+            changes.append({"settings": settings, "against": against,
                             "pairs": len(paired),
                             "difference": _by_metric(est_t - est_b, sample_t - sample_b, len(paired)),
                             "change": _by_metric(est_t / est_b - 1, sample_t / sample_b - 1, len(paired))})  # fmt: skip

@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analysis import prefill_composition
-from analysis.comparison import settings_of
+from analysis.comparison import baseline_group, settings_of
 from bench._common import write
 
 # HAT Sec. 2.3, Fig. 1(b): a 2k-token prompt's U-shape TTFT on the paper's lab, and Table 5's PC row
@@ -42,20 +42,16 @@ def by_group(out: Path, by: list[str], whole: str = "ushape",
     requests = data.requests.merge(runs[columns], on="run_id")
     if "completed" in requests:
         requests = requests[requests["completed"].astype(bool)]
-    others = [c for c in by if c != "method"]
     rows = []
     for values, part in requests.groupby(by, sort=True) if by else []:
         settings = settings_of(by, values)
         if settings.get("method") not in chunked:
             continue
-        base = requests[requests["method"] == whole]
-        for column in others:
-            base = base[base[column] == settings[column]]
+        base, against = baseline_group(requests, by, settings, {"method": whole})
         if base.empty:
             continue
         pairs = prefill_composition.chunked_against_whole(part, base)
-        rows.append({"settings": settings, "against": {**{c: settings[c] for c in others}, "method": whole},
-                     **prefill_composition.summary(pairs)})  # fmt: skip
+        rows.append({"settings": settings, "against": against, **prefill_composition.summary(pairs)})
     return rows
 
 

@@ -42,8 +42,9 @@ class Emitted(NamedTuple):
     index: int
     released_s: float  # time.monotonic()
     # the token as a paced step (nodes.contracts.paced_steps): when its slot began, the real time from
-    # there to its computation (waiting for the model included), its target (the first token's time or
-    # one gap) and how late it was released past its due time; 0 where a source paces its steps itself
+    # there to its computation (waiting for the model's pass included; 0 when it was computed before its
+    # slot began), its target (the first token's time or one gap) and how late it was released past its
+    # due time; 0 where a source paces its steps itself
     began_s: float = 0.0
     real_s: float = 0.0
     target_s: float = 0.0
@@ -119,9 +120,6 @@ class StepBatcher(object):
                 self._thread.start()
             self._state.notify()
         return step.future
-
-    def next_token(self, cache: KVCache, token_ids: Sequence[int]) -> int:
-        return int(self.submit(cache, token_ids).result()[0])
 
     def _serve(self) -> None:
         while True:
