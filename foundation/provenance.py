@@ -34,18 +34,14 @@ def git_provenance(repo: Path = REPO, leave_out: tuple[str, ...] = GENERATED) ->
     return {"commit": commit.strip(), "dirty": dirty, "uncommitted_sha256": digest}
 
 
-def pathspecs(paths: list[str] | tuple[str, ...]) -> list[str]:
-    """``paths`` as git pathspecs: ``!PATH`` (left out) becomes ``:(exclude)PATH``."""
-    return [f":(exclude){p[1:]}" if p.startswith("!") else p for p in paths]
-
-
 def code_sha256(paths: list[str] | tuple[str, ...], repo: Path = REPO) -> str:
     """A sha256 of the code a result depends on: every file git tracks under ``paths`` (files, folders or
     globs relative to the checkout), by name and content as they are in the working tree now, so that a
     result records what it ran and a page can say when the code moved on. Untracked files do not count
     (a result file next to the code does not make it stale). A path written ``!PATH`` is left out."""
+    specs = [f":(exclude){p[1:]}" if p.startswith("!") else p for p in paths]
     try:
-        done = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--", *pathspecs(paths)], capture_output=True,
+        done = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--", *specs], capture_output=True,
                               timeout=60, check=True)  # fmt: skip
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"{repo}: cannot list the tracked files of {', '.join(paths)}: {exc}") from exc

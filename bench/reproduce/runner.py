@@ -26,7 +26,7 @@ from typing import Any
 from bench._common import RESULT_PATH_VARIABLE, machine
 from bench.reproduce.registry import Experiment, Paper
 from foundation.child_process import INTERRUPTED_EXIT_STATUS, wait_through_interrupts
-from foundation.provenance import code_sha256, pathspecs
+from foundation.provenance import code_sha256
 from nodes.contracts.durable import write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def changed_since(result: dict[str, Any] | None, experiment: Experiment, repo: P
     commit = (((result or {}).get("reproduction") or {}).get("git") or {}).get("commit")
     if not commit:
         return None
-    specs = pathspecs(experiment.depends_on())
+    specs = [f":(exclude){p[1:]}" if p.startswith("!") else p for p in experiment.depends_on()]
     try:
         done = subprocess.run(["git", "-C", str(repo or REPO), "diff", "--name-only", commit, "--", *specs],
                               capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -9,14 +9,6 @@ sides import these modules:
 - ``speculative_metrics``: the acceptance length, for the workers and the analysis alike;
 - ``durable``: atomic writes and synced appends;
 - ``pool_orders``: the files by which the controller orders runs from a warm worker pool;
-- ``paced_steps``: a paced step's record (``steps.csv``), what the fidelity monitor counts;
-- ``compute_profile`` and ``target_model``: the hardware's step times and the emulated model's shape;
-- ``kv_chunk_bytes``: a KV chunk's bytes at a quantisation level (LLMS);
-- ``chat_template``: a chat model's template, rendered alike for task prompts and the endpoints;
-- ``service_files``: where a run's on-device LLM service keeps its files;
-- ``monsoon_csv``: a Monsoon power monitor's CSV;
-- ``root_paths`` and ``journal_values``: root's own files on a node, and journal values checked again
-  before use;
 - ``run_config`` (the run the controller builds and the ranks read) with ``scheduler_settings``,
   ``methods/`` (the method registry, one module per method) and ``catalogues`` (the names campaign files
   are checked against and the node registries hold).
