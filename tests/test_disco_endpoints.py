@@ -156,7 +156,8 @@ def test_the_next_token_computes_while_the_pace_holds_the_one_before(generator):
     # 50 ms gaps: each next token was handed in as soon as the one before was computed, so it is ready
     # before its slot begins and no real time falls in its slot; the pace alone decides its release
     emitted = list(generator.stream(generator.encode("def add(a, b):"), 6, SteadyPace(0.05, 0.05), stop_at_eos=False))
-    assert not any(e.overran for e in emitted)
+    # computed within its slot, every one (a release a few ms late is the loaded host's wake-up, not this)
+    assert all(e.real_s <= e.target_s for e in emitted), emitted
     assert sum(e.real_s == 0.0 for e in emitted[1:]) >= 3  # ready ahead (a scheduling hiccup may spare one or two)
     gaps = [b.released_s - a.released_s for a, b in itertools.pairwise(emitted)]
     assert min(gaps) >= 0.05 - 1e-3
