@@ -199,7 +199,8 @@ def test_a_client_that_stops_reading_its_stream_is_dropped_and_its_generation_ca
         sock.connect(("127.0.0.1", port))
         body = json.dumps({"prompt": "def f(x):", "max_tokens": max_tokens, "stream": True}).encode()
         sock.sendall(post("/v1/completions", body))
-        wait_until(lambda: endpoint.served == 1, "the stalled request to end")  # never read a byte
+        # never read a byte; the request counts as served just before its log line is written
+        wait_until(lambda: endpoint.served == 1 and len(logged(endpoint)) == 1, "the stalled request to end")
     (row,) = logged(endpoint)
     assert row["cancelled"] and row["finish_reason"] is None and 0 < row["completion_tokens"] < max_tokens
     assert endpoint.in_flight == 0 and completion(port)[0] == 200

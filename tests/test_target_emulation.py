@@ -170,7 +170,7 @@ def test_an_unknown_target_or_a_node_without_a_profile_is_refused_at_its_line(la
 def test_profile_gives_back_the_profile_a_node_is_paced_with_and_fits_the_real_engine(lab, tmp_path):
     from testbed.target.compute_profiles import load_profile as load
 
-    paced = run("profile", "orin", "-i", str(lab), "--target", "vicuna-7b", "--mode", "MAXN", "--dilation", "2",
+    paced = run("profile", "orin", "-i", str(lab), "--target", "vicuna-7b", "--mode", "MAXN", "--dilation", "4",
                 "--reps", "2", "--out", str(tmp_path / "paced.yaml"), "--json")  # fmt: skip
     assert paced.returncode == 0, paced.stdout[-2000:] + paced.stderr[-2000:]
     result = json.loads(paced.stdout)
