@@ -73,7 +73,8 @@ def test_a_lease_another_user_made_is_taken_over_without_an_o_creat_open_that_pr
 
 
 def test_a_lease_not_renewed_expires_and_its_old_holder_learns_it_was_lost(tmp_path):
-    assert _answer(tmp_path, "take", "key-a", "alice@ctl-1", ttl_s=1).state == "taken"
+    # the node's clock counts whole seconds, so a lease of 3 s is live for at least 2 s after it is taken
+    assert _answer(tmp_path, "take", "key-a", "alice@ctl-1", ttl_s=3).state == "taken"
     assert _answer(tmp_path, "take", "key-b", "bob@ctl-2").state == "held"
     deadline = time.monotonic() + 30
     while (answer := _answer(tmp_path, "take", "key-b", "bob@ctl-2")).state == "held":
