@@ -266,7 +266,8 @@ def test_the_kill_of_a_timed_out_command_is_bounded_when_the_node_freezes(node, 
                 freeze(frozen)
 
         monkeypatch.setattr(paramiko.Channel, "exec_command", exec_then_freeze)
-        run = Call(lambda: node.run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 300"], timeout_s=2.0)).finish()
+        # (a timeout long enough for the command to have started, and said its pid, on a loaded machine)
+        run = Call(lambda: node.run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 300"], timeout_s=5.0)).finish()
         assert run.error is None and run.value.timed_out and run.value.exit_code is None, run.error
         assert frozen and {process_state(p) for p in frozen} == {"T"}
         sleeper = int(pidfile.read_text())
@@ -310,6 +311,8 @@ def test_fan_out_gives_a_node_past_its_deadline_an_error_and_the_others_their_va
         return nodes[name].run(["sh", "-c", stuck if name == "n1" else f"echo {name}"], timeout_s=600).check().stdout
 
     try:
+        for t in nodes.values():  # connected first: the deadline is the operation's, not a handshake's under load
+            t.run(["true"]).check()
         result = Call(lambda: fan_out(names, operation, max_parallel=2, deadline_s=deadline_s)).finish().value
         assert result is not None
         assert {n: v.strip() for n, v in result.values().items()} == {"n0": "n0", "n2": "n2", "n3": "n3"}

@@ -145,6 +145,17 @@ def device_worker_pids(inventory: Path) -> list[int]:
     return pids
 
 
+def device_workers_end(inventory: Path, limit_s: float = 30.0) -> bool:
+    """Whether orin's worker ranks of this lab are gone within ``limit_s``: a pool ended by its pidfile (its
+    stop order not answered in time, mpiexec signalled) may have its ranks on orin end just after the controller."""
+    deadline = time.monotonic() + limit_s
+    while device_worker_pids(inventory):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def node_state(inventory: Path, node: str = "orin") -> dict[str, str]:
     """What tc has on the node's data veth and its power mode as nvpmodel reads it back."""
     lab = load_lab(inventory)
@@ -340,4 +351,4 @@ def test_sigterm_in_a_warm_run_restores_what_the_runs_had_left_set(lab, tmp_path
     state = node_state(lab)
     assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state
     assert "1f7b:" not in node_state(lab, "orin-nx")["qdiscs"]
-    assert not device_worker_pids(lab)
+    assert device_workers_end(lab), device_worker_pids(lab)

@@ -45,8 +45,10 @@ def execute(nb: nbformat.NotebookNode, cwd: Path) -> nbformat.NotebookNode:
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
+    # iopub_timeout: how long a cell's outputs may trail its reply (nbclient's 4 s drops them silently)
     client = NotebookClient(
-        nb, timeout=180, kernel_name="python3", record_timing=False, resources={"metadata": {"path": str(cwd)}}
+        nb, timeout=180, kernel_name="python3", record_timing=False, resources={"metadata": {"path": str(cwd)}},
+        iopub_timeout=60,
     )
     client.execute()
     return nb

@@ -193,6 +193,7 @@ def test_split_inference_runs_from_the_provisioned_venvs_and_parts(lab: Path) ->
     result = run_cli(
         "workers", "run", str(SCHEDULE), "-i", str(lab),
         "--method", "ushape", "-P", "2", "-m", "2", "--out", str(out), "--json",
+        timeout_s=240,  # (the whole test took 44-52 s beside two other test workers on two cores)
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     requests = json.loads(result.stdout)["requests"]

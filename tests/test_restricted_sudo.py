@@ -239,6 +239,7 @@ def test_a_privileged_command_that_times_out_is_ended_by_the_user_through_its_su
     try:
         inventory = load_lab(user_lab)
         with open_transport(inventory, inventory.node("orin")) as t:
+            t.run(["true"]).check()  # connected (through the bastion) first: the timeout is the command's own
             result = t.run(["sleep", marker], sudo=True, timeout_s=3)
         assert result.timed_out and t.use_sudo
         deadline = time.monotonic() + 30
