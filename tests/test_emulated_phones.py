@@ -114,7 +114,11 @@ def test_a_phone_is_reached_through_adb_its_governor_moves_its_quota_and_its_bat
         assert "modeled" in probe.stdout and "power_mw" in probe.stdout
 
         current = tmp_path / "state" / "nodes" / "pixel" / "root" / "sys/class/power_supply/battery/current_now"
-        idle_ua = -int(current.read_text())
+        idle_bound_ua = 0.6 / 3.89 * 1e6 * 1.5  # about the idle 0.6 W at 3.89 V
+        idle_ua, deadline = -int(current.read_text()), time.monotonic() + 20
+        while idle_ua >= idle_bound_ua and time.monotonic() < deadline:  # the probe's own CPU time, read back
+            time.sleep(0.2)  # in the battery's last sample on a loaded machine, passes with the next one
+            idle_ua = min(idle_ua, -int(current.read_text() or 0))
         peak = [0]
 
         def watch() -> None:
@@ -130,7 +134,7 @@ def test_a_phone_is_reached_through_adb_its_governor_moves_its_quota_and_its_bat
             out = hub.run(["adb", "-s", "EMU7PRO0001", "shell", busy], timeout_s=30.0)
         watcher.join()
         assert out.exit_code == 0 and "done" in out.stdout
-        assert idle_ua < 0.6 / 3.89 * 1e6 * 1.5  # about the idle 0.6 W at 3.89 V
+        assert idle_ua < idle_bound_ua
         assert peak[0] > 3 * idle_ua  # the phone's load shows in its battery current
         devices = json.loads((tmp_path / "state" / "adb-devices.json").read_text())
         assert devices["EMU7PRO0001"]["usb_host"] == "hub"
