@@ -90,10 +90,8 @@ def test_a_lease_file_locked_by_a_stuck_controller_answers_busy_not_a_hang(tmp_p
     lease = str(tmp_path / "hil-testbed.lease")
     holder = subprocess.Popen(["flock", lease, "sleep", "30"])
     try:
-        deadline = time.monotonic() + 30
-        while subprocess.run(["flock", "-n", lease, "true"], check=False).returncode == 0:  # not held yet
-            assert time.monotonic() < deadline, "the stuck controller never took the lock"
-            time.sleep(0.05)
+        _wait(lambda: subprocess.run(["flock", "-n", lease, "true"], check=False).returncode != 0, 30,
+              "the stuck controller's lock")  # fmt: skip
         started = time.monotonic()
         answer = _answer(tmp_path, "take", "key-a", "alice@ctl-1")
         assert answer.state == "busy"
