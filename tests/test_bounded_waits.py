@@ -4,7 +4,7 @@ notice) costs a bounded time, its broken connection is dropped, and the next com
 
 The freezes are real: the sshd process that serves the transport's session is stopped (never the
 listening sshd, so a fresh connection still works), at a chosen point of the exchange. Each call
-under test runs in a daemon thread joined with ``HANG_LIMIT_S``: a generous bound that fails only on
+under test runs in a daemon thread joined with ``HANG_S``: a generous bound that fails only on
 a hang, never on a slow machine.
 """
 
@@ -33,8 +33,8 @@ from testbed.transport import LocalTransport, SshTransport, Transport
 from testbed.transport.fanout import fan_out
 from tests.conftest import REPO, emulated_inventory, emulated_lab
 from tests.test_transports import ssh_target
+from tests.waiting import HANG_S, wait_until
 
-HANG_LIMIT_S = 60.0  # every bound under test is well below this; only a hang reaches it
 CONNECT_S = 2.0  # the test targets' connect timeout (their reply timeout is a multiple of it)
 
 
@@ -119,17 +119,10 @@ class Call:
             self.error = exc
         self.elapsed_s = time.monotonic() - self.started
 
-    def finish(self, limit_s: float = HANG_LIMIT_S) -> Call:
+    def finish(self, limit_s: float = HANG_S) -> Call:
         self._thread.join(limit_s)
         assert not self._thread.is_alive(), f"still waiting after {limit_s:.0f} s: an unbounded wait"
         return self
-
-
-def wait_for(condition: Callable[[], bool], what: str, limit_s: float = HANG_LIMIT_S, interval_s: float = 0.02) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {limit_s:.0f} s"
-        time.sleep(interval_s)
 
 
 @pytest.fixture
@@ -209,7 +202,7 @@ def test_a_trickling_get_ends_at_its_size_scaled_deadline(sshd, ssh_keys, tmp_pa
     stop = threading.Event()
 
     def throttle() -> None:
-        for _ in range(int(HANG_LIMIT_S)):  # bounded: a second per turn
+        for _ in range(int(HANG_S)):  # bounded: a second per turn
             with freezer() as freeze:
                 try:
                     freeze(slowed)
@@ -271,7 +264,7 @@ def test_the_kill_of_a_timed_out_command_is_bounded_when_the_node_freezes(node, 
         assert run.error is None and run.value.timed_out and run.value.exit_code is None, run.error
         assert frozen and {process_state(p) for p in frozen} == {"T"}
         sleeper = int(pidfile.read_text())
-        wait_for(lambda: process_state(sleeper) in ("gone", "Z"), "the timed-out command ended by the kill")
+        wait_until(lambda: process_state(sleeper) in ("gone", "Z"), "the timed-out command ended by the kill")
         assert_reconnects_beside(node, frozen)
 
 
@@ -334,7 +327,7 @@ def test_a_node_stuck_past_its_deadline_does_not_keep_the_controller_from_exitin
         "print(sorted(result.values()), [o.node for o in result.failed])\n"
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                          timeout=HANG_LIMIT_S, check=False)  # fmt: skip
+                          timeout=HANG_S, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['ok'] ['stuck']"
 
@@ -438,12 +431,12 @@ run_timeout_s: 120
 
     try:
         with freezer() as freeze:
-            wait_for(lambda: phase_started("drain"), "the run reaching its drain phase", RUN_LIMIT_S)
+            wait_until(lambda: phase_started("drain"), "the run reaching its drain phase", RUN_LIMIT_S)
             (datafile,) = home.glob("hil-testbed/telemetry/*/orin.csv")
             with datafile.open("ab") as grown:
                 grown.write((b"#" + b"x" * 1022 + b"\n") * (96 << 10))
             holders: list[int] = []
-            wait_for(lambda: bool(holders.extend(_holders(str(datafile))) or holders), "collect opening the file",
+            wait_until(lambda: bool(holders.extend(_holders(str(datafile))) or holders), "collect opening the file",
                      RUN_LIMIT_S, interval_s=0.0)  # fmt: skip
             freeze(holders)
             assert phase_started("collect")
@@ -478,7 +471,7 @@ def test_a_node_that_vanishes_is_given_up_by_tcp_in_bounded_time(lab, tmp_path):
     rule = ["INPUT", "-p", "tcp", "--dport", "22", "-j", "DROP"]
     try:
         quiet = Call(lambda: t.run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 300"], timeout_s=600))
-        wait_for(pidfile.exists, "the quiet command starting")
+        wait_until(pidfile.exists, "the quiet command starting")
         in_node("xavier", "iptables", "-w", "-I", *rule)
         quiet.finish()
         assert isinstance(quiet.error, NodeError) and quiet.error.node == "xavier", quiet.error or quiet.value

@@ -22,6 +22,7 @@ import pytest
 from testbed.emulation.resolved import load_lab
 from testbed.transport import open_transport
 from tests.conftest import REPO, emulated_inventory, emulated_lab
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
@@ -143,17 +144,6 @@ def device_worker_pids(inventory: Path) -> list[int]:
             if python and b"nodes.workers" in words and any(w.startswith(marker.encode()) for w in words):
                 pids.append(int(entry.name))  # the rank itself, not the shells and proxies around it
     return pids
-
-
-def device_workers_end(inventory: Path, limit_s: float = 30.0) -> bool:
-    """Whether orin's worker ranks of this lab are gone within ``limit_s``: a pool ended by its pidfile (its
-    stop order not answered in time, mpiexec signalled) may have its ranks on orin end just after the controller."""
-    deadline = time.monotonic() + limit_s
-    while device_worker_pids(inventory):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def node_state(inventory: Path, node: str = "orin") -> dict[str, str]:
@@ -351,4 +341,7 @@ def test_sigterm_in_a_warm_run_restores_what_the_runs_had_left_set(lab, tmp_path
     state = node_state(lab)
     assert "1f7b:" not in state["qdiscs"] and "MAXN" in state["mode"], state
     assert "1f7b:" not in node_state(lab, "orin-nx")["qdiscs"]
-    assert device_workers_end(lab), device_worker_pids(lab)
+    # a pool ended by its pidfile (its stop order not answered in time, mpiexec signalled) may have its ranks
+    # on orin end just after the controller
+    wait_until(lambda: not device_worker_pids(lab), lambda: f"orin's worker ranks to end: {device_worker_pids(lab)}",
+               30, interval_s=0.2)  # fmt: skip

@@ -338,13 +338,15 @@ def test_a_paced_point_is_its_fastest_clean_repetition_and_an_unpaced_one_its_me
 
         return step, (lambda: runs["violations"]), runs
 
-    late = [0.0, 0.030, 0.001, 0.020, 0.050]  # warm-up, then three clean runs with load on two of them
+    # warm-up, then three clean runs with load on two of them; 50 ms apart or more, so that this machine's
+    # own load (a sleep that wakes late) cannot make one run pass for another
+    late = [0.0, 0.200, 0.001, 0.100, 0.300]
     step, violated, _ = timed(late, [False] * 5)
     paced, clean, overran = _measure(lambda: None, step, 3, lambda: None, violated, paced=True)
-    assert (clean, overran) == (3, 0) and paced < 0.015  # the unloaded run's time, not 0.020
+    assert (clean, overran) == (3, 0) and paced < 0.050  # the unloaded run's time, not 0.100
     step, violated, _ = timed(late, [False] * 5)
     unpaced, _, _ = _measure(lambda: None, step, 3, lambda: None, violated, paced=False)
-    assert 0.015 < unpaced < 0.030  # the median: the 0.020 s run
+    assert 0.050 < unpaced < 0.200  # the median: the 0.100 s run
     # a repetition that overran is not kept and is run again
     step, violated, runs = timed([0.0, 0.001, 0.040, 0.001, 0.002], [False, False, True, False, False])
     seconds, clean, overran = _measure(lambda: None, step, 3, lambda: None, violated, paced=True)

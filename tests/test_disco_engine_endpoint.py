@@ -20,6 +20,7 @@ from nodes.inference.checkpoint import load_whole
 from nodes.inference.generate import greedy_generate
 from nodes.inference.tokenizer import Tokenizer
 from nodes.workers.engines.engine_endpoint import EngineEndpoint
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "examples" / "models" / "tiny")
@@ -64,8 +65,13 @@ def test_many_clients_stream_from_the_engine_token_exact_under_preemption(engine
     for prompt, (text, count) in zip(prompts, answers, strict=True):
         reference = greedy_generate(model, tokenizer.encode(prompt), 24, tokenizer.eos_id)
         assert text == tokenizer.decode(reference) and count == len(reference)
-    rows = [json.loads(line) for line in (directory / "out").rglob("engine_requests.jsonl").__next__().read_text()
-            .splitlines() if not line.startswith("#")]  # fmt: skip
+    path = next((directory / "out").rglob("engine_requests.jsonl"))
+
+    def logged() -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines() if not line.startswith("#")]
+
+    wait_until(lambda: len(logged()) >= 8, "the engine's 8 log lines")  # it hands a request its last token, then logs it
+    rows = logged()
     assert len(rows) == 8
     assert sum(row["preemptions"] for row in rows) > 0  # 8 requests of ~40 tokens in a 160-token cache
 
@@ -76,10 +82,12 @@ def test_a_client_that_goes_away_is_dropped_from_the_engine(engine_api):
     stream = client.completions.create(model="tiny", prompt="class A:", max_tokens=100, stream=True)
     next(iter(stream))
     stream.close()
-    deadline = time.monotonic() + 60  # bounded: fails only on a hang
-    while engine.state.live and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not engine.state.live
     (path,) = (directory / "out").rglob("engine_requests.jsonl")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if not line.startswith("#")]
+
+    def logged() -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines() if not line.startswith("#")]
+
+    # the engine drops the request, then logs it: wait for both (bounded: fails only on a hang)
+    wait_until(lambda: not engine.state.live and logged(), "the engine to drop and log the request")
+    rows = logged()
     assert rows[-1]["finished_by"] == "cancelled" and rows[-1]["output_tokens"] < 100

@@ -70,7 +70,7 @@ def test_process_tree_cpu_counts_descendants():
     )
     try:
         meter = ProcessTreeCpu(child.pid)
-        deadline = 50
+        deadline = 300  # looks 0.1 s apart: 30 s for the child's 0.3 s of CPU on a loaded machine
         while meter.usage_s() < 0.25 and deadline:
             subprocess.run(["sleep", "0.1"], check=True)
             deadline -= 1

@@ -139,10 +139,13 @@ RAIL = re.compile(r"(\w+) (\d+)mW/(\d+)mW")
 
 
 def test_tegrastats_models_rail_power_from_the_nodes_cpu_use(testbed):
-    """AGX Orin in MAXN: 7 W idle, 40 W busy; its rails add up to the module's power."""
+    """AGX Orin in MAXN: 7 W idle, 40 W busy; its rails add up to the module's power. The load starts
+    once tegrastats has printed its first line (it samples from then on: a loaded machine may take a
+    while to start it) and four idle samples later."""
     script = (
-        "tegrastats --interval 250 & t=$!; sleep 1.4; "
-        "timeout 1.6 python3 -c 'while True: pass' & sleep 1.5; kill $t; wait"
+        "f=$(mktemp); tegrastats --interval 250 > $f & t=$!; "
+        "i=0; while [ ! -s $f ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; sleep 1.1; "
+        "timeout 1.6 python3 -c 'while True: pass' & sleep 1.5; kill $t; wait; cat $f; rm -f $f"
     )
     with first_in_line("tt-orin"):
         lines = run_on(testbed, "orin", script).stdout.splitlines()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,10 +18,10 @@ import pytest
 from nodes.endpoints.generator import PacedGenerator
 from nodes.endpoints.openai_api import Endpoint, EndpointLimits, make_server
 from nodes.endpoints.pace import Pace
+from tests.waiting import HANG_S, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "examples" / "models" / "tiny")
-HANG_S = 60.0  # a wait this long means the endpoint hangs
 
 
 class PromptPace(Pace):
@@ -69,13 +68,6 @@ def serve(generator: PacedGenerator, tmp_path: Path) -> Iterator[Callable[..., t
 
 def logged(endpoint: Endpoint) -> list[dict]:
     return [json.loads(line) for line in Path(endpoint.log_path).read_text().splitlines() if not line.startswith("#")]
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG_S
-    while not condition():
-        assert time.monotonic() < deadline, f"still waiting after {HANG_S:.0f} s for {what}"
-        time.sleep(0.02)
 
 
 def post(path: str, body: bytes, headers: str = "") -> bytes:

@@ -7,8 +7,7 @@ import pytest
 
 from foundation.errors import NodeError
 from testbed.transport.fanout import fan_out
-
-HANG_LIMIT_S = 60.0  # a bound on waits for an event that fails only on a hang
+from tests.waiting import HANG_S
 
 
 def test_every_node_gets_an_outcome_in_order_and_failures_do_not_abort_others():
@@ -46,7 +45,7 @@ def test_concurrency_is_bounded_and_used(limit):
             peak = max(peak, running)
             if running == limit:
                 full.set()
-        full.wait(HANG_LIMIT_S)
+        full.wait(HANG_S)
         with lock:
             running -= 1
 
@@ -56,7 +55,7 @@ def test_concurrency_is_bounded_and_used(limit):
 
 def test_every_node_runs_at_once_when_the_limit_allows():
     # 20 operations that can only pass together: serial or partly serial would break the barrier
-    barrier = threading.Barrier(20, timeout=HANG_LIMIT_S)
+    barrier = threading.Barrier(20, timeout=HANG_S)
     result = fan_out([f"n{i}" for i in range(20)], lambda n: barrier.wait(), max_parallel=20)
     assert result.ok, result.failed
 
@@ -78,7 +77,7 @@ def test_progress_is_shown_on_a_terminal_only_for_slow_operations():
         console = Console(file=buffer, force_terminal=True, width=100)
 
         def op(_: str) -> None:  # a slow one lasts until its progress display has been drawn
-            deadline = time.monotonic() + HANG_LIMIT_S
+            deadline = time.monotonic() + HANG_S
             while slow and "probing nodes" not in buffer.getvalue() and time.monotonic() < deadline:
                 time.sleep(0.05)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from testbed.leases.lease_file import LEASE_DIR_ENV, lease_request, lease_script, parse_answer
+from tests.waiting import wait_until
 
 
 def _answer(directory: Path, action: str, key: str = "", holder: str = "", ttl_s: float = 60.0):
@@ -90,8 +91,8 @@ def test_a_lease_file_locked_by_a_stuck_controller_answers_busy_not_a_hang(tmp_p
     lease = str(tmp_path / "hil-testbed.lease")
     holder = subprocess.Popen(["flock", lease, "sleep", "30"])
     try:
-        _wait(lambda: subprocess.run(["flock", "-n", lease, "true"], check=False).returncode != 0, 30,
-              "the stuck controller's lock")  # fmt: skip
+        wait_until(lambda: subprocess.run(["flock", "-n", lease, "true"], check=False).returncode != 0,
+                   "the stuck controller's lock", 30, interval_s=0.2)  # fmt: skip
         started = time.monotonic()
         answer = _answer(tmp_path, "take", "key-a", "alice@ctl-1")
         assert answer.state == "busy"
@@ -131,14 +132,6 @@ def _leases(lab) -> dict[str, dict]:
     return {row["node"]: row for row in json.loads(shown.stdout)}
 
 
-def _wait(condition, limit_s: float, what: str) -> float:
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < limit_s, f"{what} not within {limit_s} s"
-        time.sleep(0.2)
-    return time.monotonic() - started
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root")
 @pytest.mark.timeout(600)
 def test_a_second_controller_is_refused_naming_the_holder_and_a_killed_ones_lease_expires_then_resume_takes_it(
@@ -153,7 +146,8 @@ def test_a_second_controller_is_refused_naming_the_holder_and_a_killed_ones_leas
     second.write_text(campaign_text(lab.inventory, "second"))
     controller = start_controller(first, tmp_path / "out-first")
     try:
-        _wait(lambda: _leases(lab)["server"]["live"] and _leases(lab)["orin"]["live"], 120, "the first controller's leases")
+        wait_until(lambda: _leases(lab)["server"]["live"] and _leases(lab)["orin"]["live"], "the first controller's leases",
+                   120, interval_s=0.2)
         started = time.monotonic()
         refused = run_cli("run", str(second), "--out", str(tmp_path / "out-second"))
         refused_after_s = time.monotonic() - started
@@ -167,7 +161,8 @@ def test_a_second_controller_is_refused_naming_the_holder_and_a_killed_ones_leas
         controller.send_signal(signal.SIGKILL)
         controller.wait(timeout=60)
     assert all(row["live"] for row in _leases(lab).values()), "a killed controller's leases outlive it for a while"
-    expired_after_s = _wait(lambda: not any(row["live"] for row in _leases(lab).values()), 4 * TTL_S, "expiry")
+    expired_after_s = wait_until(lambda: not any(row["live"] for row in _leases(lab).values()), "expiry", 4 * TTL_S,
+                                 interval_s=0.2)
     assert expired_after_s <= TTL_S + 10  # (each look is a CLI call: seconds on a loaded machine)
     resumed = run_cli("run", str(first), "--out", str(tmp_path / "out-first"), "--resume", timeout_s=400)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]

@@ -373,15 +373,16 @@ def iperf3_intervals(src: str, dst: str, *, seconds: int) -> list[float]:
 
 
 def test_a_two_step_trace_changes_throughput_at_the_step(lab, tmp_path):
-    """1 MB/s up, then 4 MB/s from t = 4 s: each second of an iperf3 run is judged by when it was,
-    against t = 0 as `link apply` reports it (however long this machine took to start the run)."""
+    """1 MB/s up, then 4 MB/s from t = 6 s: each second of an iperf3 run is judged by when it was,
+    against t = 0 as `link apply` reports it (however long this machine took to start the run: the
+    seconds before the step leave up to 4 s for the apply to return and iperf3 to start)."""
     trace = tmp_path / "two-step.csv"
-    trace.write_text("t_s,up_rate,down_rate\n0,1MBps,2MBps\n4,4MBps,2MBps\n")
+    trace.write_text("t_s,up_rate,down_rate\n0,1MBps,2MBps\n6,4MBps,2MBps\n")
     proc = run_cli("link", "apply", "-i", str(lab), "--trace", f"orin={trace}", "--json")
     try:
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        step_unix_s = json.loads(proc.stdout)["trace"]["start_unix_s"] + 4
-        rates, first_from, first_by = iperf3_run("orin", "server", seconds=8)
+        step_unix_s = json.loads(proc.stdout)["trace"]["start_unix_s"] + 6
+        rates, first_from, first_by = iperf3_run("orin", "server", seconds=10)
         # second i was [begin + i, begin + i + 1] for some begin in [first_from, first_by]; TCP takes
         # up to a second to find the new rate, and the first second its slow start
         early = [r for i, r in enumerate(rates) if i > 0 and first_by + i + 1 <= step_unix_s]
@@ -391,7 +392,7 @@ def test_a_two_step_trace_changes_throughput_at_the_step(lab, tmp_path):
         assert early_bit_s == pytest.approx(8e6, rel=0.10) and late_bit_s == pytest.approx(32e6, rel=0.10), rates
         log = next((lab.parent / "state" / "nodes" / "orin" / "home").glob("hil-testbed/netem/trace.jsonl"))
         steps = [json.loads(line) for line in log.read_text().splitlines() if '"step"' in line]
-        assert [s["t_s"] for s in steps] == [4] and steps[0]["ok"] and abs(steps[0]["late_ms"]) < 100
+        assert [s["t_s"] for s in steps] == [6] and steps[0]["ok"] and abs(steps[0]["late_ms"]) < 100
     finally:
         cleared = run_cli("link", "clear", "-i", str(lab))
     assert cleared.returncode == 0 and "trace player" in cleared.stdout, cleared.stdout + cleared.stderr
@@ -423,11 +424,11 @@ def test_a_trace_plays_its_delay_and_loss_columns_on_the_nfqueue_path(lab, tmp_p
             early = sorted(rtt for sent, rtt in replies if sent < step_unix_s - 0.2)
             late = sorted(rtt for sent, rtt in replies if sent > step_unix_s + 0.2)
             assert len(early) >= 5 and len(late) >= 5, (replies, step_unix_s)
-            # never shorter than the delay; the median within a millisecond of it (a loaded machine's
-            # delay handler may release a packet late, never early)
+            # never shorter than the delay; the median within verify's tolerance of it, 1 ms + 10% (a
+            # loaded machine may release a packet, or wake ping -U for its reply, late, never early)
             assert early[0] >= 9.5 and late[0] >= 49.5, (early, late)
-            assert early[len(early) // 2] == pytest.approx(10, abs=1.0), early
-            assert late[len(late) // 2] == pytest.approx(50, abs=1.0), late
+            assert early[len(early) // 2] == pytest.approx(10, abs=1 + 0.1 * 10), early
+            assert late[len(late) // 2] == pytest.approx(50, abs=1 + 0.1 * 50), late
             netem = lab.parent / "state" / "nodes" / "server" / "home" / "hil-testbed" / "netem"
             stats = Path(handler_files(str(netem))["stats"]).read_text()  # root's file of the handler
             assert '"event": "reloaded", "unix_s"' in stats and '"timeline_rows": 1' in stats
@@ -454,7 +455,7 @@ def test_correlated_loss_is_a_gilbert_chain_in_the_kernel_with_no_handler(lab, t
                 ["ip", "netns", "exec", f"{PREFIX}-server", sys.executable, "-m", "tests.udp_sequence", "receive",
                  data_address("server"), "5601", "30"], cwd=REPO, stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
-            time.sleep(0.5)
+            assert receiver.stdout is not None and receiver.stdout.readline() == "listening\n"  # bound: none lost
             subprocess.run(["ip", "netns", "exec", f"{PREFIX}-orin", sys.executable, "-m", "tests.udp_sequence", "send",
                             data_address("server"), "5601", str(count), "5000"], cwd=REPO, check=True,
                            timeout=60)  # fmt: skip
@@ -488,9 +489,9 @@ def test_link_clear_restores_everything_after_the_controller_is_killed_mid_apply
         assert journals(lab), "the apply finished before it could be killed"
         # A command the killed controller had already sent may still land on a node (sshd runs what it
         # received). A person runs clear after the crash, not in the same millisecond: wait until the
-        # nodes' journals have stopped changing.
+        # nodes' journals have stopped changing (for 2 s: a command in flight may take that on a loaded machine).
         seen, stable_since = journals(lab), time.monotonic()
-        while time.monotonic() - stable_since < 1.0:
+        while time.monotonic() - stable_since < 2.0:
             assert time.monotonic() < deadline + 30
             time.sleep(0.05)
             if (now := journals(lab)) != seen:

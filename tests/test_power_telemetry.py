@@ -18,12 +18,14 @@ import pandas as pd
 import pytest
 
 from foundation.errors import TestbedError
+from nodes.contracts.telemetry_rows import read_rows
 from nodes.emulated.cgroup import CpuCgroup
 from testbed.emulation.resolved import load_lab
 from testbed.energy.power_modes import restore_power, set_power, show_power
-from testbed.energy.telemetry import finish_recording, probe_telemetry, record_telemetry, start_recording
+from testbed.energy.telemetry import Recording, finish_recording, probe_telemetry, record_telemetry, start_recording
 from testbed.transport import open_transport
 from tests.conftest import emulated_inventory, emulated_lab, first_in_line, run_cli
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
@@ -163,9 +165,21 @@ def gaps_s(frame: pd.DataFrame) -> list[float]:
     return [b - a for a, b in itertools.pairwise(stamps)]
 
 
+def wait_batches(recording: Recording, count: int) -> None:
+    """Until every node's sampler has written ``count`` batches: a sampler starts (Python, its source, a
+    stand-in tegrastats) within its node's CPU quota, which a loaded machine makes slow."""
+    def batches(datafile: str) -> int:  # the nodes' files are on this machine's file system
+        return len({r.ts_s for r in read_rows(datafile)}) if os.path.exists(datafile) else 0
+
+    for node in recording.nodes:
+        wait_until(lambda d=node.datafile: batches(d) >= count, f"{node.node}'s sampler to write {count} batches",
+                   interval_s=0.1)  # fmt: skip
+
+
 def test_ten_seconds_at_10hz_from_every_node_without_gaps(lab: Path, tmp_path: Path) -> None:
     inv = load_lab(lab)
-    result = record_telemetry(inv, None, 10.0, tmp_path / "telemetry", interval_s=INTERVAL_S)
+    # 11 s asked, 10 s at 10 Hz checked: the samplers' start within their nodes' CPU quotas (slow under load)
+    result = record_telemetry(inv, None, 11.0, tmp_path / "telemetry", interval_s=INTERVAL_S)
     assert result.ok, result.errors
     assert {n.node for n in result.nodes} == set(NODES)
     for node in result.nodes:
@@ -205,7 +219,7 @@ def test_cutting_ssh_mid_recording_loses_no_row(lab: Path, tmp_path: Path) -> No
     holders = [open_transport(inv, inv.node(n)) for n in ("orin", "server")]
     for t in holders:
         t.run(["true"]).check()  # an open SSH connection per node, to be cut
-    time.sleep(1.5)
+    wait_batches(recording, 15)  # 1.4 s of rows before the cut
     assert sshd_session_pids(lab), "expected live SSH sessions to cut"
     for pid in sshd_session_pids(lab):
         os.kill(pid, 9)
@@ -223,8 +237,8 @@ def test_cutting_ssh_mid_recording_loses_no_row(lab: Path, tmp_path: Path) -> No
         frame = pd.read_parquet(node.path)
         stamps = sorted(set(frame["node_ts_s"]))
         # rows lost with the 2 s cut would leave a gap of ~20 intervals; a late wake-up under load
-        # stretches one gap a little (0.208 s seen beside a spin loop)
-        assert max(gaps_s(frame)) < 3 * INTERVAL_S, node.node
+        # stretches one gap a little (0.208 s seen beside a spin loop): half the cut is the bound
+        assert max(gaps_s(frame)) < 10 * INTERVAL_S, node.node
         assert stamps[-1] - stamps[0] >= 4.5, node.node
         raw = (tmp_path / "telemetry" / "raw" / f"{node.node}.csv").read_text()
         end = json.loads(raw.rstrip().splitlines()[-1].split("end ", 1)[1])
@@ -235,7 +249,7 @@ def test_cutting_ssh_mid_recording_loses_no_row(lab: Path, tmp_path: Path) -> No
 def test_modeled_power_rises_under_a_cpu_load(lab: Path, tmp_path: Path) -> None:
     inv = load_lab(lab)
     recording = start_recording(inv, ["orin"], interval_s=INTERVAL_S, max_seconds=10.0)
-    time.sleep(1.5)  # idle
+    wait_batches(recording, 12)  # idle, sampled (once its sampler has started)
     busy = "import time\nend = time.time() + 3.0\nwhile time.time() < end: pass\n"
     # the node's cgroup first in line: the load gets its quota whatever else this machine runs
     with open_transport(inv, inv.node("orin")) as t, first_in_line(f"{PREFIX}-orin"):

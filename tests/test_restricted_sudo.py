@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 
 from bench._common import left_on_nodes
 from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the netns emulated testbed needs root"),
@@ -195,10 +195,8 @@ def test_the_demo_campaign_through_a_bastion_as_a_user_with_only_the_printed_rul
         assert len(merged) == len(tokens) == len(as_user_tokens[run_id]) > 0, run_id
         assert (merged.token_id_root == merged.token_id_user).all(), run_id
     assert left_on_nodes(USER_PREFIX, user_lab.parent / "state") == []
-    deadline = time.monotonic() + 30
-    while user_processes(USER) and time.monotonic() < deadline:  # sessions that are closing
-        time.sleep(0.5)
-    assert user_processes(USER) == []
+    wait_until(lambda: not user_processes(USER), lambda: f"the user's closing sessions to end: {user_processes(USER)}",
+               30, interval_s=0.5)  # fmt: skip
 
 
 def test_a_privileged_command_outside_the_rules_is_refused(user_lab):
@@ -242,13 +240,11 @@ def test_a_privileged_command_that_times_out_is_ended_by_the_user_through_its_su
             t.run(["true"]).check()  # connected (through the bastion) first: the timeout is the command's own
             result = t.run(["sleep", marker], sudo=True, timeout_s=3)
         assert result.timed_out and t.use_sudo
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            sleeping = [pid for pid, uid, cmdline in processes() if uid == 0 and cmdline == f"sleep\0{marker}\0"]
-            if not sleeping:
-                break
-            time.sleep(0.2)
-        assert sleeping == [], "the root command outlived its timeout"
+
+        def sleeping() -> list[int]:
+            return [pid for pid, uid, cmdline in processes() if uid == 0 and cmdline == f"sleep\0{marker}\0"]
+
+        wait_until(lambda: not sleeping(), "the root command to end after its timeout", 30, interval_s=0.2)
     finally:
         rule.unlink()
         for pid, _uid, cmdline in processes():

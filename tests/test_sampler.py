@@ -21,6 +21,7 @@ from testbed.energy.telemetry import record_telemetry
 from testbed.inventory import load_inventory
 from testbed.provisioning.node_code import node_code
 from tests.conftest import REPO, run_cli
+from tests.waiting import wait_until
 
 
 def start_sampler(out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -31,13 +32,8 @@ def start_sampler(out: Path, *extra: str, env: dict[str, str] | None = None) -> 
     )  # fmt: skip
 
 
-def wait_rows(path: Path, count: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and len(read_rows(str(path))) >= count:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{path} did not reach {count} rows")
+def wait_rows(path: Path, count: int) -> None:
+    wait_until(lambda: path.exists() and len(read_rows(str(path))) >= count, f"{count} rows in {path}")
 
 
 def test_sigkill_loses_no_row_that_was_sampled(tmp_path: Path) -> None:
@@ -72,16 +68,16 @@ def test_sigterm_and_the_time_limit_end_it_with_a_record(tmp_path: Path) -> None
 
     limited = tmp_path / "limited.csv"
     proc = start_sampler(limited, "--max-seconds", "0.6")
-    assert proc.wait(timeout=10) == 0
+    assert proc.wait(timeout=60) == 0  # its start, then 0.6 s (60: a bound on a hang, not on its speed)
     end = json.loads(limited.read_text().rstrip().splitlines()[-1].split("end ", 1)[1])
     assert "time limit" in end["reason"]
-    assert 0.5 <= end["wall_s"] < 2.0
+    assert 0.5 <= end["wall_s"] < 0.6 + 5.0  # ended by its limit, not far past it (a loaded machine may stall it)
 
 
 def test_a_second_sampler_on_the_same_file_appends(tmp_path: Path) -> None:
     out = tmp_path / "host.csv"
     for _ in range(2):
-        assert start_sampler(out, "--max-seconds", "0.3").wait(timeout=10) == 0
+        assert start_sampler(out, "--max-seconds", "0.3").wait(timeout=60) == 0
     text = out.read_text()
     assert text.count("ts_s,metric") == 1 and "# resumed" in text
     frame = pd.read_csv(out, comment="#")

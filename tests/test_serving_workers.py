@@ -135,7 +135,7 @@ def test_every_scheduler_serves_every_request_exactly(tmp_path, reference, sched
 
 
 def test_the_token_buffer_shows_tokens_at_the_expected_speed(tmp_path, reference):
-    tds = 20.0  # tokens/s: a gap of 50 ms, slower than the engine makes them here
+    tds = 10.0  # tokens/s: a gap of 100 ms, slower than the engine makes them here even on a loaded machine
     result = serve(tmp_path, {"scheduler": "fcfs"}, devices=1, tds=tds)
     check_tokens(result, reference)
     for stamps in result["tokens"].values():
@@ -143,7 +143,8 @@ def test_the_token_buffer_shows_tokens_at_the_expected_speed(tmp_path, reference
         assert stamps[0][2] == stamps[0][1]  # the first token is shown as it arrives
         for (_, ts, shown), (_, _, before) in zip(stamps[1:], stamps[:-1], strict=True):
             assert shown >= ts - 1e-6 and shown >= before + 1 / tds - 1e-5
-        # the buffer holds the tokens back: the last is shown later than it arrived
+        # the buffer holds the tokens back: the last is shown later than it arrived (as long as the engine's
+        # iterations take under 90 ms; the display times are computed, so a slower pace costs no time)
         assert stamps[-1][2] - stamps[-1][1] > 0.2
 
 

@@ -14,10 +14,10 @@ from foundation.errors import NodeError
 from testbed.emulation.sshd_server import SshdServer, SshKeys, login_user
 from testbed.inventory import SshTarget
 from testbed.transport import CommandFailed, LocalTransport, SshTransport, Transport
+from tests.waiting import HANG_S, wait_until
 
-# No bound here depends on this machine's speed: a wait for an event is bounded by HANG_LIMIT_S (it
+# No bound here depends on this machine's speed: a wait for an event is bounded by HANG_S (it
 # fails only on a hang), and "it did not wait for X" is said against X's own length (LONG_S).
-HANG_LIMIT_S = 60.0
 LONG_S = 600  # a command or child that would hold a call this long if it were waited for
 
 
@@ -48,13 +48,6 @@ def transport(request, ssh_keys):
     t.close()
     if server is not None:
         server.stop()
-
-
-def wait_until(condition, limit_s: float = HANG_LIMIT_S) -> bool:
-    deadline = time.monotonic() + limit_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
 
 
 def pid_alive(pid: int) -> bool:
@@ -95,15 +88,19 @@ def test_env_cwd_and_stdin(transport, tmp_path):
 
 def test_timeout_kills_the_command_and_its_children(transport, tmp_path):
     pids = tmp_path / "pids"
+    # connected first (the SSH transport's timeout counts the connecting), and a timeout long enough for a
+    # loaded machine's shell to print its pid line and write its pids: a command timed out before then is
+    # left running, or has no pids to check
+    transport.run(["true"]).check()
     started = time.monotonic()
     command = f"sleep {LONG_S} & echo $! > {pids}; echo $$ >> {pids}; sleep {LONG_S}"
-    result = transport.run(["sh", "-c", command], timeout_s=1.0)
+    result = transport.run(["sh", "-c", command], timeout_s=3.0)
     assert result.timed_out and result.exit_code is None and not result.ok
     assert time.monotonic() - started < LONG_S / 10
     with pytest.raises(CommandFailed, match="timed out"):
         result.check()
     recorded = [int(p) for p in pids.read_text().split()]
-    assert wait_until(lambda: not any(pid_alive(p) for p in recorded)), "a timed-out command left processes behind"
+    wait_until(lambda: not any(pid_alive(p) for p in recorded), "the timed-out command's processes to end")
 
 
 def test_put_and_get(transport, tmp_path):
@@ -125,7 +122,7 @@ def test_background_start_stop(transport, tmp_path):
     assert pid_alive(proc.pid)
     with pytest.raises(CommandFailed, match="already running"):
         transport.start_background(["sleep", "300"], pidfile=pidfile, logfile=logfile)
-    assert wait_until(lambda: "started" in Path(logfile).read_text())
+    wait_until(lambda: "started" in Path(logfile).read_text(), "its 'started' line")
     assert transport.stop_background(pidfile) == "stopped"
     assert not pid_alive(proc.pid) and not Path(pidfile).exists()
     assert transport.stop_background(pidfile) == "absent"
@@ -134,8 +131,9 @@ def test_background_start_stop(transport, tmp_path):
 def test_background_stop_escalates_to_kill(transport, tmp_path):
     pidfile, logfile = str(tmp_path / "t.pid"), str(tmp_path / "t.log")
     proc = transport.start_background(
-        ["sh", "-c", "trap '' TERM; while :; do sleep 0.1; done"], pidfile=pidfile, logfile=logfile
+        ["sh", "-c", "trap '' TERM; echo trapped; while :; do sleep 0.1; done"], pidfile=pidfile, logfile=logfile
     )
+    wait_until(lambda: "trapped" in Path(logfile).read_text(), "its trap")  # a TERM before its trap would end it
     assert transport.stop_background(pidfile, grace_s=0.5) == "killed"
     assert not pid_alive(proc.pid)
 
@@ -158,7 +156,7 @@ def test_the_timeout_kill_leaves_a_process_that_took_the_timed_out_shells_pid_al
         t._kill_group(stranger.pid, str(int(started) + 1))  # the pid as another process's
         assert pid_alive(stranger.pid)
         t._kill_group(stranger.pid, started)  # the pid as the shell it is
-        assert wait_until(lambda: not pid_alive(stranger.pid))
+        wait_until(lambda: not pid_alive(stranger.pid), "the shell's own group to be killed")
     finally:
         stranger.kill()
         stranger.wait()
@@ -170,7 +168,7 @@ def test_line_session_round_trips(transport):
     with transport.open_line_session(["sh", "-c", 'while read -r x; do echo "got $x"; done']) as session:
         for word in ("a", "b c"):
             session.send_line(word)
-            assert session.read_line(HANG_LIMIT_S) == f"got {word}"
+            assert session.read_line(HANG_S) == f"got {word}"
 
 
 def test_unknown_host_key_is_refused(ssh_keys, tmp_path):
@@ -254,11 +252,11 @@ def test_command_line_quotes_every_word():
 def test_line_session_that_ignores_eof_is_ended_on_close(transport, tmp_path):
     pidfile = tmp_path / "pid"
     session = transport.open_line_session(["sh", "-c", f"echo $$ > {pidfile}; trap '' HUP; exec sleep 300"])
-    assert wait_until(lambda: pidfile.exists() and pidfile.read_text().strip() != "")
+    wait_until(lambda: pidfile.exists() and pidfile.read_text().strip() != "", "the session's pid file")
     pid = int(pidfile.read_text())
     assert pid_alive(pid)
     session.close()
-    assert wait_until(lambda: not pid_alive(pid)), "closing a line session must not leave its command running"
+    wait_until(lambda: not pid_alive(pid), "the line session's command to end on close")
 
 
 def test_timeout_holds_while_feeding_stdin_to_a_command_that_never_reads_it(transport):

@@ -20,6 +20,7 @@ from nodes.contracts.run_config import DraftSettings, RankSpec, RunConfig
 from nodes.workers.part_cache import PartCache
 from testbed.workers.mpi_launch import data_plane_env
 from tests.conftest import REPO
+from tests.waiting import wait_until
 
 TINY = REPO / "examples" / "models" / "tiny"
 PROMPTS = (
@@ -125,7 +126,9 @@ def test_a_pool_serves_runs_in_turn_with_the_tokens_of_a_single_run_launch(tmp_p
     first, second, third = (records[r]["ranks"] for r in "abc")
     assert all(rank["loaded"] and not rank["reused"] for rank in first)
     assert all(rank["reused"] and not rank["loaded"] for rank in second)
-    assert all(rank["setup_s"] < min(r["setup_s"] for r in first) for rank in second)
+    # each rank set up faster reusing its parts than it did loading them (rank by rank: a loaded machine's
+    # stall of some ms in one rank's setup is not compared with the quickest load of another rank's parts)
+    assert all(again["setup_s"] < loading["setup_s"] for loading, again in zip(first, second, strict=True))
     assert all(rank["loaded"] for rank in third if rank["role"] == "stage")
     assert not any(rank["loaded"] or rank["reused"] for rank in third if rank["role"] == "device")
     # a warm run computes what a cold launch computes; every run has its own files and clock origin
@@ -162,7 +165,7 @@ def test_a_run_of_another_shape_ends_the_pool(tmp_path):
 
 
 def test_a_run_past_its_deadline_ends_the_pool(tmp_path):
-    write_run(tmp_path / "runs", "slow", "ushape", gap_s=30.0, deadline_s=2.0)  # its second request comes at 30 s
+    write_run(tmp_path / "runs", "slow", "ushape", gap_s=60.0, deadline_s=2.0)  # its second request comes at 60 s
     pool = start_pool(tmp_path)
     started = time.monotonic()
     try:
@@ -171,7 +174,9 @@ def test_a_run_past_its_deadline_ends_the_pool(tmp_path):
     finally:
         if pool.poll() is None:
             pool.kill()
-    assert pool.returncode != 0 and time.monotonic() - started < 25.0
+    # ended long before its second request (the pool's start, its ranks importing torch, counts too: a loaded
+    # machine takes seconds for it)
+    assert pool.returncode != 0 and time.monotonic() - started < 45.0
     assert "run slow still going 2 s after its start: ended" in output
     said = [path.read_text() for path in (tmp_path / "runs" / "slow").glob("abort-rank-*.txt")]
     assert said and all("run slow still going 2 s after its start: ended" in text for text in said)
@@ -213,13 +218,11 @@ def _no_leftover_ranks(tmp_path_factory):
     sessions on the machine, or other xdist workers, run pools of their own."""
     ours = str(tmp_path_factory.getbasetemp()).encode()
     yield
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pool_rank(p, ours)]
-        if not left:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"pool ranks left running: {left}")
+
+    def left() -> list[Path]:
+        return [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pool_rank(p, ours)]
+
+    wait_until(lambda: not left(), lambda: f"the pool ranks to end: {left()}", 10.0, interval_s=0.1)
 
 
 def _pool_rank(proc: Path, base: bytes) -> bool:

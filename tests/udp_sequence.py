@@ -1,6 +1,7 @@
 """Numbered UDP datagrams across an emulated link, to see which were lost (and in what bursts).
 
-``python -m tests.udp_sequence receive ADDR PORT SECONDS`` prints the sequence numbers it got, as JSON;
+``python -m tests.udp_sequence receive ADDR PORT SECONDS`` prints ``listening`` once its socket is bound
+(start the sender after that line, or what it sends first is lost), then the sequence numbers it got, as JSON;
 ``python -m tests.udp_sequence send ADDR PORT COUNT RATE_PPS`` sends 0..COUNT-1, then end markers.
 Both are bounded in count and time.
 """
@@ -21,6 +22,8 @@ def receive(address: str, port: int, seconds: float) -> list[int]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     sock.bind((address, port))
+    sys.stdout.write("listening\n")  # bound: from here nothing sent to it is lost for want of a socket
+    sys.stdout.flush()
     sock.settimeout(0.5)
     got: list[int] = []
     deadline = time.monotonic() + seconds
