@@ -16,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 
+from nodes.contracts.paced_steps import late_tolerance_s
 from nodes.dispatch.controller import MigrationRule
 from nodes.dispatch.live import EndpointAddress, dispatch_request
 from nodes.dispatch.policy import ServerTtft, TokenCosts
@@ -148,8 +149,6 @@ def test_the_next_token_computes_while_the_pace_holds_the_one_before(generator):
     # 100 ms gaps: each next token was handed in as soon as the one before was computed, so it is ready
     # before its slot begins and no real time falls in its slot; the pace alone decides its release (a
     # tiny model's pass takes a few ms: the gap leaves room for a loaded host's stalls)
-    from nodes.contracts.paced_steps import late_tolerance_s
-
     emitted = list(generator.stream(generator.encode("def add(a, b):"), 6, SteadyPace(0.1, 0.1), stop_at_eos=False))
     # computed within its slot, every one (a release a few ms late is the loaded host's wake-up, not this)
     assert all(e.real_s <= e.target_s for e in emitted), emitted
