@@ -79,6 +79,14 @@ def run_cli(*args: str, cwd: Path | None = None, timeout_s: float = 120) -> subp
 DEFAULT_INVENTORY = (REPO / "inventory.yaml").read_text()
 
 
+def json_log_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines log (a request log, the engine's) as its writer has finished them: its "# "
+    header left out, and a last line still being written (no newline yet), so a test polling it never
+    reads half a row."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.split("\n")[:-1] if line and not line.startswith("#")]
+
+
 def command_log_of(out: Path) -> Path:
     """Where :func:`run_campaign` keeps the command log of a campaign run into ``out``."""
     return out.with_name(out.name + ".commands.jsonl")

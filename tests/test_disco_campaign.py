@@ -27,7 +27,15 @@ from testbed.campaign.load import load_campaign
 from testbed.campaign.spec import RunSettings
 from testbed.transport.command_log import ENV_VARIABLE
 from testbed.workers.split_spec import PER_RUN_KEY, RUN_KEY_FILE
-from tests.conftest import REPO, assert_sent_as_planned, command_log_of, emulated_inventory, emulated_lab, run_campaign
+from tests.conftest import (
+    REPO,
+    assert_sent_as_planned,
+    command_log_of,
+    emulated_inventory,
+    emulated_lab,
+    json_log_rows,
+    run_campaign,
+)
 
 TINY = REPO / "examples" / "models" / "tiny"
 
@@ -247,7 +255,7 @@ def test_devices_race_a_labs_own_endpoint_with_its_key_from_the_environment(tmp_
         assert_sent_as_planned(out)  # the external key's store included, its value never on a line
         homes = tmp_path / "state" / "nodes"  # the nodes' run directories, while the lab is up
         assert list(homes.rglob("run.json")) and not list(homes.rglob("endpoint.key"))  # removed once read
-    served = [json.loads(line) for line in log.read_text().splitlines() if not line.startswith("#")]
+    served = json_log_rows(log)
     assert len(served) >= 2 * 6  # every device's calibration at least, over the data plane, with the key
     for run in (out / "runs").iterdir():
         manifest = (run / "manifest.json").read_text()

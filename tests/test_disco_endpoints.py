@@ -25,6 +25,7 @@ from nodes.endpoints.generator import PacedGenerator
 from nodes.endpoints.openai_api import Endpoint, make_server
 from nodes.endpoints.pace import DevicePace, Pace
 from nodes.inference.generate import greedy_generate
+from tests.conftest import json_log_rows
 from tests.waiting import HANG_S, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,10 +58,6 @@ def serve(generator: PacedGenerator, pace: Pace, log: Path, key: str | None = No
     return server, endpoint, f"http://127.0.0.1:{port}/v1"
 
 
-def logged(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if not line.startswith("#")]
-
-
 def test_the_openai_client_streams_completions_and_chat_with_usage(generator, tmp_path):
     server, endpoint, url = serve(generator, SteadyPace(0.05, 0.01), tmp_path / "api.jsonl")
     try:
@@ -90,7 +87,7 @@ def test_the_openai_client_streams_completions_and_chat_with_usage(generator, tm
     finally:
         server.shutdown()
         endpoint.close()
-    rows = logged(tmp_path / "api.jsonl")
+    rows = json_log_rows(tmp_path / "api.jsonl")
     assert len(rows) == 4 and all(row["modeled"] and not row["cancelled"] for row in rows)
     first = rows[0]
     assert first["first_token_s"] - first["taken_s"] >= 0.05  # paced: the first token after its TTFT
@@ -217,7 +214,7 @@ def test_a_client_that_goes_away_cancels_its_request(generator, tmp_path):
     finally:
         server.shutdown()
         endpoint.close()
-    (row,) = logged(tmp_path / "api.jsonl")
+    (row,) = json_log_rows(tmp_path / "api.jsonl")
     assert row["cancelled"] and row["finish_reason"] is None and 1 <= row["completion_tokens"] < max_tokens
 
 
@@ -249,7 +246,7 @@ def test_the_race_keeps_the_first_token_and_cancels_the_loser(generator, tmp_pat
     assert record["winner"] == "device" and record["failure"] is None
     assert record["ttft_s"] < server_ttft_s  # the device's first token, not the server's
     assert record["token_ids"] == greedy_generate(generator.model, prompt, 20, generator.tokenizer.eos_id)
-    (server_row,) = logged(tmp_path / "server.jsonl")
+    (server_row,) = json_log_rows(tmp_path / "server.jsonl")
     assert server_row["cancelled"] and server_row["completion_tokens"] == 0
     assert record["race_server_input_tokens"] == len(prompt)  # billed although cancelled
 
@@ -280,7 +277,7 @@ def test_a_migrated_stream_is_token_identical_to_greedy_generation(generator, tm
         record["migration_input_tokens"] - len(prompt) - record["held_tokens"])  # prompt + the ids so far
     assert record["migration_input_tokens"] > len(prompt)
     source = "server" if direction == "server-to-device" else "device"
-    rows = logged(tmp_path / f"{source}.jsonl")
+    rows = json_log_rows(tmp_path / f"{source}.jsonl")
     assert any(row["cancelled"] for row in rows)  # the source was stopped once the target was ready
     # no stall at the handoff: no gap far beyond this run's typical one (or the source's pace), a ratio
     # that holds on a slow machine as on a fast one
@@ -303,7 +300,7 @@ def test_the_endpoint_command_serves_until_terminated(tmp_path):
     finally:
         process.terminate()
         assert process.wait(timeout=30) == 0
-    (row,) = logged(tmp_path / "device.jsonl")
+    (row,) = json_log_rows(tmp_path / "device.jsonl")
     assert row["pace"] == "device:xiaomi14-qwen-0.5b" and row["modeled"]
     bad = subprocess.run([sys.executable, "-m", "nodes.endpoints", "--model", TINY, "--pace", "trace",
                           "--service", "nope"], cwd=REPO, capture_output=True, text=True)  # fmt: skip

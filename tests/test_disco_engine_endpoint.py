@@ -4,7 +4,6 @@ budget, and a client that goes away is dropped from the engine."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ from nodes.inference.checkpoint import load_whole
 from nodes.inference.generate import greedy_generate
 from nodes.inference.tokenizer import Tokenizer
 from nodes.workers.engines.engine_endpoint import EngineEndpoint
+from tests.conftest import json_log_rows
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,12 +66,9 @@ def test_many_clients_stream_from_the_engine_token_exact_under_preemption(engine
         reference = greedy_generate(model, tokenizer.encode(prompt), 24, tokenizer.eos_id)
         assert text == tokenizer.decode(reference) and count == len(reference)
     path = next((directory / "out").rglob("engine_requests.jsonl"))
-
-    def logged() -> list[dict]:
-        return [json.loads(line) for line in path.read_text().splitlines() if not line.startswith("#")]
-
-    wait_until(lambda: len(logged()) >= 8, "the engine's 8 log lines")  # it hands a request its last token, then logs it
-    rows = logged()
+    # it hands a request its last token, then logs it
+    wait_until(lambda: len(json_log_rows(path)) >= 8, "the engine's 8 log lines")
+    rows = json_log_rows(path)
     assert len(rows) == 8
     assert sum(row["preemptions"] for row in rows) > 0  # 8 requests of ~40 tokens in a 160-token cache
 
@@ -83,11 +80,7 @@ def test_a_client_that_goes_away_is_dropped_from_the_engine(engine_api):
     next(iter(stream))
     stream.close()
     (path,) = (directory / "out").rglob("engine_requests.jsonl")
-
-    def logged() -> list[dict]:
-        return [json.loads(line) for line in path.read_text().splitlines() if not line.startswith("#")]
-
     # the engine drops the request, then logs it: wait for both (bounded: fails only on a hang)
-    wait_until(lambda: not engine.state.live and logged(), "the engine to drop and log the request")
-    rows = logged()
+    wait_until(lambda: not engine.state.live and json_log_rows(path), "the engine to drop and log the request")
+    rows = json_log_rows(path)
     assert rows[-1]["finished_by"] == "cancelled" and rows[-1]["output_tokens"] < 100

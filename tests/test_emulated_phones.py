@@ -23,7 +23,7 @@ from nodes.emulated.phones import PHONES, mode_of_policies, write_phone_files
 from testbed.emulation.resolved import load_lab
 from testbed.inventory import load_inventory
 from testbed.transport import open_transport
-from tests.conftest import REPO, emulated_inventory, emulated_lab, run_cli
+from tests.conftest import REPO, emulated_inventory, emulated_lab, json_log_rows, run_cli
 from tests.waiting import wait_until
 
 TINY = REPO / "examples" / "models" / "tiny"
@@ -168,14 +168,9 @@ def _an_app_on_the_phone_streams_from_the_server_across_the_data_plane(lab, tmp_
         assert out.exit_code == 0, out.stdout + out.stderr
         kinds = json.loads(out.stdout.strip().splitlines()[-1])
         assert kinds[-1] == "done" and "tokens" in kinds
-
-        def rows() -> list[str]:  # the log's whole request lines (its first line is a "# " header)
-            lines = served.read_text().splitlines(keepends=True)
-            return [line for line in lines if line.startswith("{") and line.endswith("\n")]
-
         # the endpoint logs a request after its stream's end, which the app saw
-        wait_until(rows, "the endpoint to log the request", 30, interval_s=0.1)
-        row = json.loads(rows()[-1])
+        wait_until(lambda: json_log_rows(served), "the endpoint to log the request", 30, interval_s=0.1)
+        row = json_log_rows(served)[-1]
         assert row["client"] == pixel.data.address  # it came from the phone, over the data plane
         assert row["seed"] == 11 and row["completion_tokens"] == 3
     finally:

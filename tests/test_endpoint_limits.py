@@ -18,6 +18,7 @@ import pytest
 from nodes.endpoints.generator import PacedGenerator
 from nodes.endpoints.openai_api import Endpoint, EndpointLimits, make_server
 from nodes.endpoints.pace import Pace
+from tests.conftest import json_log_rows
 from tests.waiting import HANG_S, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +68,7 @@ def serve(generator: PacedGenerator, tmp_path: Path) -> Iterator[Callable[..., t
 
 
 def logged(endpoint: Endpoint) -> list[dict]:
-    return [json.loads(line) for line in Path(endpoint.log_path).read_text().splitlines() if not line.startswith("#")]
+    return json_log_rows(Path(endpoint.log_path))
 
 
 def post(path: str, body: bytes, headers: str = "") -> bytes:
