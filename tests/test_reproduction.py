@@ -354,3 +354,43 @@ def test_hat_s_page_says_how_much_of_u_shape_s_ttft_chunking_could_hide(tmp_path
     assert "against its Table 5 PC gain of -41.4%" in finding and finding.endswith("(**stale**: its result "
                                                                                   "predates its code)")  # fmt: skip
     assert "CNN/DM (Vicuna-13B): U-shape's TTFT" not in text and "- Fig. 6:" not in text
+
+
+def test_andes_s_page_reads_the_cap_campaign_s_conclusion_from_its_intervals(tmp_path):
+    """Andes' cap finding quotes both caps' preemptions, mean QoE and TDS with their intervals, and says
+    whether P = 1's further preemptions lower, raise or leave the QoE by the paired change's interval, and
+    whether P = 0.4 comes near the paper's bound by its estimate; a missing result gives no finding."""
+    from bench.reproduce.andes import PAPER as ANDES
+
+    def interval(estimate: float, spread: float) -> dict[str, float]:
+        return {"estimate": estimate, "low": estimate - spread, "high": estimate + spread, "units": 2000}
+
+    def group(cap: float, preemptions: float, qoe: float) -> dict:
+        return {"settings": {"serving.preemption_cap": cap}, "requests": 2000, "output_tokens_per_s": 800.0 + cap,
+                "preemptions_per_request": interval(preemptions, 0.05), "qoe_mean": interval(qoe, 0.01),
+                "percentiles": {"tds_tok_s": {"p50": interval(5.0, 0.1)}}}  # fmt: skip
+
+    def finding(preemptions_at_low_cap: float, qoe_change: float) -> str:
+        results = tmp_path / f"results-{preemptions_at_low_cap}-{qoe_change}"
+        (results / "andes").mkdir(parents=True)
+        (results / "andes" / "cap_campaign.json").write_text(json.dumps({
+            "table4": {"groups": [group(0.4, preemptions_at_low_cap, 0.95), group(1.0, 1.1, 0.9)]},
+            "changes": [{"qoe_change": interval(qoe_change, 0.01)}],
+            "reproduction": {"code_sha256": "0" * 64}}))  # fmt: skip
+        text, _ = render(ANDES, results)
+        plt.close("all")
+        return next((line for line in text.splitlines() if line.startswith("- Sec. 6.5")), "")
+
+    lowered = finding(0.45, 0.05)
+    assert "0.45 [0.40, 0.50] at P = 0.4 against 1.10 [1.05, 1.15] at P = 1" in lowered
+    assert "0.950 [0.940, 0.960] at P = 0.4" in lowered and "(paired change +5.0% [+4.0%, +6.0%])" in lowered
+    assert "they come near the paper's 0.5" in lowered and "allows lower it." in lowered
+    assert "generates 800 against 801 tokens/s" in lowered
+    raised = finding(0.7, -0.05)
+    assert "they stay above the paper's 0.5" in raised and "allows raise it." in raised
+    assert "are within noise of each other" in finding(0.45, 0.005)
+    empty = tmp_path / "empty"
+    (empty / "andes").mkdir(parents=True)
+    text, _ = render(ANDES, empty)
+    plt.close("all")
+    assert "- Sec. 6.5" not in text
