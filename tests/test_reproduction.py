@@ -375,7 +375,7 @@ def test_andes_s_page_reads_the_cap_campaign_s_conclusion_from_its_intervals(tmp
         (results / "andes").mkdir(parents=True)
         (results / "andes" / "cap_campaign.json").write_text(json.dumps({
             "table4": {"groups": [group(0.4, preemptions_at_low_cap, 0.95), group(1.0, 1.1, 0.9)]},
-            "changes": [{"qoe_change": interval(qoe_change, 0.01)}],
+            "changes": [{"qoe_change": {**interval(qoe_change, 0.01), "within_noise": abs(qoe_change) < 0.01}}],
             "reproduction": {"code_sha256": "0" * 64}}))  # fmt: skip
         text, _ = render(ANDES, results)
         plt.close("all")

@@ -19,7 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from analysis.uncertainty import Interval
-from bench.reproduce.registry import CAMPAIGN_CODE, Experiment, Headline, Paper, Result, campaign_mean
+from bench.reproduce.registry import (
+    CAMPAIGN_CODE,
+    Experiment,
+    Headline,
+    Paper,
+    Result,
+    campaign_mean,
+    interval_text,
+)
 
 WORK = "/var/tmp/hil-testbed-reproduce"
 INVENTORY = "examples/inventories/andes-lab.yaml"
@@ -144,9 +152,10 @@ def generation_speed(rate: float, scheduler: str = "fcfs") -> Callable[[Result],
     return read
 
 
-def _table4_group(result: Result, scheduler: str) -> dict | None:
+def _table4_group(result: Result, value: object, setting: str = "serving.scheduler") -> dict | None:
+    """The Table 4 group of ``result`` whose ``setting`` is ``value`` (a scheduler, or a cap P)."""
     for row in (result.get("table4") or {}).get("groups", []):
-        if row["settings"].get("serving.scheduler") == scheduler:
+        if row["settings"].get(setting) == value:
             return row
     return None
 
@@ -353,40 +362,30 @@ SWEEP_HEADLINES = (
 )
 
 
-def _cap_group(result: Result, cap: float) -> Mapping | None:
-    groups = (result.get("table4") or {}).get("groups") or []
-    return next((g for g in groups if g["settings"].get("serving.preemption_cap") == cap), None)
-
-
-def _with_interval(data: Mapping[str, float], form: str) -> str:
-    interval = Interval.from_dict(dict(data))
-    return f"{interval.estimate:{form}} [{interval.low:{form}}, {interval.high:{form}}]"
-
-
 def cap_preemptions(loaded: Mapping[str, Result | None]) -> list[tuple[str, str]]:
     """Sec. 6.5 on real ranks: what Andes' default cap P = 1 costs against P = 0.4, where the paper's QoE
     stops rising (the measured side of Table 4's missed preemption headline)."""
     result = loaded.get("cap_campaign") or {}
-    low, default = _cap_group(result, 0.4), _cap_group(result, 1.0)
+    low, default = (_table4_group(result, cap, "serving.preemption_cap") for cap in (0.4, 1.0))
     change = next(iter(result.get("changes") or []), None)
     if low is None or default is None or change is None:
         return []
 
-    qoe = Interval.from_dict(change["qoe_change"])  # P = 0.4 against P = 1
-    beyond = ("the further preemptions that P = 1 allows lower it" if qoe.low > 0 else
-              "the further preemptions that P = 1 allows raise it" if qoe.high < 0 else
-              "too: P = 0.4 and P = 1 are within noise of each other")  # fmt: skip
+    qoe = change["qoe_change"]  # P = 0.4 against P = 1, with the summary's own within-noise test
+    moved = "lower" if qoe["estimate"] > 0 else "raise"
+    beyond = ("too: P = 0.4 and P = 1 are within noise of each other" if qoe["within_noise"] else
+              f"the further preemptions that P = 1 allows {moved} it")  # fmt: skip
     near = "come near" if low["preemptions_per_request"]["estimate"] <= PAPER_PREEMPTIONS_AT_MOST else "stay above"
 
     def both(read: Callable[[Mapping], Mapping[str, float]], form: str, unit: str = "") -> str:
-        return (f"{_with_interval(read(low), form)}{unit} at P = 0.4 against "
-                f"{_with_interval(read(default), form)}{unit} at P = 1")  # fmt: skip
+        return (f"{interval_text(read(low), form)}{unit} at P = 0.4 against "
+                f"{interval_text(read(default), form)}{unit} at P = 1")  # fmt: skip
 
     return [("cap_campaign", (
         f"Sec. 6.5, the preemption cap on real ranks ({low['requests']:,} requests a cap at Table 4's knee): "
         f"Andes' preemptions a request are {both(lambda g: g['preemptions_per_request'], '.2f')}; its "
         f"mean QoE is {both(lambda g: g['qoe_mean'], '.3f')} (paired change "
-        f"{_with_interval(change['qoe_change'], '+.1%')}), its p50 TDS "
+        f"{interval_text(change['qoe_change'], '+.1%')}), its p50 TDS "
         f"{both(lambda g: g['percentiles']['tds_tok_s']['p50'], '.2f', ' tokens/s')}, and it generates "
         f"{low['output_tokens_per_s']:.0f} against {default['output_tokens_per_s']:.0f} tokens/s. At P = 0.4 "
         f"they {near} the paper's {PAPER_PREEMPTIONS_AT_MOST:g} a request at most. The paper's QoE rises up "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from analysis.uncertainty import Interval
 from bench.reproduce.registry import (
     CAMPAIGN_CODE,
     Experiment,
@@ -20,6 +19,7 @@ from bench.reproduce.registry import (
     Result,
     campaign_change,
     campaign_mean,
+    interval_text,
 )
 
 CAMPAIGN = "examples/campaigns/hat-lab-4-table5-specbench-smollm2.yaml"
@@ -139,9 +139,7 @@ PAPER_COMPUTE_SHARE = (0.09 + 0.28) / 3.57
 
 def _share(row: Mapping[str, object], name: str) -> str:
     """A share (or a signed change) of U-shape's TTFT in ``row["intervals"]``, with its 95% interval."""
-    interval = Interval.from_dict(row["intervals"][name])  # type: ignore[index]
-    sign = "+" if name.endswith("change") else ""
-    return f"{interval.estimate:{sign}.1%} [{interval.low:{sign}.1%}, {interval.high:{sign}.1%}]"
+    return interval_text(row["intervals"][name], "+.1%" if name.endswith("change") else ".1%")  # type: ignore[index]
 
 
 def _pc_row(result: Result, method: str = "pc") -> Mapping[str, object] | None:

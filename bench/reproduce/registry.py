@@ -95,6 +95,12 @@ class Experiment:
         return tuple(dict.fromkeys((self.script, *import_closure(self.script), *COMMON_CODE, *self.code)))
 
 
+def interval_text(data: Mapping[str, float], form: str) -> str:
+    """A result's interval (``as_dict``'s keys) as findings quote it: ``estimate [low, high]`` in ``form``."""
+    interval = Interval.from_dict(dict(data))
+    return f"{interval.estimate:{form}} [{interval.low:{form}}, {interval.high:{form}}]"
+
+
 @dataclass(frozen=True)
 class Headline:
     """One number of the paper (``figure``, ``quantity``, ``paper`` in ``unit``) and how to read ours from
